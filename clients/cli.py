@@ -1,0 +1,305 @@
+"""The `interleaf` command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import pathlib
+import sys
+
+DEFAULT_COORDINATOR = os.environ.get("INTERLEAF_COORDINATOR", "127.0.0.1:50051")
+
+
+class UsageError(Exception):
+    """A bad command line or config: one line on stderr, exit status 2, nothing started."""
+
+
+def _config_text(path: str | None) -> str:
+    if not path:
+        return ""
+    file = pathlib.Path(path)
+    if not file.is_file():
+        raise UsageError(f"config file {path!r} does not exist")
+    return file.read_text()
+
+
+def _load(args):
+    from coordinator.config import ConfigError, load_config
+
+    text = _config_text(args.config)
+    try:
+        return text, load_config(text, args.set)
+    except ConfigError as err:
+        raise UsageError(str(err)) from None
+
+
+class MetricsOut:
+    """--metrics-out: one JSON object per step."""
+
+    def __init__(self, path: str | None):
+        self.file = open(path, "w") if path else None
+
+    def write(self, **record) -> None:
+        if self.file:
+            self.file.write(json.dumps(record) + "\n")
+            self.file.flush()
+
+    def close(self) -> None:
+        if self.file:
+            self.file.close()
+
+
+def _follow(client, job_id: str, steps: int, metrics: MetricsOut, quiet: bool = False):
+    from clients.progress import Progress
+
+    progress = None if quiet else Progress(steps)
+    final = None
+    for event in client.watch(job_id):
+        if event.HasField("step"):
+            s = event.step
+            metrics.write(step=s.step, loss=s.loss, tokens=s.tokens, step_seconds=s.step_seconds,
+                          tokens_per_second=s.tokens_per_second, grad_norm=s.grad_norm, lr=s.lr,
+                          control_seconds=s.control_seconds, bubble_seconds=s.bubble_seconds)
+            if progress:
+                progress.update(s.step, s.loss, s.tokens_per_second)
+        else:
+            final = event.status
+    if progress:
+        progress.close()
+    status = client.status(job_id)
+    if status.state != "SUCCEEDED":
+        print(f"job {job_id} {status.state}: {status.error}", file=sys.stderr)
+        return 1
+    if status.checkpoint:
+        print(f"parameters written: {status.checkpoint}", file=sys.stderr)
+    return 0 if final is None or final.state == "SUCCEEDED" else 1
+
+
+def cmd_run(args) -> int:
+    from clients.client import Client
+    from clients.launcher import LocalCluster
+
+    text, config = _load(args)
+    metrics = MetricsOut(args.metrics_out)
+    world = config.parallel.world_size
+    if args.coordinator and args.local is None:
+        client = Client(args.coordinator)
+        job = client.submit(text, args.set)
+        print(f"submitted {job.job_id}", file=sys.stderr)
+        return _follow(client, job.job_id, config.train.steps, metrics)
+    servers = args.local if args.local is not None else world
+    if servers != world:
+        raise UsageError(f"--local {servers} must equal parallel.dp*parallel.tp*parallel.pp={world}")
+    print(f"starting a coordinator and {servers} stage servers", file=sys.stderr)
+    job_id, client = None, None
+    try:
+        with LocalCluster(servers, log_dir=args.log_dir) as cluster:
+            client = Client(cluster.address)
+            job = client.submit(text, args.set)
+            job_id = job.job_id
+            print(client.status(job_id).layout or "", file=sys.stderr)
+            return _follow(client, job_id, config.train.steps, metrics)
+    except KeyboardInterrupt:
+        print("\ninterrupted: stopping the local servers", file=sys.stderr)
+        return 130
+    finally:
+        metrics.close()
+
+
+def cmd_reference(args) -> int:
+    from clients.progress import Progress
+    from clients.reference import train
+
+    _, config = _load(args)
+    metrics, progress = MetricsOut(args.metrics_out), Progress(config.train.steps)
+
+    def on_step(r):
+        metrics.write(step=r.step, loss=r.loss, tokens=r.tokens, step_seconds=r.step_seconds,
+                      tokens_per_second=r.tokens / r.step_seconds, grad_norm=r.grad_norm, lr=r.lr)
+        progress.update(r.step, r.loss, r.tokens / r.step_seconds)
+
+    train(config, on_step)
+    progress.close()
+    metrics.close()
+    return 0
+
+
+def cmd_schedule(args) -> int:
+    from coordinator.grid import RankGrid
+    from coordinator.partition import describe, partition
+    from coordinator.plan import plan_programs
+    from coordinator.schedule import CostModel, simulate, timeline_table, write_png
+
+    _, config = _load(args)
+    p = config.parallel
+    programs, _ = plan_programs(config)
+    result = simulate(programs, CostModel(forward_s=1.0, backward_s=1.0))
+    print(describe(partition(config.model.n_layers, p.pp, p.vpp), p.pp))
+    print(RankGrid(p.dp, p.pp, p.tp).describe())
+    print(timeline_table(programs, result))
+    if args.png:
+        write_png(args.png, programs, result)
+        print(f"timeline written to {args.png}")
+    return 0
+
+
+def cmd_coordinator(args) -> int:
+    from coordinator.main import serve
+
+    serve(args.host, args.port, args.bind, args.store_port)
+    return 0
+
+
+def cmd_stage_server(args) -> int:
+    from stageserver.main import serve
+
+    serve(args.coordinator, args.host, args.port, args.bind, args.threads)
+    return 0
+
+
+def cmd_submit(args) -> int:
+    from clients.client import Client
+
+    text, _ = _load(args)
+    print(Client(args.coordinator).submit(text, args.set).job_id)
+    return 0
+
+
+def cmd_status(args) -> int:
+    from google.protobuf import json_format
+
+    from clients.client import Client
+
+    status = Client(args.coordinator).status(args.job)
+    print(json_format.MessageToJson(status, preserving_proto_field_name=True))
+    return 0
+
+
+def cmd_watch(args) -> int:
+    from clients.client import Client
+
+    client = Client(args.coordinator)
+    return _follow(client, args.job, client.status(args.job).steps, MetricsOut(args.metrics_out))
+
+
+def cmd_cancel(args) -> int:
+    from clients.client import Client
+
+    print(Client(args.coordinator).cancel(args.job).state)
+    return 0
+
+
+def cmd_servers(args) -> int:
+    from clients.client import Client
+
+    for s in Client(args.coordinator).servers():
+        print(f"{s.server_id}  {s.address:<22} {s.host:<16} {s.device:<6} {s.state:<5} {s.job_id}")
+    return 0
+
+
+def cmd_data_prepare(args) -> int:
+    from stageserver.data import prepare
+
+    missing = [t for t in args.texts if not os.path.isfile(t)]
+    if missing:
+        raise UsageError(f"text file {missing[0]!r} does not exist")
+    meta = prepare(args.texts, args.out)
+    print(f"wrote {meta['tokens']:,} tokens ({meta['dtype']}) to {args.out}")
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="interleaf", description="Train GPTs with data, tensor and interleaved pipeline parallelism.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def with_config(p):
+        p.add_argument("config", nargs="?", help="TOML config (defaults apply without one)")
+        p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a config value")
+
+    def with_coordinator(p, required=False):
+        p.add_argument("--coordinator", default=None if required else DEFAULT_COORDINATOR, metavar="HOST:PORT",
+                       help=f"coordinator address (default {DEFAULT_COORDINATOR}, or $INTERLEAF_COORDINATOR)")
+
+    p = sub.add_parser("run", help="run a job (local servers unless --coordinator is given)")
+    with_config(p)
+    p.add_argument("--local", type=int, metavar="N", help="start a coordinator and N stage servers here (default: as many as the layout needs)")
+    p.add_argument("--coordinator", metavar="HOST:PORT", help="submit to a running coordinator instead")
+    p.add_argument("--metrics-out", metavar="FILE.jsonl")
+    p.add_argument("--log-dir", help="write the local processes' logs here")
+    p.set_defaults(fn=cmd_run)
+
+    p = sub.add_parser("reference", help="the single-process reference run of a config")
+    with_config(p)
+    p.add_argument("--metrics-out", metavar="FILE.jsonl")
+    p.set_defaults(fn=cmd_reference)
+
+    p = sub.add_parser("schedule", help="print every rank's program as a timeline and the simulated bubble")
+    with_config(p)
+    p.add_argument("--png", metavar="FILE", help="also draw the timeline")
+    p.set_defaults(fn=cmd_schedule)
+
+    p = sub.add_parser("coordinator", help="serve a coordinator")
+    p.add_argument("--host", default="127.0.0.1", help="address stage servers and clients reach it by")
+    p.add_argument("--port", type=int, default=50051)
+    p.add_argument("--bind", default="0.0.0.0")
+    p.add_argument("--store-port", type=int, default=0, help="gloo rendezvous store port (0: any free port)")
+    p.set_defaults(fn=cmd_coordinator)
+
+    p = sub.add_parser("stage-server", help="serve a stage server")
+    p.add_argument("--coordinator", required=True, metavar="HOST:PORT")
+    p.add_argument("--host", default="127.0.0.1", help="address peers reach this server by")
+    p.add_argument("--port", type=int, default=0)
+    p.add_argument("--bind", default="0.0.0.0")
+    p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
+    p.set_defaults(fn=cmd_stage_server)
+
+    p = sub.add_parser("submit", help="submit a job, print its id")
+    with_config(p)
+    with_coordinator(p)
+    p.set_defaults(fn=cmd_submit)
+
+    for name, fn, text in (("status", cmd_status, "show a job's status"), ("cancel", cmd_cancel, "cancel a job")):
+        p = sub.add_parser(name, help=text)
+        p.add_argument("job")
+        with_coordinator(p)
+        p.set_defaults(fn=fn)
+
+    p = sub.add_parser("watch", help="follow a job's steps")
+    p.add_argument("job")
+    with_coordinator(p)
+    p.add_argument("--metrics-out", metavar="FILE.jsonl")
+    p.set_defaults(fn=cmd_watch)
+
+    p = sub.add_parser("servers", help="list registered stage servers")
+    with_coordinator(p)
+    p.set_defaults(fn=cmd_servers)
+
+    data = sub.add_parser("data", help="token files").add_subparsers(dest="data_command", required=True)
+    p = data.add_parser("prepare", help="tokenize text files (bytes) into one token file")
+    p.add_argument("texts", nargs="+", metavar="TEXT")
+    p.add_argument("--out", required=True)
+    p.set_defaults(fn=cmd_data_prepare)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        return args.fn(args)
+    except UsageError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    except Exception as err:
+        import grpc
+
+        if isinstance(err, grpc.RpcError):
+            print(f"error: {err.code().name}: {err.details()}", file=sys.stderr)
+            return 1
+        raise
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,49 @@
+"""The Python client for a coordinator."""
+
+from __future__ import annotations
+
+import pathlib
+
+from protos import interleaf_pb2 as pb
+from protos import interleaf_pb2_grpc as rpc
+from protos import wire
+
+RPC_TIMEOUT_S = 30.0
+
+
+class Client:
+    def __init__(self, address: str):
+        self.address = address
+        self._channel = wire.channel(address)
+        self._stub = rpc.CoordinatorStub(self._channel)
+
+    def submit(self, config_toml: str = "", overrides: list[str] = ()) -> pb.JobStatus:
+        request = pb.SubmitJobRequest(config_toml=config_toml, overrides=list(overrides))
+        return self._stub.SubmitJob(request, timeout=RPC_TIMEOUT_S)
+
+    def submit_file(self, path: str | None, overrides: list[str] = ()) -> pb.JobStatus:
+        return self.submit(pathlib.Path(path).read_text() if path else "", overrides)
+
+    def status(self, job_id: str) -> pb.JobStatus:
+        return self._stub.GetJob(pb.JobRef(job_id=job_id), timeout=RPC_TIMEOUT_S)
+
+    def cancel(self, job_id: str) -> pb.JobStatus:
+        return self._stub.CancelJob(pb.JobRef(job_id=job_id), timeout=RPC_TIMEOUT_S)
+
+    def servers(self) -> list[pb.ServerInfo]:
+        return list(self._stub.ListServers(pb.Empty(), timeout=RPC_TIMEOUT_S).servers)
+
+    def watch(self, job_id: str, timeout_s: float | None = None):
+        """Yields JobEvents (step events and state changes) until the job ends."""
+        return self._stub.WatchJob(pb.JobRef(job_id=job_id), timeout=timeout_s)
+
+    def wait(self, job_id: str, timeout_s: float | None = None) -> tuple[pb.JobStatus, list[pb.StepEvent]]:
+        """Follows a job to its end; returns its final status and every step event."""
+        steps = []
+        for event in self.watch(job_id, timeout_s):
+            if event.HasField("step"):
+                steps.append(event.step)
+        return self.status(job_id), steps
+
+    def close(self) -> None:
+        self._channel.close()

@@ -1,0 +1,99 @@
+"""`--local N`: a coordinator and N stage servers as child processes of this one.
+
+Children die with us: they run in their own session (a terminal's Ctrl-C reaches only
+this process, which then stops them in order), and each asks the kernel to send it
+SIGTERM should this process vanish without cleaning up.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from clients.client import Client
+
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+class LocalCluster:
+    def __init__(self, servers: int, threads_per_server: int | None = None, log_dir: str | None = None):
+        self.count = servers
+        self.threads = threads_per_server or max(1, (os.cpu_count() or 1) // servers)
+        self.log_dir = log_dir
+        self.processes: list[subprocess.Popen] = []
+        self.address = ""
+
+    def _spawn(self, args: list[str], name: str, stdout=subprocess.DEVNULL) -> subprocess.Popen:
+        stderr = subprocess.DEVNULL
+        if self.log_dir:
+            os.makedirs(self.log_dir, exist_ok=True)
+            stderr = open(os.path.join(self.log_dir, f"{name}.log"), "ab")
+        process = subprocess.Popen(
+            [sys.executable, "-m", "clients.cli", *args],
+            stdout=stdout, stderr=stderr, start_new_session=True, preexec_fn=_die_with_parent,
+        )
+        self.processes.append(process)
+        return process
+
+    def start(self, timeout_s: float = 120.0) -> "LocalCluster":
+        try:
+            coordinator = self._spawn(
+                ["coordinator", "--host", "127.0.0.1", "--port", "0"], "coordinator", stdout=subprocess.PIPE
+            )
+            line = coordinator.stdout.readline().decode()
+            if "listening on" not in line:
+                raise RuntimeError(f"coordinator did not start: {line.strip() or 'no output'}")
+            self.address = line.split("listening on ")[1].split()[0]
+            for i in range(self.count):
+                self._spawn(
+                    ["stage-server", "--coordinator", self.address, "--host", "127.0.0.1",
+                     "--port", "0", "--threads", str(self.threads)],
+                    f"stage-server-{i}",
+                )
+            self._wait_for_servers(timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _wait_for_servers(self, timeout_s: float) -> None:
+        client = Client(self.address)
+        deadline = time.monotonic() + timeout_s
+        try:
+            while sum(s.state == "IDLE" for s in client.servers()) < self.count:
+                dead = [p.args for p in self.processes if p.poll() is not None]
+                if dead:
+                    raise RuntimeError(f"a local process exited during start: {dead[0]}")
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{self.count} stage servers did not register in {timeout_s:.0f}s")
+                time.sleep(0.2)
+        finally:
+            client.close()
+
+    def stop(self) -> None:
+        for process in reversed(self.processes):
+            if process.poll() is None:
+                process.terminate()
+        deadline = time.monotonic() + 10
+        for process in self.processes:
+            try:
+                process.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        self.processes.clear()
+
+    def __enter__(self) -> "LocalCluster":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,260 @@
+"""A job's configuration: typed sections loaded from TOML, overridable with
+`--set SECTION.KEY=VALUE`, and validated where it is built.
+
+Every rule a user can break raises `ConfigError` with one line naming the field, the
+value and the rule, e.g.
+`parallel.microbatches=6 must be a multiple of parallel.pp=4 for interleaved-1f1b`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from dataclasses import dataclass, field
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
+MAX_TOKEN_ID = 2**32 - 1
+
+
+class ConfigError(ValueError):
+    """An invalid job configuration; the message names the field, value and rule."""
+
+
+def _positive(section: str, obj, *names: str) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        if value < 1:
+            raise ConfigError(f"{section}.{name}={value} must be at least 1")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    n_layers: int = 4
+    """Transformer blocks."""
+    d_model: int = 128
+    """Hidden size; must be divisible by n_heads."""
+    n_heads: int = 4
+    """Attention heads; divisible by parallel.tp (heads are split across tensor ranks)."""
+    seq_len: int = 128
+    """Tokens per sample, and the number of learned positions."""
+    vocab_size: int = 256
+    """Token ids are in [0, vocab_size); the byte tokenizer needs 256. Divisible by
+    parallel.tp: the vocabulary is split across tensor ranks, never padded."""
+
+    def __post_init__(self):
+        _positive("model", self, "n_layers", "d_model", "n_heads", "seq_len", "vocab_size")
+        if self.d_model % self.n_heads:
+            raise ConfigError(
+                f"model.d_model={self.d_model} must be divisible by model.n_heads={self.n_heads}"
+            )
+        if self.vocab_size > MAX_TOKEN_ID + 1:
+            raise ConfigError(f"model.vocab_size={self.vocab_size} must be at most 2**32")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    dp: int = 1
+    """Data-parallel replicas; each takes its slice of every microbatch."""
+    tp: int = 1
+    """Tensor-parallel ranks per layer (Megatron-LM column/row split)."""
+    pp: int = 2
+    """Pipeline ranks."""
+    vpp: int = 2
+    """Model chunks per pipeline rank (interleaved 1F1B's virtual stages)."""
+    schedule: str = "interleaved-1f1b"
+    """One of gpipe, 1f1b, interleaved-1f1b."""
+    microbatches: int = 4
+    """Microbatches per step (gradient accumulation through the pipeline)."""
+    zero: int = 0
+    """ZeRO stage; 0 (plain data parallelism) is the one this release runs."""
+
+    def __post_init__(self):
+        _positive("parallel", self, "dp", "tp", "pp", "vpp", "microbatches")
+        if self.schedule not in SCHEDULES:
+            raise ConfigError(
+                f"parallel.schedule={self.schedule!r} must be one of {', '.join(SCHEDULES)}"
+            )
+        if self.vpp > 1 and self.schedule != "interleaved-1f1b":
+            raise ConfigError(
+                f"parallel.vpp={self.vpp} needs parallel.schedule='interleaved-1f1b' "
+                f"({self.schedule} runs one chunk per rank)"
+            )
+        if self.schedule == "interleaved-1f1b" and self.microbatches % self.pp:
+            raise ConfigError(
+                f"parallel.microbatches={self.microbatches} must be a multiple of "
+                f"parallel.pp={self.pp} for interleaved-1f1b"
+            )
+        if self.zero != 0:
+            raise ConfigError(f"parallel.zero={self.zero} must be 0: ZeRO stages 1-3 are not available yet")
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 200
+    """Optimizer steps."""
+    global_batch: int = 16
+    """Samples per step over all replicas; divisible by parallel.dp * parallel.microbatches."""
+    lr: float = 3e-3
+    """Peak learning rate (AdamW, betas 0.9/0.95)."""
+    warmup_steps: int = 20
+    """Linear warmup steps; then cosine decay to lr/10 at the last step."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay on weights and embeddings (not biases or norms)."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm (over all ranks) to this; 0 turns clipping off."""
+    seed: int = 1234
+    """Seeds the initial weights and the sample order."""
+
+    def __post_init__(self):
+        _positive("train", self, "steps", "global_batch")
+        if not self.lr > 0:
+            raise ConfigError(f"train.lr={self.lr} must be greater than 0")
+        for name in ("warmup_steps", "weight_decay", "grad_clip", "seed"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"train.{name}={getattr(self, name)} must not be negative")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    source: str = "builtin"
+    """'builtin' (the Python standard library's sources, tokenized by bytes and cached)
+    or the path of a token file written by `interleaf data prepare`, readable on every
+    stage server."""
+
+    def __post_init__(self):
+        if not self.source.strip():
+            raise ConfigError("data.source='' must be 'builtin' or a token file path")
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    dir: str = ""
+    """When set, the final parameters are written here (one safetensors file per rank
+    and a manifest), on the machines running the stage servers."""
+
+
+@dataclass(frozen=True)
+class JobConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+    def __post_init__(self):
+        m, p, t = self.model, self.parallel, self.train
+        if p.pp * p.vpp > m.n_layers:
+            raise ConfigError(
+                f"parallel.pp*parallel.vpp={p.pp * p.vpp} must not exceed model.n_layers="
+                f"{m.n_layers}: every chunk needs at least one layer"
+            )
+        if m.n_heads % p.tp:
+            raise ConfigError(
+                f"model.n_heads={m.n_heads} must be divisible by parallel.tp={p.tp}"
+            )
+        if m.vocab_size % p.tp:
+            raise ConfigError(
+                f"model.vocab_size={m.vocab_size} must be divisible by parallel.tp={p.tp}"
+            )
+        if t.global_batch % (p.dp * p.microbatches):
+            raise ConfigError(
+                f"train.global_batch={t.global_batch} must be divisible by "
+                f"parallel.dp*parallel.microbatches={p.dp * p.microbatches}"
+            )
+
+    @property
+    def microbatch_size(self) -> int:
+        """Samples per microbatch per data-parallel replica."""
+        return self.train.global_batch // (self.parallel.dp * self.parallel.microbatches)
+
+
+_SECTION_TYPES = {
+    "model": ModelConfig,
+    "parallel": ParallelConfig,
+    "train": TrainConfig,
+    "data": DataConfig,
+    "checkpoint": CheckpointConfig,
+}
+
+
+def _convert(section: str, key: str, kind: type, value):
+    """Coerces a TOML or command-line value to the field's type, or says why not."""
+    where = f"{section}.{key}={value!r}"
+    if isinstance(value, bool):
+        raise ConfigError(f"{where} must be {kind.__name__}, not a boolean")
+    try:
+        if kind is int:
+            if isinstance(value, float) and not value.is_integer():
+                raise ValueError
+            return int(value)
+        if kind is float:
+            return float(value)
+        if kind is str:
+            if not isinstance(value, str):
+                raise ValueError
+            return value
+    except ValueError:
+        raise ConfigError(f"{where} must be {kind.__name__}") from None
+    raise ConfigError(f"{where}: unsupported field type {kind}")
+
+
+def _field_types(cls) -> dict[str, type]:
+    hints = {"int": int, "float": float, "str": str}
+    return {f.name: hints[f.type] for f in dataclasses.fields(cls)}
+
+
+def build_config(raw: dict, overrides: list[str] = ()) -> JobConfig:
+    """Builds and validates a JobConfig from parsed TOML and SECTION.KEY=VALUE overrides."""
+    values: dict[str, dict] = {name: {} for name in _SECTION_TYPES}
+    for section, table in raw.items():
+        if section not in _SECTION_TYPES:
+            raise ConfigError(f"unknown section [{section}] (known: {', '.join(_SECTION_TYPES)})")
+        if not isinstance(table, dict):
+            raise ConfigError(f"{section}={table!r} must be a table [{section}]")
+        for key, value in table.items():
+            values[section][key] = (value, False)
+    for item in overrides:
+        path, sep, text = item.partition("=")
+        section, dot, key = path.strip().partition(".")
+        if not sep or not dot:
+            raise ConfigError(f"--set {item!r} must look like SECTION.KEY=VALUE")
+        if section not in _SECTION_TYPES:
+            raise ConfigError(f"--set {item!r}: unknown section [{section}] (known: {', '.join(_SECTION_TYPES)})")
+        values[section][key.strip()] = (text.strip(), True)
+
+    sections = {}
+    for section, cls in _SECTION_TYPES.items():
+        types = _field_types(cls)
+        kwargs = {}
+        for key, (value, from_text) in values[section].items():
+            if key not in types:
+                raise ConfigError(
+                    f"unknown key {section}.{key} (known: {', '.join(types)})"
+                )
+            if from_text and types[key] is not str:
+                value = _number_from_text(section, key, value)
+            kwargs[key] = _convert(section, key, types[key], value)
+        sections[section] = cls(**kwargs)
+    return JobConfig(**sections)
+
+
+def _number_from_text(section: str, key: str, text: str):
+    try:
+        return int(text)
+    except ValueError:
+        try:
+            return float(text)
+        except ValueError:
+            return text  # _convert names the expected type
+
+
+def load_config(toml_text: str = "", overrides: list[str] = ()) -> JobConfig:
+    try:
+        raw = tomllib.loads(toml_text)
+    except tomllib.TOMLDecodeError as err:
+        raise ConfigError(f"config is not valid TOML: {err}") from None
+    return build_config(raw, overrides)

@@ -1,0 +1,239 @@
+"""Drives one job: claim servers, plan, set up (prepare, then connect), run steps with
+one RunSteps call per server per block of steps, save, tear down.
+
+Anything that fails tears the job down on every server it touched, so a failed or
+cancelled job leaves no server holding state.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import pathlib
+import queue
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+
+from coordinator.jobs import JobRecord
+from coordinator.plan import JobPlan, plan_job, setup_requests
+from coordinator.registry import Registry
+from protos import interleaf_pb2 as pb
+from protos import interleaf_pb2_grpc as rpc
+from protos import wire
+
+log = logging.getLogger("interleaf.coordinator")
+
+STEPS_PER_CALL = 8
+SETUP_TIMEOUT_S = 120.0
+COMM_TIMEOUT_S = 120.0
+STEP_TIMEOUT_S = 600.0
+CLAIM_TIMEOUT_S = 3600.0
+
+
+class JobFailed(RuntimeError):
+    pass
+
+
+def _fan_out(fn, items):
+    """Runs fn on every item at once (collective setup blocks until all arrive);
+    returns results in order, raising the first failure."""
+    with ThreadPoolExecutor(max_workers=max(1, len(items))) as pool:
+        futures = [pool.submit(fn, i, item) for i, item in enumerate(items)]
+        return [f.result() for f in futures]
+
+
+def _rpc_error(rank: int, err: grpc.RpcError) -> JobFailed:
+    return JobFailed(f"rank {rank}: {err.details()}")
+
+
+class JobDriver(threading.Thread):
+    def __init__(self, job: JobRecord, registry: Registry, store: tuple[str, int]):
+        super().__init__(name=f"driver-{job.job_id}", daemon=True)
+        self.job = job
+        self.registry = registry
+        self.store = store
+        self.stubs: list[rpc.StageServerStub] = []
+
+    def run(self) -> None:
+        job = self.job
+        try:
+            plan = self._claim_and_plan()
+            if plan is None:
+                return
+            self._setup(plan)
+            job.set_state("RUNNING")
+            self._train(plan)
+            if job.config.checkpoint.dir and not job.cancel_requested.is_set():
+                self._save(plan)
+            job.set_state("CANCELLED" if job.cancel_requested.is_set() else "SUCCEEDED")
+        except Exception as err:
+            log.exception("job %s failed", job.job_id)
+            job.set_state("CANCELLED" if job.cancel_requested.is_set() else "FAILED", str(err))
+        finally:
+            self._teardown()
+            self.registry.release(job.job_id)
+
+    def cancel(self) -> None:
+        """Stops the job now: tearing down the servers ends their RunSteps streams."""
+        self.job.cancel_requested.set()
+        threading.Thread(target=self._teardown, name=f"cancel-{self.job.job_id}", daemon=True).start()
+
+    # -- phases ------------------------------------------------------------------
+
+    def _claim_and_plan(self) -> JobPlan | None:
+        job, world = self.job, self.job.config.parallel.world_size
+        slots = None
+        while slots is None and not job.cancel_requested.is_set():
+            slots = self.registry.claim(job.job_id, world, timeout_s=1.0)
+        if slots is None:
+            job.set_state("CANCELLED")
+            return None
+        plan = plan_job(job.config, slots)
+        self.registry.release(job.job_id, keep={s.server_id for s in plan.servers})
+        job.layout, job.ranks, job.groups = plan.layout(), plan.rank_infos(), plan.groups()
+        self.stubs = [rpc.StageServerStub(wire.channel(s.address)) for s in plan.servers]
+        job.set_state("SETTING_UP")
+        return plan
+
+    def _setup(self, plan: JobPlan) -> None:
+        job = self.job
+        prefix = f"{job.job_id}/{time.monotonic_ns()}"
+        requests = setup_requests(job.job_id, job.config, plan, (*self.store, prefix), COMM_TIMEOUT_S)
+
+        def prepare(rank, request):
+            try:
+                return self.stubs[rank].Setup(request, timeout=SETUP_TIMEOUT_S)
+            except grpc.RpcError as err:
+                raise _rpc_error(rank, err) from None
+
+        replies = _fan_out(prepare, requests)
+        digests = {r.data_sha256 for r in replies}
+        if len(digests) != 1:
+            raise JobFailed(
+                f"data.source={job.config.data.source!r} differs between servers "
+                f"(SHA-256 {sorted(d[:12] for d in digests)}): every server must read the same tokens"
+            )
+
+        def connect(rank, stub):
+            try:
+                stub.Connect(pb.JobRef(job_id=job.job_id), timeout=COMM_TIMEOUT_S + 10)
+            except grpc.RpcError as err:
+                raise _rpc_error(rank, err) from None
+
+        _fan_out(connect, self.stubs)
+
+    def _train(self, plan: JobPlan) -> None:
+        job, steps = self.job, self.job.config.train.steps
+        step = 0
+        while step < steps and not job.cancel_requested.is_set():
+            count = min(STEPS_PER_CALL, steps - step)
+            self._run_block(plan, step, count)
+            step += count
+
+    def _run_block(self, plan: JobPlan, first: int, count: int) -> None:
+        """One RunSteps call per server; step events are published as soon as every
+        rank has reported that step."""
+        job, world = self.job, plan.grid.world_size
+        reports: queue.Queue = queue.Queue()
+        request = pb.RunStepsRequest(job_id=job.job_id, first_step=first, num_steps=count)
+
+        def stream(rank, stub):
+            try:
+                for report in stub.RunSteps(request, timeout=STEP_TIMEOUT_S * count):
+                    reports.put(report)
+            except grpc.RpcError as err:
+                reports.put(_rpc_error(rank, err))
+            reports.put(None)
+
+        threads = [threading.Thread(target=stream, args=(r, s), daemon=True) for r, s in enumerate(self.stubs)]
+        started = time.perf_counter()
+        for t in threads:
+            t.start()
+        pending: dict[int, list[pb.StepReport]] = {}
+        finished, last_time, inside = 0, started, 0.0
+        while finished < world:
+            item = reports.get()
+            if item is None:
+                finished += 1
+                continue
+            if isinstance(item, JobFailed):
+                raise item
+            pending.setdefault(item.step, []).append(item)
+            if len(pending[item.step]) == world:
+                now = time.perf_counter()
+                event = self._step_event(pending.pop(item.step), now - last_time)
+                inside += event.step_seconds
+                last_time = now
+                job.add_step(event)
+        for t in threads:
+            t.join()
+        outside = (time.perf_counter() - started) - inside
+        log.info("steps %d-%d: control %.4fs outside %d steps", first, first + count - 1, outside, count)
+
+    def _step_event(self, reports: list[pb.StepReport], wall_s: float) -> pb.StepEvent:
+        config = self.job.config
+        losses = [r.loss for r in reports if r.has_loss]
+        slowest = max(r.step_seconds for r in reports)
+        tokens = config.train.global_batch * config.model.seq_len
+        return pb.StepEvent(
+            step=reports[0].step,
+            loss=sum(losses) / len(losses),
+            tokens=tokens,
+            step_seconds=slowest,
+            tokens_per_second=tokens / wall_s if wall_s > 0 else 0.0,
+            grad_norm=reports[0].grad_norm,
+            lr=reports[0].lr,
+            control_seconds=max(0.0, wall_s - slowest),
+            bubble_seconds=sum(r.comm_wait_seconds for r in reports) / len(reports),
+        )
+
+    def _save(self, plan: JobPlan) -> None:
+        job = self.job
+        directory = pathlib.Path(job.config.checkpoint.dir).resolve()
+        step = job.step
+        files = [str(directory / f"step-{step:06d}" / f"rank-{r:05d}.safetensors") for r in range(len(self.stubs))]
+
+        def save(rank, stub):
+            try:
+                return stub.SaveParameters(pb.SaveRequest(job_id=job.job_id, path=files[rank]), timeout=SETUP_TIMEOUT_S)
+            except grpc.RpcError as err:
+                raise _rpc_error(rank, err) from None
+
+        replies = _fan_out(save, self.stubs)
+        manifest = {
+            "job": job.job_id,
+            "step": step,
+            "layout": {"dp": plan.grid.dp, "pp": plan.grid.pp, "tp": plan.grid.tp,
+                       "vpp": job.config.parallel.vpp},
+            "files": [{"rank": r, "path": os.path.relpath(f, directory), "sha256": rep.sha256, "bytes": rep.bytes}
+                      for r, (f, rep) in enumerate(zip(files, replies))],
+        }
+        job.checkpoint = _write_manifest(directory / f"step-{step:06d}" / "manifest.json", manifest)
+
+    def _teardown(self) -> None:
+        def teardown(rank, stub):
+            try:
+                stub.Teardown(pb.JobRef(job_id=self.job.job_id), timeout=30)
+            except grpc.RpcError as err:  # a dead server holds nothing to free
+                log.warning("teardown of rank %d: %s", rank, err.details())
+
+        if self.stubs:
+            _fan_out(teardown, self.stubs)
+
+
+def _write_manifest(path: pathlib.Path, manifest: dict) -> str:
+    """The manifest goes last, through a temporary name and a rename: a crash before
+    it leaves no manifest, never a half-written one."""
+    data = json.dumps(manifest, indent=2).encode()
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".manifest.")
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)
+    log.info("manifest %s (sha256 %s)", path, hashlib.sha256(data).hexdigest()[:12])
+    return str(path)

@@ -1,0 +1,38 @@
+"""`interleaf coordinator`: serve the Coordinator API and host the gloo rendezvous store."""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import signal
+import threading
+
+import torch.distributed as dist
+
+from coordinator.service import CoordinatorService
+from protos import interleaf_pb2_grpc as rpc
+from protos import wire
+
+log = logging.getLogger("interleaf.coordinator")
+
+
+def serve(host: str, port: int, bind: str, store_port: int, ready: threading.Event | None = None) -> None:
+    # Stage servers rendezvous here to build their gloo groups; each job attempt uses
+    # its own key prefix, so one store serves every job.
+    store = dist.TCPStore(
+        bind, store_port, is_master=True, wait_for_workers=False,
+        timeout=datetime.timedelta(seconds=300),
+    )
+    service = CoordinatorService((host, store.port))
+    server = wire.server(threads=64)
+    rpc.add_CoordinatorServicer_to_server(service, server)
+    bound = server.add_insecure_port(f"{bind}:{port}")
+    server.start()
+    print(f"coordinator listening on {host}:{bound} (rendezvous store on port {store.port})", flush=True)
+
+    def shutdown(*_):
+        server.stop(grace=1.0)
+
+    signal.signal(signal.SIGTERM, shutdown)
+    signal.signal(signal.SIGINT, shutdown)
+    server.wait_for_termination()

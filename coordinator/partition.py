@@ -1,0 +1,54 @@
+"""Splitting the layers into pp*vpp chunks (Megatron-LM's virtual pipeline stages).
+
+Chunk c holds a contiguous run of layers and lives on pipeline rank c % pp; the first
+chunk also holds the embedding, the last the final norm, head and loss. When the layers
+do not divide evenly the first chunks take one extra each, since the last chunk already
+carries the head and loss (the costliest single matmul in a small-vocabulary model is
+cheaper than a layer, in a large one it is not: the report shows what was chosen).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Chunk:
+    index: int
+    layers: range
+    pipeline_rank: int
+    has_embedding: bool
+    has_head: bool
+
+
+def partition(n_layers: int, pp: int, vpp: int) -> list[Chunk]:
+    count = pp * vpp
+    if not 1 <= count <= n_layers:
+        raise ValueError(f"cannot split {n_layers} layers into {count} non-empty chunks")
+    base, extra = divmod(n_layers, count)
+    chunks, start = [], 0
+    for c in range(count):
+        size = base + (1 if c < extra else 0)
+        chunks.append(Chunk(c, range(start, start + size), c % pp, c == 0, c == count - 1))
+        start += size
+    return chunks
+
+
+def chunks_of(chunks: list[Chunk], pipeline_rank: int) -> list[Chunk]:
+    return [c for c in chunks if c.pipeline_rank == pipeline_rank]
+
+
+def describe(chunks: list[Chunk], pp: int) -> str:
+    lines = []
+    for rank in range(pp):
+        parts = []
+        for c in chunks_of(chunks, rank):
+            parts_of_chunk = ["embedding"] * c.has_embedding
+            parts_of_chunk.append(f"layers {c.layers.start}-{c.layers.stop - 1}")
+            parts_of_chunk += ["head"] * c.has_head
+            parts.append(f"chunk {c.index} [{' + '.join(parts_of_chunk)}]")
+        lines.append(f"pipeline rank {rank}: " + ", ".join(parts))
+    sizes = sorted({len(c.layers) for c in chunks})
+    if len(sizes) > 1:
+        lines.append(f"uneven split: chunks hold {sizes[0]}-{sizes[-1]} layers (first chunks take the extra)")
+    return "\n".join(lines)

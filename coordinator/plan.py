@@ -1,0 +1,125 @@
+"""Planning a job, pure: config and servers in, every rank's SetupRequest out."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from coordinator import partition as partitioning
+from coordinator.config import JobConfig
+from coordinator.grid import RankGrid, place
+from coordinator.schedule import CostModel, build_programs, simulate, validate_programs
+from coordinator.schedule.actions import Action
+from protos import interleaf_pb2 as pb
+
+
+@dataclass(frozen=True)
+class ServerSlot:
+    server_id: str
+    address: str
+    host: str
+
+
+@dataclass(frozen=True)
+class JobPlan:
+    grid: RankGrid
+    chunks: list[partitioning.Chunk]
+    programs: list[list[Action]]  # by pipeline rank
+    servers: list[ServerSlot]  # by rank
+    predicted_bubble: float
+
+    def layout(self) -> str:
+        pp = self.grid.pp
+        return "\n".join(
+            [
+                partitioning.describe(self.chunks, pp),
+                self.grid.describe(),
+                f"simulated bubble fraction (uniform costs): {self.predicted_bubble:.3f}",
+            ]
+        )
+
+    def rank_infos(self) -> list[pb.RankInfo]:
+        infos = []
+        for rank, slot in enumerate(self.servers):
+            c = self.grid.coord(rank)
+            infos.append(
+                pb.RankInfo(
+                    rank=rank,
+                    coordinates=pb.Coordinates(dp=c.dp, pp=c.pp, tp=c.tp),
+                    server_address=slot.address,
+                    chunks=[ch.index for ch in partitioning.chunks_of(self.chunks, c.pp)],
+                )
+            )
+        return infos
+
+    def groups(self) -> list[pb.Group]:
+        return [pb.Group(name=n, members=m) for n, m in self.grid.all_groups().items()]
+
+
+def plan_programs(config: JobConfig) -> tuple[list[list[Action]], float]:
+    """Lowers the schedule into one validated program per pipeline rank and simulates
+    it with uniform costs (forward = backward, free communication)."""
+    p = config.parallel
+    programs = build_programs(p.schedule, p.pp, p.vpp, p.microbatches, p.dp)
+    validate_programs(programs, p.pp, p.vpp, p.microbatches)
+    result = simulate(programs, CostModel(forward_s=1.0, backward_s=1.0))
+    return programs, result.bubble_fraction
+
+
+def plan_job(config: JobConfig, servers: list[ServerSlot]) -> JobPlan:
+    p = config.parallel
+    grid = RankGrid(p.dp, p.pp, p.tp)
+    by_id = {s.server_id: s for s in servers}
+    chosen = place([(s.server_id, s.host) for s in servers], grid)
+    programs, bubble = plan_programs(config)
+    return JobPlan(
+        grid=grid,
+        chunks=partitioning.partition(config.model.n_layers, p.pp, p.vpp),
+        programs=programs,
+        servers=[by_id[sid] for sid in chosen],
+        predicted_bubble=bubble,
+    )
+
+
+def setup_requests(
+    job_id: str, config: JobConfig, plan: JobPlan, store: tuple[str, int, str], comm_timeout_s: float
+) -> list[pb.SetupRequest]:
+    m, p, t = config.model, config.parallel, config.train
+    host, port, prefix = store
+    requests = []
+    for rank in range(plan.grid.world_size):
+        c = plan.grid.coord(rank)
+        groups = dict(plan.grid.groups(rank), world=list(range(plan.grid.world_size)))
+        requests.append(
+            pb.SetupRequest(
+                job_id=job_id,
+                rank=rank,
+                world_size=plan.grid.world_size,
+                coordinates=pb.Coordinates(dp=c.dp, pp=c.pp, tp=c.tp),
+                grid=pb.Coordinates(dp=p.dp, pp=p.pp, tp=p.tp),
+                vpp=p.vpp,
+                model=pb.ModelSpec(
+                    n_layers=m.n_layers, d_model=m.d_model, n_heads=m.n_heads,
+                    seq_len=m.seq_len, vocab_size=m.vocab_size,
+                ),
+                train=pb.TrainSpec(
+                    steps=t.steps, global_batch=t.global_batch, lr=t.lr,
+                    warmup_steps=t.warmup_steps, weight_decay=t.weight_decay,
+                    grad_clip=t.grad_clip, seed=t.seed, microbatches=p.microbatches,
+                ),
+                data_source=config.data.source,
+                chunks=[
+                    pb.ChunkSpec(
+                        index=ch.index, first_layer=ch.layers.start, end_layer=ch.layers.stop,
+                        has_embedding=ch.has_embedding, has_head=ch.has_head,
+                    )
+                    for ch in partitioning.chunks_of(plan.chunks, c.pp)
+                ],
+                program=[pb.Action(text=str(a)) for a in plan.programs[c.pp]],
+                groups=[pb.Group(name=n, members=ms) for n, ms in sorted(groups.items())],
+                store_host=host,
+                store_port=port,
+                store_prefix=prefix,
+                comm_timeout_s=comm_timeout_s,
+            )
+        )
+    return requests

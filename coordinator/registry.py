@@ -1,0 +1,92 @@
+"""The stage servers the coordinator knows: registration, heartbeats, who is free."""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+
+from coordinator.plan import ServerSlot
+
+HEARTBEAT_INTERVAL_S = 1.0
+DEAD_AFTER_S = 5 * HEARTBEAT_INTERVAL_S
+
+
+@dataclass
+class ServerEntry:
+    server_id: str
+    address: str
+    host: str
+    device: str
+    memory_bytes: int
+    last_seen: float
+    job_id: str = ""
+
+    @property
+    def alive(self) -> bool:
+        return time.monotonic() - self.last_seen < DEAD_AFTER_S
+
+    @property
+    def state(self) -> str:
+        if not self.alive:
+            return "DEAD"
+        return "BUSY" if self.job_id else "IDLE"
+
+    def slot(self) -> ServerSlot:
+        return ServerSlot(self.server_id, self.address, self.host)
+
+
+class Registry:
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._servers: dict[str, ServerEntry] = {}
+        self.changed = threading.Condition(self._lock)
+
+    def register(self, address: str, host: str, device: str, memory_bytes: int) -> str:
+        with self._lock:
+            # A server that restarts on the same address replaces its old entry.
+            for sid, entry in list(self._servers.items()):
+                if entry.address == address and not entry.job_id:
+                    del self._servers[sid]
+            server_id = f"s-{uuid.uuid4().hex[:8]}"
+            self._servers[server_id] = ServerEntry(
+                server_id, address, host or address.rsplit(":", 1)[0], device, memory_bytes, time.monotonic()
+            )
+            self.changed.notify_all()
+            return server_id
+
+    def heartbeat(self, server_id: str) -> bool:
+        with self._lock:
+            entry = self._servers.get(server_id)
+            if entry is None:
+                return False
+            entry.last_seen = time.monotonic()
+            return True
+
+    def servers(self) -> list[ServerEntry]:
+        with self._lock:
+            return sorted(self._servers.values(), key=lambda e: e.address)
+
+    def claim(self, job_id: str, count: int, timeout_s: float) -> list[ServerSlot] | None:
+        """Waits until `count` live idle servers exist, marks them busy for the job and
+        returns them; None on timeout."""
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            while True:
+                idle = [e for e in self._servers.values() if e.alive and not e.job_id]
+                if len(idle) >= count:
+                    for entry in idle:
+                        entry.job_id = job_id
+                    return [e.slot() for e in sorted(idle, key=lambda e: e.address)]
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return None
+                self.changed.wait(min(remaining, HEARTBEAT_INTERVAL_S))
+
+    def release(self, job_id: str, keep: set[str] = frozenset()) -> None:
+        with self._lock:
+            for entry in self._servers.values():
+                if entry.job_id == job_id and entry.server_id not in keep:
+                    entry.job_id = ""
+            self.changed.notify_all()

@@ -1,0 +1,110 @@
+"""The step program's vocabulary: one small action per thing a rank does.
+
+A program is a list of `Action`s per pipeline rank. Chunks are numbered globally
+(0 .. pp*vpp-1): chunk c lives on pipeline rank c % pp, so rank 1 of pp=4, vpp=2
+holds chunks 1 and 5. Peers are pipeline-group ranks.
+
+Every action has a compact string form that round-trips through `parse`:
+
+    F3.1        forward of chunk 3 on microbatch 1
+    B3.1        backward of chunk 3 on microbatch 1
+    SA3.1>2     send chunk 3's output activation of microbatch 1 to pipeline rank 2
+    RA4.1<1     receive chunk 4's input activation of microbatch 1 from pipeline rank 1
+    SG4.1>1     send the gradient of chunk 4's input, microbatch 1, to pipeline rank 1
+    RG3.1<2     receive the gradient of chunk 3's output, microbatch 1, from pipeline rank 2
+    DP3         reduce chunk 3's gradients over the data-parallel group
+    TIE         all-reduce the tied embedding's gradient (first and last stage)
+    OPT         optimizer step
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from dataclasses import dataclass
+
+
+class Kind(enum.Enum):
+    FORWARD = "F"
+    BACKWARD = "B"
+    SEND_ACT = "SA"
+    RECV_ACT = "RA"
+    SEND_GRAD = "SG"
+    RECV_GRAD = "RG"
+    REDUCE_GRADS = "DP"
+    REDUCE_TIED_GRADS = "TIE"
+    OPTIMIZER_STEP = "OPT"
+
+
+COMPUTE = frozenset({Kind.FORWARD, Kind.BACKWARD})
+SENDS = frozenset({Kind.SEND_ACT, Kind.SEND_GRAD})
+RECVS = frozenset({Kind.RECV_ACT, Kind.RECV_GRAD})
+P2P = SENDS | RECVS
+# The receive that matches each send: an activation sent by chunk c is received as
+# chunk c+1's input; a gradient sent by chunk c is received as chunk c-1's output grad.
+MATCHING_RECV = {Kind.SEND_ACT: Kind.RECV_ACT, Kind.SEND_GRAD: Kind.RECV_GRAD}
+
+
+@dataclass(frozen=True, order=True)
+class Action:
+    kind: Kind
+    chunk: int = -1
+    microbatch: int = -1
+    peer: int = -1
+
+    def __str__(self) -> str:
+        k = self.kind.value
+        if self.kind in COMPUTE:
+            return f"{k}{self.chunk}.{self.microbatch}"
+        if self.kind in SENDS:
+            return f"{k}{self.chunk}.{self.microbatch}>{self.peer}"
+        if self.kind in RECVS:
+            return f"{k}{self.chunk}.{self.microbatch}<{self.peer}"
+        if self.kind is Kind.REDUCE_GRADS:
+            return f"{k}{self.chunk}"
+        return k
+
+    def message_key(self) -> tuple[str, int, int]:
+        """Identifies the tensor a send or receive moves, the same on both ends.
+
+        A send of chunk c's activation and the receive of chunk c+1's input carry one
+        tensor; both map to ("act", c+1, m). Gradients map to ("grad", c-1, m): the
+        chunk that consumes them.
+        """
+        if self.kind is Kind.SEND_ACT:
+            return ("act", self.chunk + 1, self.microbatch)
+        if self.kind is Kind.RECV_ACT:
+            return ("act", self.chunk, self.microbatch)
+        if self.kind is Kind.SEND_GRAD:
+            return ("grad", self.chunk - 1, self.microbatch)
+        if self.kind is Kind.RECV_GRAD:
+            return ("grad", self.chunk, self.microbatch)
+        raise ValueError(f"{self} moves no tensor")
+
+
+_PATTERN = re.compile(r"^(SA|RA|SG|RG|DP|TIE|OPT|F|B)(\d+)?(?:\.(\d+))?(?:[<>](\d+))?$")
+
+
+def parse(text: str) -> Action:
+    """Inverse of `str(action)`."""
+    match = _PATTERN.match(text.strip())
+    if not match:
+        raise ValueError(f"not an action: {text!r}")
+    code, chunk, microbatch, peer = match.groups()
+    action = Action(
+        Kind(code),
+        int(chunk) if chunk is not None else -1,
+        int(microbatch) if microbatch is not None else -1,
+        int(peer) if peer is not None else -1,
+    )
+    if str(action) != text.strip():
+        raise ValueError(f"malformed action {text!r} (did you mean {action}?)")
+    return action
+
+
+def format_program(actions: list[Action]) -> str:
+    return " ".join(str(a) for a in actions)
+
+
+def parse_program(text: str) -> list[Action]:
+    return [parse(token) for token in text.split()]

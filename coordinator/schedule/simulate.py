@@ -1,0 +1,164 @@
+"""Runs all ranks' programs together against a cost model: step time, bubble, deadlock.
+
+Timing follows the executor's semantics (see `lowering.py`): compute and reductions
+occupy their rank, sends are non-blocking and their message lands latency +
+bytes/bandwidth later, a receive blocks until its message has landed, and the tie
+reduction completes when both of its ranks have reached it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from .actions import COMPUTE, RECVS, SENDS, Action, Kind
+
+
+@dataclass(frozen=True)
+class CostModel:
+    forward_s: float = 1.0
+    """Seconds for one chunk's forward on one microbatch."""
+    backward_s: float = 2.0
+    """Seconds for one chunk's backward on one microbatch."""
+    latency_s: float = 0.0
+    """Seconds from a send until the first byte lands."""
+    bandwidth_bytes_per_s: float = math.inf
+    """Link bandwidth for point-to-point messages."""
+    message_bytes: int = 0
+    """Size of one activation or gradient message."""
+    reduce_s: float = 0.0
+    """Seconds for one REDUCE_GRADS, or for REDUCE_TIED_GRADS once both ranks are in."""
+    optimizer_s: float = 0.0
+    """Seconds for the optimizer step."""
+
+    def __post_init__(self) -> None:
+        for name in ("forward_s", "backward_s", "latency_s", "message_bytes", "reduce_s",
+                     "optimizer_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"CostModel.{name}={getattr(self, name)} must be >= 0")
+        if self.bandwidth_bytes_per_s <= 0:
+            raise ValueError(f"CostModel.bandwidth_bytes_per_s="
+                             f"{self.bandwidth_bytes_per_s} must be > 0")
+
+    def transfer_s(self) -> float:
+        return self.latency_s + self.message_bytes / self.bandwidth_bytes_per_s
+
+
+class Span(NamedTuple):
+    """One action's time on its rank; for a receive, the time spent waiting for it."""
+    action: Action
+    start: float
+    end: float
+
+
+@dataclass(frozen=True)
+class SimResult:
+    makespan_s: float
+    """Time from the first action until the last rank finishes."""
+    busy_s: list[float]
+    """Per rank, seconds spent in forwards and backwards."""
+    timeline: list[list[Span]]
+    """Per rank, every action with its start and end, in program order."""
+
+    @property
+    def bubble_fraction(self) -> float:
+        """Share of the ranks' time not spent computing: 1 - busy / (ranks * makespan)."""
+        if self.makespan_s == 0:
+            return 0.0
+        return 1.0 - sum(self.busy_s) / (len(self.busy_s) * self.makespan_s)
+
+
+class DeadlockError(ValueError):
+    """No rank can make progress, yet some have not finished."""
+
+
+def simulate(programs: list[list[Action]], cost: CostModel = CostModel()) -> SimResult:
+    """Runs every rank until it blocks, repeating until all are done or none can move.
+
+    This computes the same times as a global event queue would: sends never block, so an
+    action's start depends only on its own rank's previous action and on when the
+    message or tie partner it waits for became available, never on the interleaving in
+    which ranks are stepped here.
+    """
+    pp = len(programs)
+    tie_group = sorted({0, pp - 1})
+    clock = [0.0] * pp
+    position = [0] * pp
+    timeline: list[list[Span]] = [[] for _ in range(pp)]
+    landed: dict[tuple, float] = {}  # (message_key, src, dst) -> arrival time
+    tie_arrivals: list[list[float]] = [[] for _ in range(pp)]
+    ties_done = [0] * pp
+
+    def step(rank: int) -> bool:
+        """Runs `rank`'s next action if it can start now; says whether it did."""
+        action = programs[rank][position[rank]]
+        start = clock[rank]
+        if action.kind in COMPUTE:
+            end = start + (cost.forward_s if action.kind is Kind.FORWARD else cost.backward_s)
+        elif action.kind in SENDS:
+            landed[(action.message_key(), rank, action.peer)] = start + cost.transfer_s()
+            end = start
+        elif action.kind in RECVS:
+            arrival = landed.get((action.message_key(), action.peer, rank))
+            if arrival is None:
+                return False
+            end = max(start, arrival)
+        elif action.kind is Kind.REDUCE_TIED_GRADS:
+            end = _tie_end(rank, start, tie_group, tie_arrivals, ties_done[rank],
+                           cost.reduce_s)
+            if end is None:
+                return False
+            ties_done[rank] += 1
+        elif action.kind is Kind.REDUCE_GRADS:
+            # Every DP replica runs this same program, so the collective's members reach
+            # it together and it costs the same as a local step.
+            end = start + cost.reduce_s
+        else:
+            end = start + cost.optimizer_s
+        timeline[rank].append(Span(action, start, end))
+        clock[rank] = end
+        position[rank] += 1
+        return True
+
+    progressed = True
+    while progressed:
+        progressed = False
+        for rank in range(pp):
+            while position[rank] < len(programs[rank]) and step(rank):
+                progressed = True
+    blocked = [r for r in range(pp) if position[r] < len(programs[r])]
+    if blocked:
+        raise DeadlockError("deadlock: " + "; ".join(
+            f"rank {r} waits at action {position[r]} ({programs[r][position[r]]})"
+            for r in blocked))
+    busy = [sum(s.end - s.start for s in spans if s.action.kind in COMPUTE)
+            for spans in timeline]
+    return SimResult(max(clock, default=0.0), busy, timeline)
+
+
+def _tie_end(rank: int, start: float, group: list[int], arrivals: list[list[float]],
+             done: int, reduce_s: float) -> float | None:
+    """When this rank's next tie reduction (its `done`-th) ends, or None while a partner
+    has not reached it yet. The rank's arrival is recorded on its first try only."""
+    if rank not in group:
+        raise ValueError(f"rank {rank} issues REDUCE_TIED_GRADS but only ranks {group} "
+                         f"hold the tied embedding")
+    if len(arrivals[rank]) == done:
+        arrivals[rank].append(start)
+    if any(len(arrivals[r]) <= done for r in group):
+        return None
+    return max(arrivals[r][done] for r in group) + reduce_s
+
+
+def peak_activations(program: list[Action]) -> int:
+    """The most (chunk, microbatch) pairs whose forward has run and backward has not:
+    how many microbatches' activations the rank must hold at once."""
+    in_flight = peak = 0
+    for action in program:
+        if action.kind is Kind.FORWARD:
+            in_flight += 1
+            peak = max(peak, in_flight)
+        elif action.kind is Kind.BACKWARD:
+            in_flight -= 1
+    return peak

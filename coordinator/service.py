@@ -1,0 +1,70 @@
+"""The coordinator's gRPC handlers: parse, check, answer. Jobs run in their drivers."""
+
+from __future__ import annotations
+
+import grpc
+
+from coordinator.config import ConfigError, load_config
+from coordinator.driver import JobDriver
+from coordinator.jobs import JobTable
+from coordinator.registry import HEARTBEAT_INTERVAL_S, Registry
+from protos import interleaf_pb2 as pb
+from protos import interleaf_pb2_grpc as rpc
+
+
+class CoordinatorService(rpc.CoordinatorServicer):
+    def __init__(self, store_address: tuple[str, int]):
+        self.registry = Registry()
+        self.jobs = JobTable()
+        self.drivers: dict[str, JobDriver] = {}
+        self.store_address = store_address
+
+    def RegisterServer(self, request: pb.RegisterRequest, context):
+        if not request.address:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "address='' must be host:port")
+        server_id = self.registry.register(request.address, request.host, request.device, request.memory_bytes)
+        return pb.RegisterReply(server_id=server_id, heartbeat_interval_s=HEARTBEAT_INTERVAL_S)
+
+    def Heartbeat(self, request: pb.HeartbeatRequest, context):
+        if not self.registry.heartbeat(request.server_id):
+            context.abort(grpc.StatusCode.NOT_FOUND, f"unknown server {request.server_id!r}: register again")
+        return pb.Empty()
+
+    def ListServers(self, request, context):
+        return pb.ServerList(
+            servers=[
+                pb.ServerInfo(server_id=e.server_id, address=e.address, host=e.host,
+                              device=e.device, state=e.state, job_id=e.job_id)
+                for e in self.registry.servers()
+            ]
+        )
+
+    def SubmitJob(self, request: pb.SubmitJobRequest, context):
+        try:
+            config = load_config(request.config_toml, list(request.overrides))
+        except ConfigError as err:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+        record = self.jobs.create(config)
+        driver = JobDriver(record, self.registry, self.store_address)
+        self.drivers[record.job_id] = driver
+        driver.start()
+        return record.status()
+
+    def _job(self, job_id: str, context):
+        record = self.jobs.get(job_id)
+        if record is None:
+            context.abort(grpc.StatusCode.NOT_FOUND, f"no job {job_id!r}")
+        return record
+
+    def GetJob(self, request: pb.JobRef, context):
+        return self._job(request.job_id, context).status()
+
+    def WatchJob(self, request: pb.JobRef, context):
+        record = self._job(request.job_id, context)
+        yield from record.follow(alive=context.is_active)
+
+    def CancelJob(self, request: pb.JobRef, context):
+        record = self._job(request.job_id, context)
+        if not record.final:
+            self.drivers[record.job_id].cancel()
+        return record.status()

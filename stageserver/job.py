@@ -1,0 +1,125 @@
+"""One job on one stage server, from its SetupRequest to teardown.
+
+`prepare` checks the request and opens the data without touching the network;
+`connect` joins the groups (in one global order, so no two ranks wait on each other's
+groups crosswise) and builds the model. Steps then run with no control traffic.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import threading
+
+import numpy as np
+import torch.distributed as dist
+
+from coordinator.schedule.actions import parse
+from protos import interleaf_pb2 as pb
+from stageserver import safetensors
+from stageserver.data import Sampler, resolve_source
+from stageserver.executor import Executor, StepStats
+from stageserver.model import GPTConfig
+from stageserver.model_state import ChunkPlan, ModelState, TrainPlan
+from stageserver.transport import connect_gloo
+
+
+class JobRejected(ValueError):
+    """The request cannot run on this server; nothing was kept."""
+
+
+class StageJob:
+    def __init__(self, request: pb.SetupRequest, hostname: str):
+        self.request = request
+        self.job_id = request.job_id
+        self.rank = request.rank
+        self.hostname = hostname
+        self.cancelled = threading.Event()
+        m, t = request.model, request.train
+        self.config = GPTConfig(m.n_layers, m.d_model, m.n_heads, m.seq_len, m.vocab_size)
+        try:
+            self.program = [parse(a.text) for a in request.program]
+        except ValueError as err:
+            raise JobRejected(f"program: {err}") from None
+        self.chunks = [
+            ChunkPlan(c.index, range(c.first_layer, c.end_layer), c.has_embedding, c.has_head)
+            for c in request.chunks
+        ]
+        if not self.chunks:
+            raise JobRejected(f"rank {self.rank} was given no model chunks")
+        dp = request.grid.dp
+        self.train = TrainPlan(
+            microbatches=t.microbatches,
+            rows=t.global_batch // (dp * t.microbatches),
+            lr=t.lr,
+            warmup_steps=t.warmup_steps,
+            steps=t.steps,
+            weight_decay=t.weight_decay,
+            grad_clip=t.grad_clip,
+            seed=t.seed,
+        )
+        try:
+            self.data = resolve_source(request.data_source)
+        except (OSError, ValueError) as err:
+            raise JobRejected(str(err)) from None
+        largest = int(np.max(self.data.tokens)) if len(self.data) else 0
+        if largest >= m.vocab_size:
+            raise JobRejected(
+                f"model.vocab_size={m.vocab_size} must exceed every token id in "
+                f"data.source={request.data_source!r}, which holds id {largest}"
+            )
+        self.sampler = Sampler(self.data, t.seed, m.seq_len, t.global_batch // t.microbatches)
+        self.model: ModelState | None = None
+        self.executor: Executor | None = None
+
+    def connect(self) -> None:
+        r = self.request
+        store = dist.TCPStore(
+            r.store_host, r.store_port, is_master=False,
+            timeout=datetime.timedelta(seconds=r.comm_timeout_s),
+        )
+        store = dist.PrefixStore(r.store_prefix, store)
+        groups = {}
+        for group in sorted(r.groups, key=lambda g: g.name):
+            role = group.name.split("/")[0]
+            groups[role] = connect_gloo(
+                store, group.name, list(group.members), self.rank, r.comm_timeout_s, self.hostname
+            )
+        last_chunk = r.grid.pp * r.vpp - 1
+        self.model = ModelState(self.config, self.chunks, groups, self.sampler, self.train, last_chunk)
+        self.executor = Executor(self.model, self.program, self.rank)
+
+    @property
+    def reports_loss(self) -> bool:
+        """One rank per data-parallel replica reports the loss: tp rank 0 of the last stage."""
+        last = self.request.grid.pp * self.request.vpp - 1
+        return any(c.index == last for c in self.chunks) and self.request.coordinates.tp == 0
+
+    @property
+    def parameter_count(self) -> int:
+        return sum(p.numel() for _, p, _ in self.model.named_parameters()) if self.model else 0
+
+    def run_step(self, step: int) -> StepStats:
+        if self.executor is None:
+            raise RuntimeError(f"job {self.job_id} is not connected")
+        return self.executor.run_step(step)
+
+    def save(self, path: str) -> tuple[str, int]:
+        """Writes this rank's parameters under their global names; a tensor-parallel
+        shard records which slice of the full tensor it is."""
+        tensors, layout = {}, {}
+        tp = self.model.tp
+        for name, tensor, tp_dim in self.model.named_parameters():
+            tensors[name] = tensor
+            if tp_dim is not None and tp.size > 1:
+                layout[name] = f"{tp_dim}:{tp.rank}:{tp.size}"
+        meta = {"job": self.job_id, "rank": str(self.rank), "tp_slices": json.dumps(layout)}
+        digest = safetensors.write(path, tensors, meta)
+        return digest, sum(t.numel() * t.element_size() for t in tensors.values())
+
+    def close(self) -> None:
+        self.cancelled.set()
+        if self.model is not None:
+            self.model.close()
+            self.model = None
+            self.executor = None

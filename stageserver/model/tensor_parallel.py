@@ -1,0 +1,187 @@
+"""Megatron-LM tensor-parallel layers (Shoeybi et al. 2019, section 3), over a Transport.
+
+Each layer holds only this rank's shard of the unsharded parameter; `TP_DIMS` names the
+dimension each parameter is split along (None: replicated), so whoever initialises or
+checkpoints the model can slice the full tensor with `tp_shard`. Layers are created
+uninitialised: the owner (GPTChunk) fills them from the unsharded initialisation, which
+is what keeps every layout bit-identical at step 0.
+
+The two conjugate operators of the paper's figure 3:
+  f = copy_to_tp:    identity forward, all-reduce backward (enters a parallel region);
+  g = reduce_from_tp: all-reduce forward, identity backward (leaves it).
+With a group of one both are the identity, so every layer reduces to the plain op.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from stageserver.transport import Transport
+
+
+def _divide(n: int, tp: Transport, what: str) -> int:
+    if n % tp.size:
+        raise ValueError(f"{what}={n} must be divisible by the tensor-parallel size {tp.size}")
+    return n // tp.size
+
+
+def tp_shard(full: torch.Tensor, dim: int | None, tp: Transport) -> torch.Tensor:
+    """This rank's slice of an unsharded tensor split along `dim` (all of it if None)."""
+    return full if dim is None else full.chunk(tp.size, dim=dim)[tp.rank]
+
+
+def _summed(tensor: torch.Tensor, tp: Transport) -> torch.Tensor:
+    # A fresh contiguous buffer: gloo reduces in place, and the tensor we were handed may
+    # be saved by autograd for another node's backward.
+    out = tensor.clone(memory_format=torch.contiguous_format)
+    tp.all_reduce(out)
+    return out
+
+
+class _CopyToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, tp: Transport) -> torch.Tensor:
+        ctx.tp = tp
+        return x
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _summed(grad, ctx.tp), None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, tp: Transport) -> torch.Tensor:
+        return _summed(x, tp)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
+def copy_to_tp(x: torch.Tensor, tp: Transport) -> torch.Tensor:
+    """Megatron's f: each rank's partial input gradient is summed over the group."""
+    return x if tp.size == 1 else _CopyToTP.apply(x, tp)
+
+
+def reduce_from_tp(x: torch.Tensor, tp: Transport) -> torch.Tensor:
+    """Megatron's g: partial outputs are summed; the gradient is already replicated."""
+    return x if tp.size == 1 else _ReduceFromTP.apply(x, tp)
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x A^T + b with A split by output rows: rank t computes output features
+    [t*out/tp, (t+1)*out/tp). The output stays sharded for a RowParallelLinear to consume."""
+
+    TP_DIMS: ClassVar[dict[str, int | None]] = {"weight": 0, "bias": 0}
+
+    def __init__(self, in_features: int, out_features: int, tp: Transport):
+        super().__init__()
+        local = _divide(out_features, tp, "ColumnParallelLinear out_features")
+        self.tp = tp
+        self.weight = nn.Parameter(torch.empty(local, in_features))
+        self.bias = nn.Parameter(torch.empty(local))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(copy_to_tp(x, self.tp), self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    """y = x A^T + b with A split by input columns: rank t holds input features
+    [t*in/tp, (t+1)*in/tp), which is exactly the shard a ColumnParallelLinear produced.
+    The bias is replicated and added once, after the partial products are summed."""
+
+    TP_DIMS: ClassVar[dict[str, int | None]] = {"weight": 1, "bias": None}
+
+    def __init__(self, in_features: int, out_features: int, tp: Transport):
+        super().__init__()
+        local = _divide(in_features, tp, "RowParallelLinear in_features")
+        self.tp = tp
+        self.weight = nn.Parameter(torch.empty(out_features, local))
+        self.bias = nn.Parameter(torch.empty(out_features))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return reduce_from_tp(F.linear(x, self.weight), self.tp) + self.bias
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rank t holds rows [t*V/tp, (t+1)*V/tp) of the embedding table. Each rank looks up
+    the ids it owns, contributes zeros for the rest, and the sum over ranks is the lookup."""
+
+    TP_DIMS: ClassVar[dict[str, int | None]] = {"weight": 0}
+
+    def __init__(self, vocab_size: int, dim: int, tp: Transport):
+        super().__init__()
+        local = _divide(vocab_size, tp, "VocabParallelEmbedding vocab_size")
+        self.tp = tp
+        self.start = tp.rank * local
+        self.weight = nn.Parameter(torch.empty(local, dim))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        outside = (ids < self.start) | (ids >= self.start + self.weight.size(0))
+        local_ids = (ids - self.start).masked_fill(outside, 0)
+        rows = F.embedding(local_ids, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        return reduce_from_tp(rows, self.tp)
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Cross-entropy over logits split along the vocabulary, as Megatron's
+    _VocabParallelCrossEntropy: only per-token scalars cross the network, never logits."""
+
+    @staticmethod
+    def forward(ctx, logits_shard: torch.Tensor, targets: torch.Tensor, tp: Transport):
+        local_vocab = logits_shard.size(-1)
+        logits = logits_shard.reshape(-1, local_vocab)
+        flat_targets = targets.reshape(-1)
+        n = logits.size(0)
+        if flat_targets.numel() != n:
+            raise ValueError(
+                f"targets hold {flat_targets.numel()} tokens but logits hold {n}"
+            )
+
+        # The Transport sums but has no MAX, so gather every rank's per-token maxima
+        # (n floats each) and take the max locally. Every rank then shifts by exactly the
+        # unsharded row maximum, so exp() cannot overflow and the math is the plain op's.
+        maxima = logits.new_empty(tp.size * n)
+        tp.all_gather(maxima, logits.max(dim=-1).values)
+        shifted = logits - maxima.view(tp.size, n).max(dim=0).values.unsqueeze(1)
+
+        start = tp.rank * local_vocab
+        outside = (flat_targets < start) | (flat_targets >= start + local_vocab)
+        local_targets = (flat_targets - start).masked_fill(outside, 0)
+        predicted = shifted.gather(1, local_targets.unsqueeze(1)).squeeze(1)
+        exp = shifted.exp()
+        # One all-reduce for both per-token sums: the target logit (only its owner
+        # contributes a non-zero) and the softmax denominator.
+        sums = torch.stack([predicted.masked_fill(outside, 0.0), exp.sum(dim=-1)])
+        tp.all_reduce(sums)
+        target_logit, sum_exp = sums
+        loss = (sum_exp.log() - target_logit).mean()
+
+        softmax = exp.div_(sum_exp.unsqueeze(1))
+        ctx.save_for_backward(softmax, local_targets, outside)
+        ctx.logits_shape = logits_shard.shape
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss: torch.Tensor):
+        softmax, local_targets, outside = ctx.saved_tensors
+        # d(mean CE)/d logits = (softmax - onehot(target)) / n; the one-hot is non-zero
+        # only on the rank that owns the target's vocab slice.
+        grad = softmax.scatter_add(
+            1, local_targets.unsqueeze(1), (outside.to(softmax.dtype) - 1.0).unsqueeze(1)
+        )
+        grad.mul_(grad_loss / softmax.size(0))
+        return grad.view(ctx.logits_shape), None, None
+
+
+def vocab_parallel_cross_entropy(
+    logits_shard: torch.Tensor, targets: torch.Tensor, tp: Transport
+) -> torch.Tensor:
+    """Mean cross-entropy over all tokens; `logits_shard` [..., V/tp] is this rank's vocab
+    slice, `targets` [...] (int64) are global token ids. Returns the same scalar on every rank."""
+    return _VocabParallelCrossEntropy.apply(logits_shard, targets, tp)

@@ -1,0 +1,62 @@
+"""AdamW over flat buffers, the learning-rate schedule and global-norm clipping.
+
+Elementwise, so any split of the parameters (pipeline chunks, tensor shards, ZeRO
+shards) updates each element exactly as the single-process reference does.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+BETAS = (0.9, 0.95)
+EPS = 1e-8
+MIN_LR_RATIO = 0.1
+
+
+@dataclass(frozen=True)
+class Schedule:
+    lr: float
+    warmup_steps: int
+    steps: int
+
+    def lr_at(self, step: int) -> float:
+        """Linear warmup to lr over warmup_steps, then cosine decay to lr/10 at the end
+        (GPT-3 / nanoGPT). `step` counts from 0."""
+        if step < self.warmup_steps:
+            return self.lr * (step + 1) / self.warmup_steps
+        span = max(1, self.steps - 1 - self.warmup_steps)
+        progress = min(1.0, (step - self.warmup_steps) / span)
+        floor = self.lr * MIN_LR_RATIO
+        return floor + 0.5 * (1.0 + math.cos(math.pi * progress)) * (self.lr - floor)
+
+
+def clip_coefficient(total_norm: float, max_norm: float) -> float:
+    """torch.nn.utils.clip_grad_norm_'s factor; max_norm 0 disables clipping."""
+    if max_norm <= 0:
+        return 1.0
+    return min(1.0, max_norm / (total_norm + 1e-6))
+
+
+class AdamW:
+    """Decoupled weight decay (Loshchilov & Hutter), torch.optim.AdamW's arithmetic."""
+
+    def __init__(self, params: torch.Tensor, decay_mask: torch.Tensor, weight_decay: float):
+        self.params = params
+        self.decay = decay_mask * weight_decay
+        self.exp_avg = torch.zeros_like(params)
+        self.exp_avg_sq = torch.zeros_like(params)
+        self.steps = 0
+
+    def step(self, grad: torch.Tensor, lr: float) -> None:
+        self.steps += 1
+        beta1, beta2 = BETAS
+        self.params.mul_(1.0 - lr * self.decay)
+        self.exp_avg.lerp_(grad, 1.0 - beta1)
+        self.exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
+        bias1 = 1.0 - beta1**self.steps
+        bias2 = 1.0 - beta2**self.steps
+        denom = (self.exp_avg_sq.sqrt() / math.sqrt(bias2)).add_(EPS)
+        self.params.addcdiv_(self.exp_avg, denom, value=-lr / bias1)

@@ -1,0 +1,87 @@
+"""The stage server's gRPC handlers: parse, check, serialize. The job object does the work."""
+
+from __future__ import annotations
+
+import threading
+
+import grpc
+
+from protos import interleaf_pb2 as pb
+from protos import interleaf_pb2_grpc as rpc
+from stageserver.job import JobRejected, StageJob
+
+
+class StageServerService(rpc.StageServerServicer):
+    def __init__(self, hostname: str):
+        self.hostname = hostname
+        self._lock = threading.Lock()
+        self._job: StageJob | None = None
+
+    def _current(self, job_id: str, context) -> StageJob:
+        with self._lock:
+            job = self._job
+        if job is None or job.job_id != job_id:
+            context.abort(grpc.StatusCode.NOT_FOUND, f"no job {job_id!r} on this server")
+        return job
+
+    def Setup(self, request: pb.SetupRequest, context):
+        with self._lock:
+            if self._job is not None and self._job.job_id != request.job_id:
+                context.abort(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"server is busy with job {self._job.job_id}",
+                )
+        try:
+            job = StageJob(request, self.hostname)
+        except JobRejected as err:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+        with self._lock:
+            if self._job is not None:
+                self._job.close()
+            self._job = job
+        return pb.SetupReply(data_tokens=len(job.data), data_sha256=job.data.sha256)
+
+    def Connect(self, request: pb.JobRef, context):
+        job = self._current(request.job_id, context)
+        try:
+            job.connect()
+        except Exception as err:  # a peer missing or a timeout: the job cannot start
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"rank {job.rank} could not connect: {err}")
+        return pb.Empty()
+
+    def RunSteps(self, request: pb.RunStepsRequest, context):
+        job = self._current(request.job_id, context)
+        for step in range(request.first_step, request.first_step + request.num_steps):
+            if job.cancelled.is_set():
+                context.abort(grpc.StatusCode.CANCELLED, f"job {job.job_id} was torn down")
+            try:
+                stats = job.run_step(step)
+            except Exception as err:
+                context.abort(grpc.StatusCode.INTERNAL, str(err))
+            yield pb.StepReport(
+                job_id=job.job_id,
+                step=step,
+                rank=job.rank,
+                has_loss=job.reports_loss,
+                loss=stats.loss if job.reports_loss else 0.0,
+                tokens=job.train.rows * job.train.microbatches * job.config.seq_len,
+                step_seconds=stats.step_seconds,
+                compute_seconds=stats.compute_seconds,
+                comm_wait_seconds=stats.comm_wait_seconds,
+                grad_norm=stats.grad_norm,
+                lr=stats.lr,
+            )
+
+    def SaveParameters(self, request: pb.SaveRequest, context):
+        job = self._current(request.job_id, context)
+        digest, size = job.save(request.path)
+        return pb.SaveReply(sha256=digest, bytes=size)
+
+    def Teardown(self, request: pb.JobRef, context):
+        with self._lock:
+            job = self._job
+            if job is not None and job.job_id == request.job_id:
+                self._job = None
+        if job is not None and job.job_id == request.job_id:
+            job.close()
+        return pb.Empty()

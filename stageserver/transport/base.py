@@ -1,0 +1,38 @@
+"""The verbs every transport offers; ranks are ranks within the group."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+
+class Work(Protocol):
+    def wait(self) -> object: ...
+
+
+class Transport(Protocol):
+    """A communication group. Collectives are in place and sum (ZeRO and DP average by
+    pre-scaling), and every member must call them in the same order."""
+
+    name: str
+    rank: int
+    size: int
+
+    def send(self, tensor: torch.Tensor, peer: int, tag: int) -> Work:
+        """Starts sending; the tensor must not change until the work completes."""
+
+    def recv(self, tensor: torch.Tensor, peer: int, tag: int) -> Work:
+        """Starts receiving into `tensor`; messages are matched by (peer, tag)."""
+
+    def all_reduce(self, tensor: torch.Tensor, async_op: bool = False) -> Work | None: ...
+
+    def all_gather(self, output: torch.Tensor, tensor: torch.Tensor) -> None:
+        """Concatenates every member's `tensor` along dim 0 into `output`."""
+
+    def reduce_scatter(self, output: torch.Tensor, tensor: torch.Tensor) -> None:
+        """Sums `tensor` over members; member r keeps slice r (along dim 0) in `output`."""
+
+    def broadcast(self, tensor: torch.Tensor, root: int) -> None: ...
+
+    def close(self) -> None: ...

@@ -1,0 +1,76 @@
+"""The CPU transport: one torch ProcessGroupGloo per group, built directly on a store
+(no torch.distributed globals), so one process can hold many groups and many jobs."""
+
+from __future__ import annotations
+
+import datetime
+
+import torch
+import torch.distributed as dist
+
+from stageserver.transport.solo import SoloTransport
+
+
+class GlooTransport:
+    def __init__(self, name: str, group: dist.ProcessGroupGloo, rank: int, size: int):
+        self.name = name
+        self.rank = rank
+        self.size = size
+        self._group = group
+
+    def send(self, tensor: torch.Tensor, peer: int, tag: int):
+        return self._group.send([tensor], peer, tag)
+
+    def recv(self, tensor: torch.Tensor, peer: int, tag: int):
+        return self._group.recv([tensor], peer, tag)
+
+    def all_reduce(self, tensor: torch.Tensor, async_op: bool = False):
+        work = self._group.allreduce([tensor])
+        if async_op:
+            return work
+        work.wait()
+        return None
+
+    def all_gather(self, output: torch.Tensor, tensor: torch.Tensor) -> None:
+        self._group._allgather_base(output, tensor).wait()
+
+    def reduce_scatter(self, output: torch.Tensor, tensor: torch.Tensor) -> None:
+        # Gloo has no flat reduce-scatter: all-reduce, then keep this member's slice.
+        reduced = tensor.clone()
+        self._group.allreduce([reduced]).wait()
+        output.copy_(reduced.chunk(self.size)[self.rank])
+
+    def broadcast(self, tensor: torch.Tensor, root: int) -> None:
+        opts = dist.BroadcastOptions()
+        opts.rootRank = root
+        self._group.broadcast([tensor], opts).wait()
+
+    def close(self) -> None:
+        self._group.shutdown()
+
+
+def connect_gloo(
+    store: dist.Store,
+    name: str,
+    members: list[int],
+    global_rank: int,
+    timeout_s: float,
+    hostname: str = "",
+):
+    """Joins the group `name` made of global ranks `members` (in group-rank order).
+
+    Every member must call this; construction blocks until all have connected. A group
+    of one needs no process group at all.
+    """
+    rank = members.index(global_rank)
+    if len(members) == 1:
+        return SoloTransport(name)
+    options = dist.ProcessGroupGloo._Options()
+    options._timeout = datetime.timedelta(seconds=timeout_s)
+    options._devices = [
+        dist.ProcessGroupGloo.create_device(hostname=hostname)
+        if hostname
+        else dist.ProcessGroupGloo.create_default_device()
+    ]
+    group = dist.ProcessGroupGloo(dist.PrefixStore(name, store), rank, len(members), options)
+    return GlooTransport(name, group, rank, len(members))
