@@ -8,7 +8,7 @@ from coordinator import partition as partitioning
 from coordinator.config import JobConfig
 from coordinator.grid import RankGrid, place
 from coordinator.schedule import CostModel, build_programs, simulate, validate_programs
-from coordinator.schedule.actions import Action
+from protos.actions import Action
 from protos import interleaf_pb2 as pb
 
 

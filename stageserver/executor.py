@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from coordinator.schedule.actions import Action, Kind
+from protos.actions import Action, Kind
 from stageserver.model_state import ModelState
 
 

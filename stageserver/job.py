@@ -14,7 +14,7 @@ import threading
 import numpy as np
 import torch.distributed as dist
 
-from coordinator.schedule.actions import parse
+from protos.actions import parse
 from protos import interleaf_pb2 as pb
 from stageserver import safetensors
 from stageserver.data import Sampler, resolve_source

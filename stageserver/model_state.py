@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from coordinator.schedule.actions import Action
+from protos.actions import Action
 from stageserver.data import Sampler
 from stageserver.flat import FlatParams
 from stageserver.model import GPTChunk, GPTConfig

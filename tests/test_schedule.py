@@ -12,7 +12,7 @@ import pytest
 
 from coordinator.schedule import (CostModel, build_programs, compute_order,
                                   peak_activations, simulate, validate_programs)
-from coordinator.schedule.actions import (Action, Kind, format_program, parse,
+from protos.actions import (Action, Kind, format_program, parse,
                                           parse_program)
 from coordinator.schedule.lowering import add_gradient_sync, add_p2p
 
@@ -201,8 +201,10 @@ def test_link_cost_adds_two_transfers_per_extra_stage():
 def test_reductions_and_optimizer_are_charged_and_tie_waits_for_both_ranks():
     cost = CostModel(forward_s=1.0, backward_s=1.0, reduce_s=0.5, optimizer_s=0.25)
     (single,) = build_programs("interleaved-1f1b", 1, 2, 3, dp=2)
-    # One rank: 2 chunks x 3 microbatches x (F+B), two DP reductions, one step.
-    assert simulate([single], cost).makespan_s == 12.0 + 2 * 0.5 + 0.25
+    # One rank: 2 chunks x 3 microbatches x (F+B), two DP reductions, the local sum of
+    # the two tied-embedding copies, one step.
+    assert Action(Kind.REDUCE_TIED_GRADS) in single
+    assert simulate([single], cost).makespan_s == 12.0 + 3 * 0.5 + 0.25
     result = simulate(build_programs("1f1b", 3, 1, 3, dp=1), cost)
     ties = [[s for s in spans if s.action.kind is Kind.REDUCE_TIED_GRADS]
             for spans in result.timeline]

@@ -11,7 +11,7 @@ import pytest
 
 from coordinator.schedule import (CostModel, DeadlockError, ProgramError, build_programs,
                                   simulate, validate_programs)
-from coordinator.schedule.actions import Action, Kind, parse, parse_program
+from protos.actions import Action, Kind, parse, parse_program
 
 PP, VPP, M = 2, 2, 4
 
@@ -41,9 +41,9 @@ BREAKAGES = [
     (lambda p: _move_before(p[0], "B0.0", "F0.0"), 0, "B0.0", "backward before F0.0"),
     (lambda p: p[0].insert(1, parse("F0.0")), 0, "F0.0", "repeats action 0"),
     (lambda p: _remove(p[1], "SG1.3>0"), 0, "RG0.3<1", "unmatched: no send on rank 1"),
-    (lambda p: _remove(p[0], "RG2.1<1"), 0, "B2.1", "needs a grad receive before it"),
+    (lambda p: _remove(p[0], "RG2.1<1"), 0, "B2.1", "its output gradient is not received before it"),
     (lambda p: _move_before(p[1], "RA3.2<0", "B3.2"), 1, "F3.2",
-     "needs a act receive before it"),
+     "its input activation is not received before it"),
     (lambda p: _move_before(p[0], "SA0.1>1", "F0.1"), 0, "SA0.1>1",
      "sent before F0.1 produces it"),
     (lambda p: _move_before(p[0], "DP0", "B0.3"), 0, "DP0", "chunk 0 still has backwards"),
@@ -78,7 +78,7 @@ def test_validate_names_a_missing_backward():
 def test_tie_on_a_middle_rank_is_refused():
     programs = build_programs("1f1b", 3, 1, 3, dp=1)
     programs[1].insert(-1, Action(Kind.REDUCE_TIED_GRADS))
-    with pytest.raises(ProgramError, match=r"rank 1, action \d+ \(TIE\): only the first"):
+    with pytest.raises(ProgramError, match=r"rank 1, action \d+ \(TIE\): only the ranks of the first"):
         validate_programs(programs, 3, 1, 3)
 
 

@@ -9,7 +9,7 @@ goes on), receives block until their message has arrived, and messages are match
 
 from __future__ import annotations
 
-from .actions import Action, Kind
+from protos.actions import Action, Kind
 from .compute_order import compute_order
 
 
@@ -55,8 +55,9 @@ def add_gradient_sync(program: list[Action], rank: int, pp: int, vpp: int, dp: i
       overlaps the backwards still to run. Every chunk the rank owns (rank, rank+pp,
       ... below pp*vpp) must have a backward.
     - `tied_embedding_pipeline` (the model ties its input and output embeddings) and
-      pp > 1: the embedding's two copies live on rank 0 (chunk 0) and rank pp-1 (the
-      last chunk), so those two ranks append REDUCE_TIED_GRADS after all backwards.
+      more than one chunk: the embedding's two copies live with chunk 0 on rank 0 and
+      with the last chunk on rank pp-1, so those ranks append REDUCE_TIED_GRADS after
+      all backwards (with pp=1 both copies are on rank 0 and it sums them locally).
     - OPTIMIZER_STEP comes last on every rank.
 
     Order rule: REDUCE_GRADS and REDUCE_TIED_GRADS are collectives, and every member of
@@ -72,7 +73,7 @@ def add_gradient_sync(program: list[Action], rank: int, pp: int, vpp: int, dp: i
         synced.append(action)
         if i in reduce_after:
             synced.append(Action(Kind.REDUCE_GRADS, reduce_after[i]))
-    if tied_embedding_pipeline and pp > 1 and rank in (0, pp - 1):
+    if tied_embedding_pipeline and pp * vpp > 1 and rank in (0, pp - 1):
         synced.append(Action(Kind.REDUCE_TIED_GRADS))
     synced.append(Action(Kind.OPTIMIZER_STEP))
     return synced
@@ -100,7 +101,7 @@ def build_programs(schedule: str, pp: int, vpp: int, microbatches: int,
     """One program per pipeline rank; its DP and TP replicas run the same program.
 
     GPT's input and output embeddings are always tied (DESIGN.md, "Model and tensor
-    parallelism"), so the tie reduction is added whenever pp > 1.
+    parallelism"), so the tie reduction is added whenever the model has several chunks.
     """
     programs = add_p2p(compute_order(schedule, pp, vpp, microbatches), pp, vpp)
     return [

@@ -16,7 +16,7 @@ import zlib
 
 import numpy as np
 
-from .actions import COMPUTE, Action, Kind
+from protos.actions import COMPUTE, Action, Kind
 from .simulate import SimResult, Span
 
 _IDLE, _CONTINUED = ".", "-"

@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from .actions import COMPUTE, RECVS, SENDS, Action, Kind
+from protos.actions import COMPUTE, RECVS, SENDS, Action, Kind
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ fails at run time.
 
 from __future__ import annotations
 
-from .actions import COMPUTE, RECVS, SENDS, Action, Kind
+from protos.actions import COMPUTE, RECVS, SENDS, Action, Kind
 
 
 class ProgramError(ValueError):
@@ -51,9 +51,9 @@ def _check_placement(program: list[Action], rank: int, pp: int, vpp: int) -> Non
             if a.peer != neighbour % pp:
                 raise ProgramError(rank, i, a, f"peer should be rank {neighbour % pp}, "
                                                f"which holds chunk {neighbour}")
-        if a.kind is Kind.REDUCE_TIED_GRADS and (pp == 1 or rank not in (0, pp - 1)):
-            raise ProgramError(rank, i, a, "only the first and last of several pipeline "
-                                           "ranks hold a copy of the tied embedding")
+        if a.kind is Kind.REDUCE_TIED_GRADS and (pp * vpp == 1 or rank not in (0, pp - 1)):
+            raise ProgramError(rank, i, a, "only the ranks of the first and last of several "
+                                           "chunks hold a copy of the tied embedding")
         if a.kind is Kind.OPTIMIZER_STEP and i != len(program) - 1:
             raise ProgramError(rank, i, a, "the optimizer step must be the last action")
     if not program or program[-1].kind is not Kind.OPTIMIZER_STEP:
@@ -118,7 +118,8 @@ def _check_ordering(program: list[Action], rank: int, pp: int, vpp: int) -> None
         else:
             continue
         if received.get(needed, len(program)) > i:
-            raise ProgramError(rank, i, a, f"needs a {needed[0]} receive before it")
+            what = "input activation" if needed[0] == "act" else "output gradient"
+            raise ProgramError(rank, i, a, f"its {what} is not received before it")
 
 
 def _check_matching(programs: list[list[Action]]) -> None:

@@ -1,0 +1,86 @@
+"""Shared fixtures: one real local cluster (a coordinator and 8 stage servers as
+processes, real gRPC on loopback, real gloo) for every end-to-end test, and the
+single-process reference, computed once per distinct training setup."""
+
+from __future__ import annotations
+
+import functools
+import pathlib
+
+import pytest
+import torch
+
+from clients.client import Client
+from clients.launcher import LocalCluster
+from clients.reference import train
+from coordinator.config import load_config
+from stageserver import safetensors
+
+SERVERS = 8
+
+# A model small enough for 2 CPU cores yet with every part present: 8 layers so that
+# pp=4 with vpp=2 gives each chunk one layer, 4 heads and a 256 vocabulary so tp=4
+# splits both.
+TINY = [
+    "model.n_layers=8", "model.d_model=32", "model.n_heads=4", "model.seq_len=16",
+    "model.vocab_size=256", "train.steps=3", "train.global_batch=8", "train.warmup_steps=1",
+    "train.lr=0.01", "parallel.microbatches=4",
+]
+
+
+@pytest.fixture(scope="session")
+def cluster(tmp_path_factory):
+    logs = tmp_path_factory.mktemp("cluster-logs")
+    with LocalCluster(SERVERS, threads_per_server=1, log_dir=str(logs)) as running:
+        yield running
+
+
+@pytest.fixture(scope="session")
+def client(cluster):
+    c = Client(cluster.address)
+    yield c
+    c.close()
+
+
+@functools.lru_cache(maxsize=None)
+def reference(overrides: tuple[str, ...]):
+    """Reference losses and final parameters; the layout keys do not change them."""
+    return train(load_config("", list(overrides)))
+
+
+def layout_free(overrides: list[str]) -> tuple[str, ...]:
+    """The overrides that matter to the reference (layout keys dropped), so layouts of
+    one training setup share one reference run."""
+    kept = [o for o in overrides if not o.startswith("parallel.") or o.startswith("parallel.microbatches")]
+    # The reference needs a layout that is valid on one process.
+    return tuple(kept + ["parallel.pp=1", "parallel.vpp=1", "parallel.schedule=1f1b"])
+
+
+def run_job(client: Client, overrides: list[str], timeout_s: float = 300):
+    status = client.submit("", overrides)
+    final, steps = client.wait(status.job_id, timeout_s=timeout_s)
+    return final, steps
+
+
+def load_parameters(manifest_path: str) -> dict[str, torch.Tensor]:
+    """Reassembles full tensors from every rank's file, joining tensor-parallel slices."""
+    import json
+
+    manifest = json.loads(pathlib.Path(manifest_path).read_text())
+    root = pathlib.Path(manifest_path).parent.parent
+    slices: dict[str, dict[int, torch.Tensor]] = {}
+    dims: dict[str, int] = {}
+    full: dict[str, torch.Tensor] = {}
+    for entry in manifest["files"]:
+        tensors, meta = safetensors.read(root / entry["path"])
+        layout = json.loads(meta["tp_slices"])
+        for name, tensor in tensors.items():
+            if name in layout:
+                dim, rank, _ = (int(x) for x in layout[name].split(":"))
+                slices.setdefault(name, {})[rank] = tensor
+                dims[name] = dim
+            else:
+                full[name] = tensor
+    for name, parts in slices.items():
+        full[name] = torch.cat([parts[r] for r in sorted(parts)], dim=dims[name])
+    return full
