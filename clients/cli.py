@@ -66,6 +66,8 @@ def _follow(client, job_id: str, steps: int, metrics: MetricsOut, quiet: bool = 
                 progress.update(s.step, s.loss, s.tokens_per_second)
         else:
             final = event.status
+            if final.state == "RUNNING" and not quiet:
+                print(final.layout, file=sys.stderr)
     if progress:
         progress.close()
     status = client.status(job_id)
@@ -82,25 +84,23 @@ def cmd_run(args) -> int:
     from clients.launcher import LocalCluster
 
     text, config = _load(args)
-    metrics = MetricsOut(args.metrics_out)
     world = config.parallel.world_size
-    if args.coordinator and args.local is None:
-        client = Client(args.coordinator)
-        job = client.submit(text, args.set)
-        print(f"submitted {job.job_id}", file=sys.stderr)
-        return _follow(client, job.job_id, config.train.steps, metrics)
+    remote = args.coordinator and args.local is None
     servers = args.local if args.local is not None else world
-    if servers != world:
+    if not remote and servers != world:
         raise UsageError(f"--local {servers} must equal parallel.dp*parallel.tp*parallel.pp={world}")
-    print(f"starting a coordinator and {servers} stage servers", file=sys.stderr)
-    job_id, client = None, None
+    metrics = MetricsOut(args.metrics_out)
     try:
+        if remote:
+            client = Client(args.coordinator)
+            job = client.submit(text, args.set)
+            print(f"submitted {job.job_id}", file=sys.stderr)
+            return _follow(client, job.job_id, config.train.steps, metrics)
+        print(f"starting a coordinator and {servers} stage servers", file=sys.stderr)
         with LocalCluster(servers, log_dir=args.log_dir) as cluster:
             client = Client(cluster.address)
             job = client.submit(text, args.set)
-            job_id = job.job_id
-            print(client.status(job_id).layout or "", file=sys.stderr)
-            return _follow(client, job_id, config.train.steps, metrics)
+            return _follow(client, job.job_id, config.train.steps, metrics)
     except KeyboardInterrupt:
         print("\ninterrupted: stopping the local servers", file=sys.stderr)
         return 130

@@ -62,22 +62,25 @@ class JobDriver(threading.Thread):
 
     def run(self) -> None:
         job = self.job
+        state, error = "SUCCEEDED", ""
         try:
             plan = self._claim_and_plan()
-            if plan is None:
-                return
-            self._setup(plan)
-            job.set_state("RUNNING")
-            self._train(plan)
-            if job.config.checkpoint.dir and not job.cancel_requested.is_set():
-                self._save(plan)
-            job.set_state("CANCELLED" if job.cancel_requested.is_set() else "SUCCEEDED")
+            if plan is not None:
+                self._setup(plan)
+                job.set_state("RUNNING")
+                self._train(plan)
+                if job.config.checkpoint.dir and not job.cancel_requested.is_set():
+                    self._save(plan)
         except Exception as err:
             log.exception("job %s failed", job.job_id)
-            job.set_state("CANCELLED" if job.cancel_requested.is_set() else "FAILED", str(err))
-        finally:
-            self._teardown()
-            self.registry.release(job.job_id)
+            state, error = "FAILED", str(err)
+        if job.cancel_requested.is_set():
+            state = "CANCELLED"
+        # Servers are freed before the final state is published: whoever sees it may
+        # submit the next job at once.
+        self._teardown()
+        self.registry.release(job.job_id)
+        job.set_state(state, error)
 
     def cancel(self) -> None:
         """Stops the job now: tearing down the servers ends their RunSteps streams."""
@@ -92,7 +95,6 @@ class JobDriver(threading.Thread):
         while slots is None and not job.cancel_requested.is_set():
             slots = self.registry.claim(job.job_id, world, timeout_s=1.0)
         if slots is None:
-            job.set_state("CANCELLED")
             return None
         plan = plan_job(job.config, slots)
         self.registry.release(job.job_id, keep={s.server_id for s in plan.servers})

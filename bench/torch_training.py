@@ -1,0 +1,52 @@
+"""The optimizer side of the torch peers, kept arithmetically identical to Interleaf's
+(stageserver/optim.py), so that peer and Interleaf losses agree step by step and the
+benchmark compares the same computation.
+
+torch.optim.AdamW with Interleaf's betas and eps, weight decay on exactly the parameters
+Interleaf decays, its learning-rate schedule, and clipping by the global norm the way
+Interleaf counts it (float64 sum of squares, each element of the model once).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from stageserver.model import GPTChunk
+from stageserver.optim import BETAS, EPS, Schedule, clip_coefficient
+
+
+def adamw(chunks: list[GPTChunk], weight_decay: float) -> torch.optim.AdamW:
+    decay, plain = [], []
+    for chunk in chunks:
+        specs = chunk.param_specs()
+        for name, param in chunk.named_parameters():
+            (decay if specs[name].weight_decay else plain).append(param)
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": plain, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=0.0, betas=BETAS, eps=EPS)
+
+
+def clip_global_norm(params: list[torch.Tensor], counted: list[torch.Tensor], max_norm: float,
+                     across_ranks: bool) -> float:
+    """Scales the gradients of `params` so that the global norm is at most max_norm.
+    The norm counts `counted` only (a rank's copy of the tied embedding that another
+    rank also holds is scaled, not counted); with across_ranks, the sum of squares is
+    all-reduced over the default group first. Returns the norm before clipping."""
+    sumsq = torch.zeros(1, dtype=torch.float64)
+    for param in counted:
+        sumsq += param.grad.double().square().sum()
+    if across_ranks:
+        dist.all_reduce(sumsq)
+    norm = float(sumsq.sqrt())
+    coefficient = clip_coefficient(norm, max_norm)
+    if coefficient < 1.0:
+        for param in params:
+            param.grad.mul_(coefficient)
+    return norm
+
+
+def step(optimizer: torch.optim.AdamW, schedule: Schedule, step_index: int) -> None:
+    lr = schedule.lr_at(step_index)
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    optimizer.step()

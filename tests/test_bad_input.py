@@ -1,0 +1,102 @@
+"""Bad input at the command line and over gRPC: one clear line, nothing started, no
+server left holding state."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import grpc
+import pytest
+
+from protos import interleaf_pb2 as pb
+from protos import interleaf_pb2_grpc as rpc
+from protos import wire
+from tests.conftest import TINY, run_job
+from tests.test_config import BAD_CONFIGS
+
+# A handful of rules through the real CLI (each run is a fresh Python process).
+CLI_CASES = [BAD_CONFIGS[i] for i in (0, 1, 2, 5, 7, 15)]
+
+
+def _cli(*args, timeout=120):
+    return subprocess.run([sys.executable, "-m", "clients.cli", *args], capture_output=True,
+                          text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("overrides,message", CLI_CASES, ids=[m.split()[0] for _, m in CLI_CASES])
+def test_cli_run_refuses_bad_config_and_starts_nothing(overrides, message):
+    result = _cli("run", *[arg for o in overrides for arg in ("--set", o)])
+    assert result.returncode == 2
+    assert result.stderr == f"error: {message}\n"
+    assert "starting" not in result.stdout + result.stderr
+
+
+def test_cli_checks_local_count_against_layout():
+    result = _cli("run", "--local", "3", "--set", "parallel.pp=2")
+    assert result.returncode == 2
+    assert result.stderr == "error: --local 3 must equal parallel.dp*parallel.tp*parallel.pp=2\n"
+
+
+def test_cli_missing_config_file():
+    result = _cli("schedule", "/nonexistent/job.toml")
+    assert result.returncode == 2
+    assert result.stderr == "error: config file '/nonexistent/job.toml' does not exist\n"
+
+
+@pytest.mark.parametrize("overrides,message", BAD_CONFIGS, ids=[m.split()[0] for _, m in BAD_CONFIGS])
+def test_grpc_submit_answers_invalid_argument(client, overrides, message):
+    with pytest.raises(grpc.RpcError) as caught:
+        client.submit("", overrides)
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert caught.value.details() == message
+    assert all(s.state == "IDLE" for s in client.servers())
+
+
+def _holds_job(address: str, job_id: str) -> bool:
+    stub = rpc.StageServerStub(wire.channel(address))
+    try:
+        list(stub.RunSteps(pb.RunStepsRequest(job_id=job_id, first_step=0, num_steps=1), timeout=10))
+    except grpc.RpcError as err:
+        assert err.code() == grpc.StatusCode.NOT_FOUND, err.details()
+        return False
+    return True
+
+
+def test_job_rejected_by_servers_fails_cleanly(client, tmp_path):
+    missing = tmp_path / "absent.tokens"
+    final, steps = run_job(client, TINY + ["parallel.pp=2", "parallel.vpp=1", f"data.source={missing}"])
+    assert final.state == "FAILED"
+    assert steps == []
+    assert f"data.source={str(missing)!r}: no token file" in final.error
+    assert final.error.startswith("rank ")
+    assert not any(_holds_job(r.server_address, final.job_id) for r in final.ranks)
+    assert all(s.state == "IDLE" for s in client.servers())
+
+
+def test_vocabulary_smaller_than_data_is_refused(client):
+    final, _ = run_job(client, TINY + ["parallel.pp=2", "parallel.vpp=1", "model.vocab_size=128"])
+    assert final.state == "FAILED"
+    assert "model.vocab_size=128 must exceed every token id" in final.error
+    assert not any(_holds_job(r.server_address, final.job_id) for r in final.ranks)
+
+
+def test_cancel_stops_a_running_job_and_frees_servers(client):
+    status = client.submit("", TINY + ["parallel.pp=2", "parallel.vpp=1", "train.steps=100000"])
+    events = client.watch(status.job_id, timeout_s=120)
+    for event in events:
+        if event.HasField("step"):
+            break
+    client.cancel(status.job_id)
+    states = [e.status.state for e in events if e.HasField("status")]
+    final = client.status(status.job_id)
+    assert final.state == "CANCELLED" and states[-1] == "CANCELLED"
+    assert final.step < 100000
+    assert not any(_holds_job(r.server_address, status.job_id) for r in final.ranks)
+    assert all(s.state == "IDLE" for s in client.servers())
+
+
+def test_unknown_job_is_not_found(client):
+    with pytest.raises(grpc.RpcError) as caught:
+        client.status("job-0-nope")
+    assert caught.value.code() == grpc.StatusCode.NOT_FOUND

@@ -1,0 +1,69 @@
+"""Config loading and validation, with no processes: every rule a user can break is
+refused with one line naming the field, the value and the rule."""
+
+from __future__ import annotations
+
+import pytest
+
+from coordinator.config import ConfigError, JobConfig, load_config
+
+# (overrides, the exact message). Shared with the CLI and gRPC tests.
+BAD_CONFIGS = [
+    (["parallel.pp=4", "parallel.microbatches=6", "model.n_layers=8"],
+     "parallel.microbatches=6 must be a multiple of parallel.pp=4 for interleaved-1f1b"),
+    (["parallel.pp=4", "parallel.vpp=2", "model.n_layers=6"],
+     "parallel.pp*parallel.vpp=8 must not exceed model.n_layers=6: every chunk needs at least one layer"),
+    (["model.n_heads=3"], "model.d_model=128 must be divisible by model.n_heads=3"),
+    (["parallel.tp=8"], "model.n_heads=4 must be divisible by parallel.tp=8"),
+    (["parallel.tp=3", "model.n_heads=3", "model.d_model=96"],
+     "model.vocab_size=256 must be divisible by parallel.tp=3"),
+    (["parallel.dp=3"], "train.global_batch=16 must be divisible by parallel.dp*parallel.microbatches=12"),
+    (["parallel.schedule=zigzag"],
+     "parallel.schedule='zigzag' must be one of gpipe, 1f1b, interleaved-1f1b"),
+    (["parallel.schedule=gpipe"],
+     "parallel.vpp=2 needs parallel.schedule='interleaved-1f1b' (gpipe runs one chunk per rank)"),
+    (["parallel.zero=2"], "parallel.zero=2 must be 0: ZeRO stages 1-3 are not available yet"),
+    (["model.n_layers=0"], "model.n_layers=0 must be at least 1"),
+    (["train.steps=-1"], "train.steps=-1 must be at least 1"),
+    (["train.lr=0"], "train.lr=0.0 must be greater than 0"),
+    (["train.grad_clip=-1"], "train.grad_clip=-1.0 must not be negative"),
+    (["train.lr=fast"], "train.lr='fast' must be float"),
+    (["model.d_model=1.5"], "model.d_model=1.5 must be int"),
+    (["model.n_layer=4"], "unknown key model.n_layer (known: n_layers, d_model, n_heads, seq_len, vocab_size)"),
+    (["optim.lr=1"], "--set 'optim.lr=1': unknown section [optim] (known: model, parallel, train, data, checkpoint)"),
+    (["train.lr"], "--set 'train.lr' must look like SECTION.KEY=VALUE"),
+    (["data.source= "], "data.source='' must be 'builtin' or a token file path"),
+]
+
+
+@pytest.mark.parametrize("overrides,message", BAD_CONFIGS, ids=[m.split()[0] for _, m in BAD_CONFIGS])
+def test_each_rule_names_field_value_and_rule(overrides, message):
+    with pytest.raises(ConfigError) as caught:
+        load_config("", overrides)
+    assert str(caught.value) == message
+
+
+def test_defaults_are_a_valid_interleaved_job():
+    config = load_config()
+    assert config == JobConfig()
+    assert config.parallel.schedule == "interleaved-1f1b"
+    assert config.parallel.world_size == 2
+    assert config.microbatch_size == 4
+
+
+def test_toml_then_overrides_in_order():
+    toml = '[model]\nn_layers = 6\n[parallel]\npp = 3\nvpp = 1\nmicrobatches = 3\n[train]\nglobal_batch = 12\n'
+    config = load_config(toml, ["parallel.vpp=2", "model.n_layers=7"])
+    assert (config.model.n_layers, config.parallel.pp, config.parallel.vpp) == (7, 3, 2)
+    assert config.train.global_batch == 12
+
+
+def test_toml_errors_are_config_errors():
+    with pytest.raises(ConfigError, match="config is not valid TOML"):
+        load_config("[model\nn_layers = 2")
+    with pytest.raises(ConfigError, match=r"unknown section \[optimizer\]"):
+        load_config("[optimizer]\nlr = 1.0\n")
+    with pytest.raises(ConfigError, match=r"model.n_layers=True must be int, not a boolean"):
+        load_config("[model]\nn_layers = true\n")
+    with pytest.raises(ConfigError, match=r"model=3 must be a table \[model\]"):
+        load_config("model = 3\n")
