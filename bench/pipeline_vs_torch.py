@@ -1,0 +1,101 @@
+"""Interleaf's pipeline schedules against torch.distributed.pipelining's, side by side.
+
+For each schedule (GPipe, 1F1B, interleaved 1F1B with two chunks per rank) the same
+model, layer split, microbatches and optimizer run twice on two processes with one
+torch thread each: as an Interleaf job on a local cluster (coordinator + 2 stage
+servers over gRPC, tensors over gloo), then as torch's schedule over gloo. The two runs
+of a schedule follow each other, so both see the machine in the same state.
+
+    python bench/pipeline_vs_torch.py [--steps 8] [--warmup 2] [--out PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+
+import torch
+
+import torch_pipeline
+from clients.client import Client
+from clients.launcher import LocalCluster
+from coordinator.config import load_config
+from interleaf_run import run_job
+from measure import format_table, max_relative_difference, median_after, slowest_rank, write_json
+from peer_world import run_peers
+
+PP = 2
+MODEL = ["model.n_layers=8", "model.d_model=256", "model.n_heads=8", "model.seq_len=128", "model.vocab_size=256"]
+LAYOUTS = [("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2)]  # (schedule, chunks per rank)
+
+
+def overrides(schedule: str, vpp: int, steps: int) -> list[str]:
+    return MODEL + [
+        "parallel.dp=1", "parallel.tp=1", f"parallel.pp={PP}", f"parallel.vpp={vpp}",
+        f"parallel.schedule={schedule}", "parallel.microbatches=8",
+        "train.global_batch=16", f"train.steps={steps}",
+    ]
+
+
+def compare(client: Client, schedule: str, vpp: int, steps: int, warmup: int) -> dict:
+    sets = overrides(schedule, vpp, steps)
+    ours = run_job(client, sets)
+    peer = run_peers(torch_pipeline.train, PP, load_config("", sets))
+    peer_steps = slowest_rank([r["step_seconds"] for r in peer])
+    peer_losses = next(r["losses"] for r in peer if r["losses"] is not None)
+    ours_s = median_after(ours["step_seconds"], warmup)
+    torch_s = median_after(peer_steps, warmup)
+    control_s = median_after(ours["control_seconds"], warmup)
+    return {
+        "schedule": schedule, "vpp": vpp, "overrides": sets,
+        "interleaf_step_seconds": ours_s, "torch_step_seconds": torch_s,
+        "ratio": ours_s / torch_s,
+        "interleaf_control_seconds": control_s, "control_fraction": control_s / ours_s,
+        "max_relative_loss_difference": max_relative_difference(ours["losses"], peer_losses),
+        "interleaf": ours, "torch": {"step_seconds": peer_steps, "losses": peer_losses},
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=8, help="training steps per run, warm-up included")
+    parser.add_argument("--warmup", type=int, default=2, help="first steps left out of the medians")
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "pipeline_vs_torch.json"))
+    args = parser.parse_args()
+
+    results = []
+    cluster = LocalCluster(PP, threads_per_server=1)
+    try:
+        cluster.start()
+        client = Client(cluster.address)
+        try:
+            for schedule, vpp in LAYOUTS:
+                results.append(compare(client, schedule, vpp, args.steps, args.warmup))
+        finally:
+            client.close()
+    finally:
+        cluster.stop()
+
+    rows = [
+        [r["schedule"] + (f" (vpp={r['vpp']})" if r["vpp"] > 1 else ""),
+         f"{r['interleaf_step_seconds']:.3f}", f"{r['torch_step_seconds']:.3f}", f"{r['ratio']:.2f}",
+         f"{r['control_fraction']:.4f}", f"{r['max_relative_loss_difference']:.1e}"]
+        for r in results
+    ]
+    print(format_table(
+        ["schedule", "interleaf s/step", "torch s/step", "ratio", "control fraction", "loss rel. diff"], rows
+    ))
+    write_json(args.out, {
+        "benchmark": "pipeline_vs_torch",
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__},
+        "steps": args.steps, "warmup": args.warmup, "threads_per_process": 1,
+        "results": results,
+    })
+    print(f"results written to {args.out}")
+
+
+if __name__ == "__main__":
+    main()

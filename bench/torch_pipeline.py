@@ -1,0 +1,99 @@
+"""The pipeline peer: torch.distributed.pipelining running the same GPT chunks, split
+the same way (coordinator/partition.py), on the same microbatches, with the same
+optimizer step as an Interleaf pipeline job.
+
+Runs on every rank of a peer_world; returns that rank's per-step wall times and, on the
+rank holding the head, the per-step mean losses.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+)
+
+import torch_training
+from coordinator.config import JobConfig
+from coordinator.partition import chunks_of, partition
+from stageserver.data import Sampler, resolve_source
+from stageserver.model import GPTChunk, GPTConfig
+from stageserver.optim import Schedule
+from stageserver.transport import SoloTransport
+
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved-1f1b": ScheduleInterleaved1F1B}
+
+
+class LogitsHead(nn.Module):
+    """The last chunk returning logits instead of the loss: torch's schedules compute the
+    loss themselves, from the last stage's output and the target, with loss_fn. The
+    compute is GPTChunk.forward's with the cross-entropy moved into loss_fn."""
+
+    def __init__(self, chunk: GPTChunk):
+        super().__init__()
+        self.chunk = chunk
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.chunk.h.values():
+            x = block(x)
+        return F.linear(self.chunk.ln_f(x), self.chunk.wte.weight)
+
+
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def train(rank: int, config: JobConfig) -> dict:
+    m, p, t = config.model, config.parallel, config.train
+    if p.pp != dist.get_world_size() or p.dp != 1 or p.tp != 1:
+        raise ValueError(f"the pipeline peer runs pp={dist.get_world_size()} with dp=tp=1")
+    gpt = GPTConfig(m.n_layers, m.d_model, m.n_heads, m.seq_len, m.vocab_size)
+    held = chunks_of(partition(m.n_layers, p.pp, p.vpp), rank)
+    chunks = [GPTChunk(gpt, c.layers, c.has_embedding, c.has_head, SoloTransport(), t.seed) for c in held]
+    stages = [
+        PipelineStage(LogitsHead(chunk) if c.has_head else chunk, c.index, p.pp * p.vpp, torch.device("cpu"))
+        for c, chunk in zip(held, chunks)
+    ]
+    kind = SCHEDULES[p.schedule]
+    schedule = kind(stages if p.vpp > 1 else stages[0], p.microbatches, loss_fn=cross_entropy)
+
+    # With pp >= 2 the embedding (first chunk) and the head (last chunk) sit on different
+    # ranks, each with its own copy of the tied weight, as in Interleaf.
+    tied = [chunk.wte.weight for c, chunk in zip(held, chunks) if c.has_embedding or c.has_head]
+    params = [param for chunk in chunks for param in chunk.parameters()]
+    head_copy = {id(chunk.wte.weight) for c, chunk in zip(held, chunks) if c.has_head and not c.has_embedding}
+    counted = [param for param in params if id(param) not in head_copy]
+    first = any(c.has_embedding for c in held)
+    last = any(c.has_head for c in held)
+
+    optimizer = torch_training.adamw(chunks, t.weight_decay)
+    lr_schedule = Schedule(t.lr, t.warmup_steps, t.steps)
+    sampler = Sampler(resolve_source(config.data.source), t.seed, m.seq_len, t.global_batch // p.microbatches)
+    times, history = [], []
+    for step in range(t.steps):
+        started = time.perf_counter()
+        optimizer.zero_grad()
+        # The schedule splits the batch along dim 0 into microbatches of `rows`: the
+        # concatenation of Interleaf's microbatches, so each one holds the same samples.
+        parts = [sampler.microbatch(step, mb) for mb in range(p.microbatches)]
+        inputs = torch.cat([x for x, _ in parts])
+        targets = torch.cat([y for _, y in parts])
+        losses = [] if last else None
+        schedule.step(*((inputs,) if first else ()), target=targets if last else None,
+                      losses=losses, return_outputs=False)
+        for weight in tied:
+            dist.all_reduce(weight.grad)
+        torch_training.clip_global_norm(params, counted, t.grad_clip, across_ranks=True)
+        torch_training.step(optimizer, lr_schedule, step)
+        times.append(time.perf_counter() - started)
+        if last:
+            history.append(float(torch.stack(losses).mean()))
+    return {"step_seconds": times, "losses": history if last else None}
