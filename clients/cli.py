@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import pathlib
 import sys
+
+from clients.follow import MetricsOut, follow
 
 DEFAULT_COORDINATOR = os.environ.get("INTERLEAF_COORDINATOR", "127.0.0.1:50051")
 
@@ -35,50 +36,6 @@ def _load(args):
         raise UsageError(str(err)) from None
 
 
-class MetricsOut:
-    """--metrics-out: one JSON object per step."""
-
-    def __init__(self, path: str | None):
-        self.file = open(path, "w") if path else None
-
-    def write(self, **record) -> None:
-        if self.file:
-            self.file.write(json.dumps(record) + "\n")
-            self.file.flush()
-
-    def close(self) -> None:
-        if self.file:
-            self.file.close()
-
-
-def _follow(client, job_id: str, steps: int, metrics: MetricsOut, quiet: bool = False):
-    from clients.progress import Progress
-
-    progress = None if quiet else Progress(steps)
-    final = None
-    for event in client.watch(job_id):
-        if event.HasField("step"):
-            s = event.step
-            metrics.write(step=s.step, loss=s.loss, tokens=s.tokens, step_seconds=s.step_seconds,
-                          tokens_per_second=s.tokens_per_second, grad_norm=s.grad_norm, lr=s.lr,
-                          control_seconds=s.control_seconds, bubble_seconds=s.bubble_seconds)
-            if progress:
-                progress.update(s.step, s.loss, s.tokens_per_second)
-        else:
-            final = event.status
-            if final.state == "RUNNING" and not quiet:
-                print(final.layout, file=sys.stderr)
-    if progress:
-        progress.close()
-    status = client.status(job_id)
-    if status.state != "SUCCEEDED":
-        print(f"job {job_id} {status.state}: {status.error}", file=sys.stderr)
-        return 1
-    if status.checkpoint:
-        print(f"parameters written: {status.checkpoint}", file=sys.stderr)
-    return 0 if final is None or final.state == "SUCCEEDED" else 1
-
-
 def cmd_run(args) -> int:
     from clients.client import Client
     from clients.launcher import LocalCluster
@@ -95,12 +52,12 @@ def cmd_run(args) -> int:
             client = Client(args.coordinator)
             job = client.submit(text, args.set)
             print(f"submitted {job.job_id}", file=sys.stderr)
-            return _follow(client, job.job_id, config.train.steps, metrics)
+            return follow(client, job.job_id, config.train.steps, metrics)
         print(f"starting a coordinator and {servers} stage servers", file=sys.stderr)
         with LocalCluster(servers, log_dir=args.log_dir) as cluster:
             client = Client(cluster.address)
             job = client.submit(text, args.set)
-            return _follow(client, job.job_id, config.train.steps, metrics)
+            return follow(client, job.job_id, config.train.steps, metrics)
     except KeyboardInterrupt:
         print("\ninterrupted: stopping the local servers", file=sys.stderr)
         return 130
@@ -181,7 +138,7 @@ def cmd_watch(args) -> int:
     from clients.client import Client
 
     client = Client(args.coordinator)
-    return _follow(client, args.job, client.status(args.job).steps, MetricsOut(args.metrics_out))
+    return follow(client, args.job, client.status(args.job).steps, MetricsOut(args.metrics_out))
 
 
 def cmd_cancel(args) -> int:

@@ -9,8 +9,6 @@ import pathlib
 import platform
 import sysconfig
 
-import numpy as np
-
 from stageserver.data.tokenfile import TokenFile, write_tokens
 from stageserver.data.tokenizer import encode
 

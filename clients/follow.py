@@ -1,0 +1,50 @@
+"""Following a job: the progress line and the --metrics-out file."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from clients.progress import Progress
+
+
+class MetricsOut:
+    """--metrics-out: one JSON object per step."""
+
+    def __init__(self, path: str | None):
+        self.file = open(path, "w") if path else None
+
+    def write(self, **record) -> None:
+        if self.file:
+            self.file.write(json.dumps(record) + "\n")
+            self.file.flush()
+
+    def close(self) -> None:
+        if self.file:
+            self.file.close()
+
+
+def follow(client, job_id: str, steps: int, metrics: MetricsOut, quiet: bool = False):
+    progress = None if quiet else Progress(steps)
+    final = None
+    for event in client.watch(job_id):
+        if event.HasField("step"):
+            s = event.step
+            metrics.write(step=s.step, loss=s.loss, tokens=s.tokens, step_seconds=s.step_seconds,
+                          tokens_per_second=s.tokens_per_second, grad_norm=s.grad_norm, lr=s.lr,
+                          control_seconds=s.control_seconds, bubble_seconds=s.bubble_seconds)
+            if progress:
+                progress.update(s.step, s.loss, s.tokens_per_second)
+        else:
+            final = event.status
+            if final.state == "RUNNING" and not quiet:
+                print(final.layout, file=sys.stderr)
+    if progress:
+        progress.close()
+    status = client.status(job_id)
+    if status.state != "SUCCEEDED":
+        print(f"job {job_id} {status.state}: {status.error}", file=sys.stderr)
+        return 1
+    if status.checkpoint:
+        print(f"parameters written: {status.checkpoint}", file=sys.stderr)
+    return 0 if final is None or final.state == "SUCCEEDED" else 1

@@ -1,0 +1,157 @@
+"""GlooTransport's verbs on real 2- and 3-rank gloo groups, and SoloTransport.
+
+Each world size spawns its processes once: every rank runs all the verbs in one function
+and returns what it saw; the tests compare that with the expected values computed here.
+Inputs are small integers in float32, so sums are exact and comparisons are equality.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from gloo_world import run_world
+
+from stageserver.transport import SoloTransport, connect_gloo
+
+TAGS = (0, 1, 5, 9)
+ROOT = {2: 1, 3: 2}  # a non-zero broadcast root for each world size
+
+
+def _message(src: int, tag: int) -> torch.Tensor:
+    """What `src` sends with `tag`: its shape and values identify both."""
+    return torch.arange(tag + 2, dtype=torch.float32) + 100 * src + 10 * tag
+
+
+def _reduce_input(rank: int, size: int) -> torch.Tensor:
+    return (torch.arange(size * 2 * 3, dtype=torch.float32) * (rank + 1)).view(size * 2, 3)
+
+
+def _verbs(rank: int, t, size: int) -> dict:
+    """Every verb once, in the same order on every rank."""
+    out = {"rank": t.rank, "size": t.size, "name": t.name}
+
+    # Ring: send to the right with tags in increasing order, post the receives from the
+    # left in decreasing order, and only then wait; matching must go by tag.
+    right, left = (rank + 1) % size, (rank - 1) % size
+    sends = [t.send(_message(rank, tag), right, tag) for tag in TAGS]
+    received = {tag: torch.zeros(tag + 2) for tag in TAGS}
+    recvs = [t.recv(received[tag], left, tag) for tag in reversed(TAGS)]
+    for work in recvs + sends:
+        work.wait()
+    out["ring"] = received
+
+    x = torch.arange(6, dtype=torch.float32) + 10 * rank
+    assert t.all_reduce(x) is None
+    out["all_reduce"] = x
+
+    y = torch.arange(6, dtype=torch.float32) * (rank + 1)
+    work = t.all_reduce(y, async_op=True)
+    work.wait()
+    out["all_reduce_async"] = y
+
+    gathered = torch.full((size * 2, 3), -1.0)
+    t.all_gather(gathered, torch.full((2, 3), float(rank)) + torch.arange(3))
+    out["all_gather"] = gathered
+
+    scattered = torch.full((2, 3), -1.0)
+    source = _reduce_input(rank, size)
+    t.reduce_scatter(scattered, source)
+    out["reduce_scatter"] = scattered
+    out["reduce_scatter_input"] = source  # must be left as it was
+
+    b = torch.arange(4, dtype=torch.float32) * 7 if rank == ROOT[size] else torch.zeros(4)
+    t.broadcast(b, ROOT[size])
+    out["broadcast"] = b
+    return out
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=["2ranks", "3ranks"])
+def world(request) -> tuple[int, list[dict]]:
+    size = request.param
+    return size, run_world(_verbs, size, size, group="verbs")
+
+
+def test_group_identity(world):
+    size, results = world
+    assert [(r["rank"], r["size"], r["name"]) for r in results] == [(i, size, "verbs") for i in range(size)]
+
+
+def test_tagged_send_recv_matches_by_tag_across_a_ring(world):
+    size, results = world
+    for rank, r in enumerate(results):
+        left = (rank - 1) % size
+        for tag in TAGS:
+            assert torch.equal(r["ring"][tag], _message(left, tag)), (rank, tag)
+
+
+def test_all_reduce_sums(world):
+    size, results = world
+    expected = sum(torch.arange(6, dtype=torch.float32) + 10 * r for r in range(size))
+    expected_async = torch.arange(6, dtype=torch.float32) * sum(r + 1 for r in range(size))
+    for r in results:
+        assert torch.equal(r["all_reduce"], expected)
+        assert torch.equal(r["all_reduce_async"], expected_async)
+
+
+def test_all_gather_concatenates_in_rank_order(world):
+    size, results = world
+    expected = torch.cat([torch.full((2, 3), float(r)) + torch.arange(3) for r in range(size)])
+    for r in results:
+        assert torch.equal(r["all_gather"], expected)
+
+
+def test_reduce_scatter_gives_rank_r_the_rth_slice_of_the_sum(world):
+    size, results = world
+    total = sum(_reduce_input(r, size) for r in range(size))
+    for rank, r in enumerate(results):
+        assert torch.equal(r["reduce_scatter"], total[2 * rank : 2 * rank + 2])
+        assert torch.equal(r["reduce_scatter_input"], _reduce_input(rank, size))
+
+
+def test_broadcast_from_a_non_zero_root(world):
+    size, results = world
+    for r in results:
+        assert torch.equal(r["broadcast"], torch.arange(4, dtype=torch.float32) * 7)
+
+
+# --- SoloTransport -------------------------------------------------------------------------
+
+
+def test_solo_collectives_are_identities():
+    t = SoloTransport("tp/d0/p1")
+    assert (t.rank, t.size, t.name) == (0, 1, "tp/d0/p1")
+    x = torch.tensor([1.5, -2.0, 3.0])
+
+    y = x.clone()
+    assert t.all_reduce(y) is None
+    assert torch.equal(y, x)
+    work = t.all_reduce(y, async_op=True)
+    assert work.wait() is None
+    assert torch.equal(y, x)
+
+    out = torch.zeros(3)
+    t.all_gather(out, x)
+    assert torch.equal(out, x)
+    out = torch.zeros(3)
+    t.reduce_scatter(out, x)
+    assert torch.equal(out, x)
+
+    y = x.clone()
+    t.broadcast(y, 0)
+    assert torch.equal(y, x)
+    t.close()
+
+
+def test_solo_send_and_recv_raise_naming_the_group():
+    t = SoloTransport("pp/d1/t0")
+    with pytest.raises(RuntimeError, match="group pp/d1/t0 has one member: nothing to send to 1"):
+        t.send(torch.zeros(2), 1, 0)
+    with pytest.raises(RuntimeError, match="group pp/d1/t0 has one member: nothing to receive from 1"):
+        t.recv(torch.zeros(2), 1, 0)
+
+
+def test_connect_gloo_gives_a_group_of_one_a_solo_transport():
+    # A one-member group never touches the store: no process group is built.
+    t = connect_gloo(None, "dp/p0/t3", [6], 6, timeout_s=1.0)
+    assert isinstance(t, SoloTransport)
+    assert t.name == "dp/p0/t3"
