@@ -1,5 +1,7 @@
-"""Runs a peer (the torch baseline a benchmark compares Interleaf with) on N spawned
-processes joined by a default gloo process group, the way a torch user would launch it.
+"""The peers' processes: N spawned processes in one default gloo process group, the way
+a torch user launches training, kept alive across the runs of a benchmark as its
+LocalCluster is (so neither side pays process start-up between runs, and each torch run
+follows its Interleaf run closely).
 
 Each process gets one torch thread, as each Interleaf stage server does (`--threads 1`),
 so a ratio compares the systems and not how many cores each side happened to use.
@@ -7,39 +9,92 @@ so a ratio compares the systems and not how many cores each side happened to use
 
 from __future__ import annotations
 
+import datetime
 import os
+import queue
 import tempfile
+import traceback
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-
-def run_peers(fn, world_size: int, *args) -> list:
-    """Calls fn(rank, *args) on `world_size` processes that share a default gloo group;
-    returns their return values in rank order. A rank that raises fails the call (and
-    torch.multiprocessing terminates the others)."""
-    with tempfile.TemporaryDirectory(prefix="interleaf-bench-") as tmp:
-        results = mp.get_context("spawn").SimpleQueue()
-        mp.spawn(
-            _peer,
-            args=(world_size, os.path.join(tmp, "store"), results, fn, args),
-            nprocs=world_size,
-            join=True,
-        )
-        # Results are a few hundred floats per rank: well under the pipe's buffer, so a
-        # child never blocks on put() while the parent is still joining.
-        by_rank = dict(results.get() for _ in range(world_size))
-    return [by_rank[rank] for rank in range(world_size)]
+TIMEOUT_S = 300.0
+"""Bounds each gloo collective, so a rank whose partner failed gives up instead of
+waiting forever, and how long a run may go without any rank answering."""
 
 
-def _peer(rank: int, world_size: int, store_path: str, results, fn, args) -> None:
+class PeerWorld:
+    def __init__(self, size: int):
+        self.size = size
+        self._context = mp.get_context("spawn")
+        self._tmp = tempfile.TemporaryDirectory(prefix="interleaf-bench-")
+        self._tasks = [self._context.SimpleQueue() for _ in range(size)]
+        self._results = self._context.Queue()
+        self._processes = []
+
+    def start(self) -> "PeerWorld":
+        store = os.path.join(self._tmp.name, "store")
+        for rank in range(self.size):
+            process = self._context.Process(
+                target=_serve, args=(rank, self.size, store, self._tasks[rank], self._results), daemon=True
+            )
+            process.start()
+            self._processes.append(process)
+        return self
+
+    def run(self, fn, *args) -> list:
+        """Calls fn(rank, *args) on every rank (fn at module level, picklable) and returns
+        the values in rank order. A rank that raises or dies fails the call; close() then
+        stops the others, which may be stuck in a collective with it."""
+        for tasks in self._tasks:
+            tasks.put((fn, args))
+        values = {}
+        while len(values) < self.size:
+            try:
+                rank, ok, value = self._results.get(timeout=TIMEOUT_S)
+            except queue.Empty:
+                dead = [p.pid for p in self._processes if not p.is_alive()]
+                raise RuntimeError(f"peer run gave no result in {TIMEOUT_S:.0f}s (dead: {dead})") from None
+            if not ok:
+                raise RuntimeError(f"peer rank {rank} failed:\n{value}")
+            values[rank] = value
+        return [values[rank] for rank in range(self.size)]
+
+    def close(self) -> None:
+        for process, tasks in zip(self._processes, self._tasks):
+            if process.is_alive():
+                tasks.put(None)
+        for process in self._processes:
+            process.join(timeout=10)
+            if process.is_alive():
+                process.terminate()
+                process.join()
+        self._processes.clear()
+        self._tmp.cleanup()
+
+    def __enter__(self) -> "PeerWorld":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _serve(rank: int, size: int, store_path: str, tasks, results) -> None:
     torch.set_num_threads(1)
-    # The stage servers bind gloo to 127.0.0.1; the peer's tensors take the same loopback.
+    # The stage servers bind gloo to 127.0.0.1; the peers' tensors take the same loopback.
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
-    store = dist.FileStore(store_path, world_size)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
+    dist.init_process_group(
+        "gloo", store=dist.FileStore(store_path, size), rank=rank, world_size=size,
+        timeout=datetime.timedelta(seconds=TIMEOUT_S),
+    )
     try:
-        results.put((rank, fn(rank, *args)))
+        while (task := tasks.get()) is not None:
+            fn, args = task
+            try:
+                results.put((rank, True, fn(rank, *args)))
+            except Exception:
+                results.put((rank, False, traceback.format_exc()))
+                return
     finally:
         dist.destroy_process_group()

@@ -24,7 +24,7 @@ from clients.launcher import LocalCluster
 from coordinator.config import load_config
 from interleaf_run import run_job
 from measure import format_table, max_relative_difference, median_after, slowest_rank, write_json
-from peer_world import run_peers
+from peer_world import PeerWorld
 
 PP = 2
 MODEL = ["model.n_layers=8", "model.d_model=256", "model.n_heads=8", "model.seq_len=128", "model.vocab_size=256"]
@@ -39,10 +39,10 @@ def overrides(schedule: str, vpp: int, steps: int) -> list[str]:
     ]
 
 
-def compare(client: Client, schedule: str, vpp: int, steps: int, warmup: int) -> dict:
+def compare(client: Client, peers: PeerWorld, schedule: str, vpp: int, steps: int, warmup: int) -> dict:
     sets = overrides(schedule, vpp, steps)
     ours = run_job(client, sets)
-    peer = run_peers(torch_pipeline.train, PP, load_config("", sets))
+    peer = peers.run(torch_pipeline.train, load_config("", sets))
     peer_steps = slowest_rank([r["step_seconds"] for r in peer])
     peer_losses = next(r["losses"] for r in peer if r["losses"] is not None)
     ours_s = median_after(ours["step_seconds"], warmup)
@@ -66,16 +66,18 @@ def main() -> None:
     args = parser.parse_args()
 
     results = []
-    cluster = LocalCluster(PP, threads_per_server=1)
+    cluster, peers = LocalCluster(PP, threads_per_server=1), PeerWorld(PP)
     try:
         cluster.start()
+        peers.start()
         client = Client(cluster.address)
         try:
             for schedule, vpp in LAYOUTS:
-                results.append(compare(client, schedule, vpp, args.steps, args.warmup))
+                results.append(compare(client, peers, schedule, vpp, args.steps, args.warmup))
         finally:
             client.close()
     finally:
+        peers.close()
         cluster.stop()
 
     rows = [

@@ -95,5 +95,5 @@ def train(rank: int, config: JobConfig) -> dict:
         torch_training.step(optimizer, lr_schedule, step)
         times.append(time.perf_counter() - started)
         if last:
-            history.append(float(torch.stack(losses).mean()))
+            history.append(float(torch.stack(losses).detach().mean()))
     return {"step_seconds": times, "losses": history if last else None}

@@ -130,7 +130,8 @@ def cmd_status(args) -> int:
     from clients.client import Client
 
     status = Client(args.coordinator).status(args.job)
-    print(json_format.MessageToJson(status, preserving_proto_field_name=True))
+    print(json_format.MessageToJson(status, preserving_proto_field_name=True,
+                                    always_print_fields_with_no_presence=True))
     return 0
 
 

@@ -269,21 +269,33 @@ def test_sampler_rejects_rows_that_do_not_split_over_replicas(token_file):
         sampler.microbatch(0, 0, replica=0, replicas=3)
 
 
-def test_sampler_rejects_a_file_shorter_than_seq_len_plus_two(tmp_path):
+def test_sampler_rejects_a_file_shorter_than_one_window(tmp_path):
     path = tmp_path / "short.tokens"
-    write_tokens(path, np.arange(SEQ + 1))
-    with pytest.raises(ValueError, match=r"data\.source=.*short\.tokens.* has 17 tokens, fewer than model\.seq_len\+2=18"):
+    write_tokens(path, np.arange(SEQ))
+    with pytest.raises(ValueError, match=r"data\.source=.*short\.tokens.* has 16 tokens, fewer than model\.seq_len\+1=17"):
         Sampler(TokenFile(path), seed=0, seq_len=SEQ, rows_per_microbatch=2)
 
 
-def test_sampler_accepts_a_file_of_exactly_seq_len_plus_two(tmp_path):
+def test_sampler_accepts_a_file_of_exactly_one_window(tmp_path):
     path = tmp_path / "edge.tokens"
-    write_tokens(path, np.arange(SEQ + 2))
+    write_tokens(path, np.arange(SEQ + 1))
     sampler = Sampler(TokenFile(path), seed=0, seq_len=SEQ, rows_per_microbatch=4)
     inputs, targets = sampler.microbatch(0, 0)
-    assert inputs.shape == (4, SEQ)
-    # The file counts up, so every window is a run of consecutive ids inside it.
-    start = inputs[:, :1]
-    assert torch.equal(inputs, start + torch.arange(SEQ))
+    assert torch.equal(inputs, torch.arange(SEQ).expand(4, SEQ))
     assert torch.equal(targets, inputs + 1)
-    assert int(targets.max()) <= SEQ + 1
+
+
+def test_sampler_reaches_the_last_token(tmp_path):
+    path = tmp_path / "two.tokens"
+    write_tokens(path, np.arange(SEQ + 2))
+    sampler = Sampler(TokenFile(path), seed=0, seq_len=SEQ, rows_per_microbatch=64)
+    starts = {int(x) for x in sampler.microbatch(0, 0)[0][:, 0]}
+    # Offsets 0 and 1 are the only windows; with 64 draws both occur.
+    assert starts == {0, 1}
+
+
+def test_empty_token_file_is_refused_by_name(tmp_path):
+    path = tmp_path / "empty.tokens"
+    write_tokens(path, np.zeros(0, np.uint16))
+    with pytest.raises(ValueError, match=r"data\.source=.*empty\.tokens.* holds no tokens"):
+        TokenFile(path)

@@ -19,7 +19,9 @@ def cache_dir() -> pathlib.Path:
 
 def builtin_corpus() -> pathlib.Path:
     path = cache_dir() / f"stdlib-{platform.python_version()}.tokens"
-    if not path.exists():
+    # The sidecar is written after the tokens: once it exists, both are complete, even
+    # while another local server is still building the same cache.
+    if not path.with_name(path.name + ".json").exists():
         stdlib = pathlib.Path(sysconfig.get_paths()["stdlib"])
         sources = sorted(stdlib.glob("*.py"))
         if not sources:

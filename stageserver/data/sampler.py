@@ -16,10 +16,10 @@ from stageserver.data.tokenfile import TokenFile
 
 class Sampler:
     def __init__(self, data: TokenFile, seed: int, seq_len: int, rows_per_microbatch: int):
-        if len(data) < seq_len + 2:
+        if len(data) < seq_len + 1:
             raise ValueError(
                 f"data.source={str(data.path)!r} has {len(data)} tokens, fewer than "
-                f"model.seq_len+2={seq_len + 2}"
+                f"model.seq_len+1={seq_len + 1} (one sample's inputs and targets)"
             )
         self.data = data
         self.seed = seed
@@ -28,7 +28,8 @@ class Sampler:
 
     def offsets(self, step: int, microbatch: int) -> np.ndarray:
         rng = np.random.default_rng([self.seed, step, microbatch])
-        return rng.integers(0, len(self.data) - self.seq_len - 1, size=self.rows)
+        # A window is seq_len+1 tokens; the last one may end at the file's last token.
+        return rng.integers(0, len(self.data) - self.seq_len, size=self.rows)
 
     def microbatch(self, step: int, microbatch: int, replica: int = 0, replicas: int = 1):
         """(inputs, targets), int64 [rows/replicas, seq_len], for one replica's slice."""

@@ -66,6 +66,8 @@ class TokenFile:
             )
         meta = json.loads(sidecar.read_text())
         self.sha256: str = meta["sha256"]
+        if meta["tokens"] == 0 or self.path.stat().st_size == 0:
+            raise ValueError(f"data.source={str(path)!r} holds no tokens")
         self.tokens = np.memmap(self.path, dtype=DTYPES[meta["dtype"]], mode="r")
         if self.tokens.size != meta["tokens"]:
             raise ValueError(
