@@ -12,18 +12,14 @@ of a schedule follow each other, so both see the machine in the same state.
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
-import platform
-
-import torch
 
 import torch_pipeline
 from clients.client import Client
 from clients.launcher import LocalCluster
 from coordinator.config import load_config
 from interleaf_run import run_job
-from measure import format_table, max_relative_difference, median_after, slowest_rank, write_json
+from measure import compare, comparison_table, machine, slowest_rank, write_json
 from peer_world import PeerWorld
 
 PP = 2
@@ -39,32 +35,23 @@ def overrides(schedule: str, vpp: int, steps: int) -> list[str]:
     ]
 
 
-def compare(client: Client, peers: PeerWorld, schedule: str, vpp: int, steps: int, warmup: int) -> dict:
+def run_schedule(client: Client, peers: PeerWorld, schedule: str, vpp: int, steps: int, warmup: int) -> dict:
     sets = overrides(schedule, vpp, steps)
     ours = run_job(client, sets)
-    peer = peers.run(torch_pipeline.train, load_config("", sets))
-    peer_steps = slowest_rank([r["step_seconds"] for r in peer])
-    peer_losses = next(r["losses"] for r in peer if r["losses"] is not None)
-    ours_s = median_after(ours["step_seconds"], warmup)
-    torch_s = median_after(peer_steps, warmup)
-    control_s = median_after(ours["control_seconds"], warmup)
-    return {
-        "schedule": schedule, "vpp": vpp, "overrides": sets,
-        "interleaf_step_seconds": ours_s, "torch_step_seconds": torch_s,
-        "ratio": ours_s / torch_s,
-        "interleaf_control_seconds": control_s, "control_fraction": control_s / ours_s,
-        "max_relative_loss_difference": max_relative_difference(ours["losses"], peer_losses),
-        "interleaf": ours, "torch": {"step_seconds": peer_steps, "losses": peer_losses},
-    }
+    per_rank = peers.run(torch_pipeline.train, load_config("", sets))
+    losses = next(r["losses"] for r in per_rank if r["losses"] is not None)
+    result = compare(ours, slowest_rank([r["step_seconds"] for r in per_rank]), losses, warmup)
+    return {"schedule": schedule, "vpp": vpp, "overrides": sets, **result}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=8, help="training steps per run, warm-up included")
-    parser.add_argument("--warmup", type=int, default=2, help="first steps left out of the medians")
+    parser.add_argument("--warmup", type=int, default=2, help="first steps left out of the figures")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "pipeline_vs_torch.json"))
     args = parser.parse_args()
 
+    before = machine()
     results = []
     cluster, peers = LocalCluster(PP, threads_per_server=1), PeerWorld(PP)
     try:
@@ -73,26 +60,21 @@ def main() -> None:
         client = Client(cluster.address)
         try:
             for schedule, vpp in LAYOUTS:
-                results.append(compare(client, peers, schedule, vpp, args.steps, args.warmup))
+                results.append(run_schedule(client, peers, schedule, vpp, args.steps, args.warmup))
         finally:
             client.close()
     finally:
         peers.close()
         cluster.stop()
+    after = machine()
 
-    rows = [
-        [r["schedule"] + (f" (vpp={r['vpp']})" if r["vpp"] > 1 else ""),
-         f"{r['interleaf_step_seconds']:.3f}", f"{r['torch_step_seconds']:.3f}", f"{r['ratio']:.2f}",
-         f"{r['control_fraction']:.4f}", f"{r['max_relative_loss_difference']:.1e}"]
-        for r in results
-    ]
-    print(format_table(
-        ["schedule", "interleaf s/step", "torch s/step", "ratio", "control fraction", "loss rel. diff"], rows
-    ))
+    labelled = [(r["schedule"] + (f" (vpp={r['vpp']})" if r["vpp"] > 1 else ""), r) for r in results]
+    print(comparison_table("torch", labelled))
+    print(f"{before['cpus']} CPUs, load average {before['load_average_1m']} before, "
+          f"{after['load_average_1m']} after; {args.steps} steps per run, first {args.warmup} left out")
     write_json(args.out, {
-        "benchmark": "pipeline_vs_torch",
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__},
+        "benchmark": "pipeline_vs_torch", "peer": "torch.distributed.pipelining",
+        "machine_before": before, "machine_after": after,
         "steps": args.steps, "warmup": args.warmup, "threads_per_process": 1,
         "results": results,
     })

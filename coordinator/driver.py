@@ -17,11 +17,12 @@ import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 
 import grpc
 
 from coordinator.jobs import JobRecord
-from coordinator.plan import JobPlan, plan_job, setup_requests
+from coordinator.plan import JobPlan, place_servers, plan_job, setup_requests
 from coordinator.registry import Registry
 from protos import interleaf_pb2 as pb
 from protos import interleaf_pb2_grpc as rpc
@@ -33,7 +34,6 @@ STEPS_PER_CALL = 8
 SETUP_TIMEOUT_S = 120.0
 COMM_TIMEOUT_S = 120.0
 STEP_TIMEOUT_S = 600.0
-CLAIM_TIMEOUT_S = 3600.0
 
 
 class JobFailed(RuntimeError):
@@ -90,14 +90,13 @@ class JobDriver(threading.Thread):
     # -- phases ------------------------------------------------------------------
 
     def _claim_and_plan(self) -> JobPlan | None:
-        job, world = self.job, self.job.config.parallel.world_size
+        job = self.job
         slots = None
         while slots is None and not job.cancel_requested.is_set():
-            slots = self.registry.claim(job.job_id, world, timeout_s=1.0)
+            slots = self.registry.claim(job.job_id, partial(place_servers, job.config), timeout_s=1.0)
         if slots is None:
             return None
         plan = plan_job(job.config, slots)
-        self.registry.release(job.job_id, keep={s.server_id for s in plan.servers})
         job.layout, job.ranks, job.groups = plan.layout(), plan.rank_infos(), plan.groups()
         self.stubs = [rpc.StageServerStub(wire.channel(s.address)) for s in plan.servers]
         job.set_state("SETTING_UP")

@@ -65,17 +65,26 @@ def plan_programs(config: JobConfig) -> tuple[list[list[Action]], float]:
     return programs, result.bubble_fraction
 
 
-def plan_job(config: JobConfig, servers: list[ServerSlot]) -> JobPlan:
+def place_servers(config: JobConfig, idle: list[ServerSlot]) -> list[ServerSlot] | None:
+    """The servers for each rank, TP groups kept on one host where possible; None
+    while there are too few idle servers."""
     p = config.parallel
     grid = RankGrid(p.dp, p.pp, p.tp)
-    by_id = {s.server_id: s for s in servers}
-    chosen = place([(s.server_id, s.host) for s in servers], grid)
+    if len(idle) < grid.world_size:
+        return None
+    by_id = {s.server_id: s for s in idle}
+    return [by_id[sid] for sid in place([(s.server_id, s.host) for s in idle], grid)]
+
+
+def plan_job(config: JobConfig, servers: list[ServerSlot]) -> JobPlan:
+    """`servers` are already placed: servers[r] runs rank r."""
+    p = config.parallel
     programs, bubble = plan_programs(config)
     return JobPlan(
-        grid=grid,
+        grid=RankGrid(p.dp, p.pp, p.tp),
         chunks=partitioning.partition(config.model.n_layers, p.pp, p.vpp),
         programs=programs,
-        servers=[by_id[sid] for sid in chosen],
+        servers=list(servers),
         predicted_bubble=bubble,
     )
 

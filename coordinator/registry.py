@@ -68,25 +68,28 @@ class Registry:
         with self._lock:
             return sorted(self._servers.values(), key=lambda e: e.address)
 
-    def claim(self, job_id: str, count: int, timeout_s: float) -> list[ServerSlot] | None:
-        """Waits until `count` live idle servers exist, marks them busy for the job and
-        returns them; None on timeout."""
+    def claim(self, job_id: str, choose, timeout_s: float) -> list[ServerSlot] | None:
+        """Waits until `choose(idle servers)` picks some, marks exactly those busy for
+        the job and returns them in the order chosen; None on timeout. `choose` returns
+        None while the idle servers cannot host the job."""
         deadline = time.monotonic() + timeout_s
         with self._lock:
             while True:
-                idle = [e for e in self._servers.values() if e.alive and not e.job_id]
-                if len(idle) >= count:
-                    for entry in idle:
-                        entry.job_id = job_id
-                    return [e.slot() for e in sorted(idle, key=lambda e: e.address)]
+                idle = sorted((e for e in self._servers.values() if e.alive and not e.job_id),
+                              key=lambda e: e.address)
+                chosen = choose([e.slot() for e in idle])
+                if chosen is not None:
+                    for slot in chosen:
+                        self._servers[slot.server_id].job_id = job_id
+                    return chosen
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     return None
                 self.changed.wait(min(remaining, HEARTBEAT_INTERVAL_S))
 
-    def release(self, job_id: str, keep: set[str] = frozenset()) -> None:
+    def release(self, job_id: str) -> None:
         with self._lock:
             for entry in self._servers.values():
-                if entry.job_id == job_id and entry.server_id not in keep:
+                if entry.job_id == job_id:
                     entry.job_id = ""
             self.changed.notify_all()

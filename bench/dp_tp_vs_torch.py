@@ -1,0 +1,88 @@
+"""Interleaf's data and tensor parallelism against their torch baselines, side by side.
+
+  dp=2: two Interleaf replicas of the whole model against torch
+        DistributedDataParallel on two processes, each replica taking half of every
+        microbatch and all-reducing gradients once per step.
+  tp=2: Interleaf's Megatron-style tensor parallelism over two processes against the
+        whole model in one process (what tp=2 has to beat to be worth its traffic).
+
+Every process runs one torch thread; each Interleaf run is followed at once by its peer.
+
+    python bench/dp_tp_vs_torch.py [--steps 8] [--warmup 2] [--out PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import single_process
+import torch_ddp
+from clients.client import Client
+from clients.launcher import LocalCluster
+from coordinator.config import load_config
+from interleaf_run import run_job
+from measure import compare, comparison_table, machine, slowest_rank, write_json
+from peer_world import PeerWorld
+
+MODEL = ["model.n_layers=8", "model.d_model=256", "model.n_heads=8", "model.seq_len=128", "model.vocab_size=256"]
+
+
+def overrides(dp: int, tp: int, steps: int) -> list[str]:
+    return MODEL + [
+        f"parallel.dp={dp}", f"parallel.tp={tp}", "parallel.pp=1", "parallel.vpp=1",
+        "parallel.schedule=1f1b", "parallel.microbatches=4",
+        "train.global_batch=16", f"train.steps={steps}",
+    ]
+
+
+def run_pair(client: Client, peers: PeerWorld, peer_fn, sets: list[str], warmup: int) -> dict:
+    ours = run_job(client, sets)
+    per_rank = peers.run(peer_fn, load_config("", sets))
+    # Replicas hold equal rows, so the step's loss is the mean of theirs.
+    losses = [sum(step) / len(step) for step in zip(*(r["losses"] for r in per_rank))]
+    return {"overrides": sets, **compare(ours, slowest_rank([r["step_seconds"] for r in per_rank]), losses, warmup)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=8, help="training steps per run, warm-up included")
+    parser.add_argument("--warmup", type=int, default=2, help="first steps left out of the figures")
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "dp_tp_vs_torch.json"))
+    args = parser.parse_args()
+
+    before = machine()
+    cluster, ddp_world, solo_world = LocalCluster(2, threads_per_server=1), PeerWorld(2), PeerWorld(1)
+    try:
+        cluster.start()
+        ddp_world.start()
+        solo_world.start()
+        client = Client(cluster.address)
+        try:
+            dp = run_pair(client, ddp_world, torch_ddp.train, overrides(2, 1, args.steps), args.warmup)
+            tp = run_pair(client, solo_world, single_process.train, overrides(1, 2, args.steps), args.warmup)
+        finally:
+            client.close()
+    finally:
+        solo_world.close()
+        ddp_world.close()
+        cluster.stop()
+    after = machine()
+
+    print(comparison_table("peer", [("dp=2 vs torch DDP", dp), ("tp=2 vs 1 process", tp)]))
+    print(f"{before['cpus']} CPUs, load average {before['load_average_1m']} before, "
+          f"{after['load_average_1m']} after; {args.steps} steps per run, first {args.warmup} left out")
+    write_json(args.out, {
+        "benchmark": "dp_tp_vs_torch",
+        "machine_before": before, "machine_after": after,
+        "steps": args.steps, "warmup": args.warmup, "threads_per_process": 1,
+        "results": {
+            "dp": {"peer": "torch DistributedDataParallel, 2 processes", **dp},
+            "tp": {"peer": "clients/reference.py in 1 process", **tp},
+        },
+    })
+    print(f"results written to {args.out}")
+
+
+if __name__ == "__main__":
+    main()
