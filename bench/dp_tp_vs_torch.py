@@ -16,16 +16,17 @@ from __future__ import annotations
 import argparse
 import os
 
-import single_process
-import torch_ddp
 from clients.client import Client
 from clients.launcher import LocalCluster
 from coordinator.config import load_config
+
+# Siblings in bench/ (the script's own directory is first on sys.path).
+import single_process
+import torch_ddp
 from interleaf_run import run_job
 from measure import compare, comparison_table, machine, slowest_rank, write_json
 from peer_world import PeerWorld
-
-MODEL = ["model.n_layers=8", "model.d_model=256", "model.n_heads=8", "model.seq_len=128", "model.vocab_size=256"]
+from workload import MODEL
 
 
 def overrides(dp: int, tp: int, steps: int) -> list[str]:

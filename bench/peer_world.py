@@ -13,6 +13,7 @@ import datetime
 import os
 import queue
 import tempfile
+import time
 import traceback
 
 import torch
@@ -21,7 +22,7 @@ import torch.multiprocessing as mp
 
 TIMEOUT_S = 300.0
 """Bounds each gloo collective, so a rank whose partner failed gives up instead of
-waiting forever, and how long a run may go without any rank answering."""
+waiting forever, and how long a run may take."""
 
 
 class PeerWorld:
@@ -34,6 +35,9 @@ class PeerWorld:
         self._processes = []
 
     def start(self) -> "PeerWorld":
+        """Starts the processes and returns once every one has joined the group, so
+        that their start-up (importing torch, connecting gloo) never overlaps a
+        measured run."""
         store = os.path.join(self._tmp.name, "store")
         for rank in range(self.size):
             process = self._context.Process(
@@ -41,6 +45,7 @@ class PeerWorld:
             )
             process.start()
             self._processes.append(process)
+        self._collect("start")
         return self
 
     def run(self, fn, *args) -> list:
@@ -49,15 +54,25 @@ class PeerWorld:
         stops the others, which may be stuck in a collective with it."""
         for tasks in self._tasks:
             tasks.put((fn, args))
+        return self._collect(getattr(fn, "__qualname__", str(fn)))
+
+    def _collect(self, what: str) -> list:
         values = {}
+        deadline = time.monotonic() + TIMEOUT_S
         while len(values) < self.size:
             try:
-                rank, ok, value = self._results.get(timeout=TIMEOUT_S)
+                rank, ok, value = self._results.get(timeout=1.0)
             except queue.Empty:
-                dead = [p.pid for p in self._processes if not p.is_alive()]
-                raise RuntimeError(f"peer run gave no result in {TIMEOUT_S:.0f}s (dead: {dead})") from None
+                # A rank that failed put its traceback first, so it was read above;
+                # one that died without a word (killed, crashed) is found here.
+                dead = [r for r, p in enumerate(self._processes) if not p.is_alive() and r not in values]
+                if dead:
+                    raise RuntimeError(f"peer {what}: ranks {dead} exited without answering") from None
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"peer {what}: no answer in {TIMEOUT_S:.0f}s") from None
+                continue
             if not ok:
-                raise RuntimeError(f"peer rank {rank} failed:\n{value}")
+                raise RuntimeError(f"peer {what} failed on rank {rank}:\n{value}")
             values[rank] = value
         return [values[rank] for rank in range(self.size)]
 
@@ -88,6 +103,7 @@ def _serve(rank: int, size: int, store_path: str, tasks, results) -> None:
         "gloo", store=dist.FileStore(store_path, size), rank=rank, world_size=size,
         timeout=datetime.timedelta(seconds=TIMEOUT_S),
     )
+    results.put((rank, True, "ready"))
     try:
         while (task := tasks.get()) is not None:
             fn, args = task

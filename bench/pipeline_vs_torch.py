@@ -14,16 +14,18 @@ from __future__ import annotations
 import argparse
 import os
 
-import torch_pipeline
 from clients.client import Client
 from clients.launcher import LocalCluster
 from coordinator.config import load_config
+
+# Siblings in bench/ (the script's own directory is first on sys.path).
+import torch_pipeline
 from interleaf_run import run_job
 from measure import compare, comparison_table, machine, slowest_rank, write_json
 from peer_world import PeerWorld
+from workload import MODEL
 
 PP = 2
-MODEL = ["model.n_layers=8", "model.d_model=256", "model.n_heads=8", "model.seq_len=128", "model.vocab_size=256"]
 LAYOUTS = [("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2)]  # (schedule, chunks per rank)
 
 

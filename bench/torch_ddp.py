@@ -14,11 +14,12 @@ import time
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-import torch_training
 from coordinator.config import JobConfig
 from stageserver.data import Sampler, resolve_source
 from stageserver.model import GPTConfig, full_model
 from stageserver.optim import Schedule
+
+import torch_training  # sibling in bench/
 
 
 def train(rank: int, config: JobConfig) -> dict:

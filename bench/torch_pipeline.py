@@ -20,14 +20,16 @@ from torch.distributed.pipelining import (
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
 )
+from torch.distributed.pipelining.schedules import PipelineScheduleMulti
 
-import torch_training
 from coordinator.config import JobConfig
 from coordinator.partition import chunks_of, partition
 from stageserver.data import Sampler, resolve_source
 from stageserver.model import GPTChunk, GPTConfig
 from stageserver.optim import Schedule
 from stageserver.transport import SoloTransport
+
+import torch_training  # sibling in bench/
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved-1f1b": ScheduleInterleaved1F1B}
 
@@ -53,8 +55,8 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 def train(rank: int, config: JobConfig) -> dict:
     m, p, t = config.model, config.parallel, config.train
-    if p.pp != dist.get_world_size() or p.dp != 1 or p.tp != 1:
-        raise ValueError(f"the pipeline peer runs pp={dist.get_world_size()} with dp=tp=1")
+    if p.pp != 2 or dist.get_world_size() != 2 or p.dp != 1 or p.tp != 1:
+        raise ValueError("the pipeline peer runs pp=2, dp=tp=1 on 2 processes")
     gpt = GPTConfig(m.n_layers, m.d_model, m.n_heads, m.seq_len, m.vocab_size)
     held = chunks_of(partition(m.n_layers, p.pp, p.vpp), rank)
     chunks = [GPTChunk(gpt, c.layers, c.has_embedding, c.has_head, SoloTransport(), t.seed) for c in held]
@@ -63,10 +65,12 @@ def train(rank: int, config: JobConfig) -> dict:
         for c, chunk in zip(held, chunks)
     ]
     kind = SCHEDULES[p.schedule]
-    schedule = kind(stages if p.vpp > 1 else stages[0], p.microbatches, loss_fn=cross_entropy)
+    held_stages = stages if issubclass(kind, PipelineScheduleMulti) else stages[0]
+    schedule = kind(held_stages, p.microbatches, loss_fn=cross_entropy)
 
-    # With pp >= 2 the embedding (first chunk) and the head (last chunk) sit on different
-    # ranks, each with its own copy of the tied weight, as in Interleaf.
+    # With pp=2 the embedding (first chunk, rank 0) and the head (last chunk, rank 1)
+    # each hold a copy of the tied weight, as in Interleaf; one all-reduce over the
+    # world sums their gradients.
     tied = [chunk.wte.weight for c, chunk in zip(held, chunks) if c.has_embedding or c.has_head]
     params = [param for chunk in chunks for param in chunk.parameters()]
     head_copy = {id(chunk.wte.weight) for c, chunk in zip(held, chunks) if c.has_head and not c.has_embedding}

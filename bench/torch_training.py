@@ -27,11 +27,11 @@ def adamw(chunks: list[GPTChunk], weight_decay: float) -> torch.optim.AdamW:
 
 
 def clip_global_norm(params: list[torch.Tensor], counted: list[torch.Tensor], max_norm: float,
-                     across_ranks: bool) -> float:
+                     across_ranks: bool) -> None:
     """Scales the gradients of `params` so that the global norm is at most max_norm.
     The norm counts `counted` only (a rank's copy of the tied embedding that another
     rank also holds is scaled, not counted); with across_ranks, the sum of squares is
-    all-reduced over the default group first. Returns the norm before clipping."""
+    all-reduced over the default group first."""
     sumsq = torch.zeros(1, dtype=torch.float64)
     for param in counted:
         sumsq += param.grad.double().square().sum()
@@ -42,7 +42,6 @@ def clip_global_norm(params: list[torch.Tensor], counted: list[torch.Tensor], ma
     if coefficient < 1.0:
         for param in params:
             param.grad.mul_(coefficient)
-    return norm
 
 
 def step(optimizer: torch.optim.AdamW, schedule: Schedule, step_index: int) -> None:
