@@ -7,6 +7,7 @@ must reproduce its losses and final parameters (DESIGN.md, "The equivalence cont
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 
@@ -16,7 +17,7 @@ from coordinator.config import JobConfig
 from stageserver.data import Sampler, resolve_source
 from stageserver.flat import FlatParams
 from stageserver.model import GPTConfig, full_model
-from stageserver.optim import AdamW, Schedule, clip_coefficient
+from stageserver.optim import AdamW, Schedule, clip_coefficient, squared_norm
 
 
 @dataclass
@@ -47,7 +48,7 @@ def train(config: JobConfig, on_step=None) -> tuple[list[ReferenceStep], dict[st
             loss = model(inputs, targets)
             (loss / microbatches).backward()
             losses.append(loss.item())
-        norm = float(flat.grad.double().square().sum().sqrt())
+        norm = math.sqrt(squared_norm(flat.grad))
         coefficient = clip_coefficient(norm, t.grad_clip)
         if coefficient < 1.0:
             flat.grad.mul_(coefficient)

@@ -16,7 +16,7 @@ from protos.actions import Action
 from stageserver.data import Sampler
 from stageserver.flat import FlatParams
 from stageserver.model import GPTChunk, GPTConfig
-from stageserver.optim import AdamW, Schedule, clip_coefficient
+from stageserver.optim import AdamW, Schedule, clip_coefficient, squared_norm
 from stageserver.transport import Transport
 
 TIED = "wte.weight"
@@ -63,7 +63,7 @@ class ModelState:
         self.chunks: dict[int, GPTChunk] = {}
         self.flats: dict[int, FlatParams] = {}
         self.optimizers: dict[int, AdamW] = {}
-        self.norm_masks: dict[int, torch.Tensor] = {}
+        self.norm_segments: dict[int, list[tuple[int, int]]] = {}
         for plan in chunks:
             chunk = GPTChunk(config, plan.layers, plan.has_embedding, plan.has_head, self.tp, train.seed)
             specs = chunk.param_specs()
@@ -71,22 +71,30 @@ class ModelState:
             self.chunks[plan.index] = chunk
             self.flats[plan.index] = flat
             self.optimizers[plan.index] = AdamW(flat.data, flat.decay_mask, train.weight_decay)
-            self.norm_masks[plan.index] = self._norm_mask(plan, flat, specs)
+            self.norm_segments[plan.index] = self._norm_segments(plan, flat, specs)
 
-    def _norm_mask(self, plan: ChunkPlan, flat: FlatParams, specs) -> torch.Tensor:
-        """1 where this rank's gradient element counts toward the global norm.
+    def _norm_segments(self, plan: ChunkPlan, flat: FlatParams, specs) -> list[tuple[int, int]]:
+        """The [start, end) ranges of the flat gradient that this rank counts toward the
+        global norm.
 
         Every element of the model must count exactly once over the world: replicas
         (dp rank > 0) count nothing, tensor-replicated parameters count on tp rank 0
         only, and the last chunk's copy of the tied embedding not at all.
         """
-        mask = torch.zeros_like(flat.data) if self.dp.rank > 0 else torch.ones_like(flat.data)
+        if self.dp.rank > 0:
+            return []
+        segments: list[tuple[int, int]] = []
         for name, spec in specs.items():
             duplicate = spec.tp_dim is None and self.tp.rank > 0
             tied_copy = spec.tied and plan.has_head and not plan.has_embedding
             if duplicate or tied_copy:
-                flat.view(name, mask).zero_()
-        return mask
+                continue
+            start, n = flat.offsets[name]
+            if segments and segments[-1][1] == start:
+                segments[-1] = (segments[-1][0], start + n)  # merge neighbours
+            else:
+                segments.append((start, start + n))
+        return segments
 
     # -- what the executor asks for ------------------------------------------------
 
@@ -127,9 +135,9 @@ class ModelState:
             flat.check_grads_in_place()
             if self.dp.size > 1:
                 flat.grad.div_(self.dp.size)
-        sumsq = torch.zeros(1, dtype=torch.float64)
-        for index, flat in self.flats.items():
-            sumsq += (flat.grad.double().square() * self.norm_masks[index]).sum()
+        sumsq = torch.tensor([sum(squared_norm(flat.grad[start:end])
+                                  for index, flat in self.flats.items()
+                                  for start, end in self.norm_segments[index])], dtype=torch.float64)
         self.groups["world"].all_reduce(sumsq)
         norm = float(sumsq.sqrt())
         coefficient = clip_coefficient(norm, self.train.grad_clip)

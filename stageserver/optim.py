@@ -14,6 +14,19 @@ import torch
 BETAS = (0.9, 0.95)
 EPS = 1e-8
 MIN_LR_RATIO = 0.1
+SLICE = 1 << 16
+"""Elements per slice of the flat buffers: every elementwise pass over a slice finds it
+in cache, where whole-buffer passes would stream it from memory once per operation."""
+
+
+def squared_norm(tensor: torch.Tensor) -> float:
+    """Sum of squares in float64, one cache-sized slice at a time: the precision of a
+    double sum without a full-size double copy of the gradients."""
+    total = 0.0
+    for part in tensor.reshape(-1).split(SLICE):
+        wide = part.double()
+        total += float(torch.dot(wide, wide))
+    return total
 
 
 @dataclass(frozen=True)
@@ -53,10 +66,12 @@ class AdamW:
     def step(self, grad: torch.Tensor, lr: float) -> None:
         self.steps += 1
         beta1, beta2 = BETAS
-        self.params.mul_(1.0 - lr * self.decay)
-        self.exp_avg.lerp_(grad, 1.0 - beta1)
-        self.exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
         bias1 = 1.0 - beta1**self.steps
-        bias2 = 1.0 - beta2**self.steps
-        denom = (self.exp_avg_sq.sqrt() / math.sqrt(bias2)).add_(EPS)
-        self.params.addcdiv_(self.exp_avg, denom, value=-lr / bias1)
+        bias2_sqrt = math.sqrt(1.0 - beta2**self.steps)
+        parts = zip(*(t.split(SLICE) for t in (self.params, grad, self.exp_avg, self.exp_avg_sq, self.decay)))
+        for params, g, exp_avg, exp_avg_sq, decay in parts:
+            params.mul_(1.0 - lr * decay)
+            exp_avg.lerp_(g, 1.0 - beta1)
+            exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
+            denom = (exp_avg_sq.sqrt() / bias2_sqrt).add_(EPS)
+            params.addcdiv_(exp_avg, denom, value=-lr / bias1)
