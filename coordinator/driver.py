@@ -48,8 +48,6 @@ def _fan_out(fn, items):
         return [f.result() for f in futures]
 
 
-def _rpc_error(rank: int, err: grpc.RpcError) -> JobFailed:
-    return JobFailed(f"rank {rank}: {err.details()}")
 
 
 class JobDriver(threading.Thread):
@@ -59,6 +57,7 @@ class JobDriver(threading.Thread):
         self.registry = registry
         self.store = store
         self.stubs: list[rpc.StageServerStub] = []
+        self.addresses: list[str] = []
 
     def run(self) -> None:
         job = self.job
@@ -82,6 +81,10 @@ class JobDriver(threading.Thread):
         self.registry.release(job.job_id)
         job.set_state(state, error)
 
+    def _rpc_error(self, rank: int, err: grpc.RpcError) -> JobFailed:
+        address = self.addresses[rank] if rank < len(self.addresses) else "?"
+        return JobFailed(f"rank {rank} ({address}) {err.code().name}: {err.details()}")
+
     def cancel(self) -> None:
         """Stops the job now: tearing down the servers ends their RunSteps streams."""
         self.job.cancel_requested.set()
@@ -98,7 +101,8 @@ class JobDriver(threading.Thread):
             return None
         plan = plan_job(job.config, slots)
         job.layout, job.ranks, job.groups = plan.layout(), plan.rank_infos(), plan.groups()
-        self.stubs = [rpc.StageServerStub(wire.channel(s.address)) for s in plan.servers]
+        self.addresses = [s.address for s in plan.servers]
+        self.stubs = [rpc.StageServerStub(wire.channel(a)) for a in self.addresses]
         job.set_state("SETTING_UP")
         return plan
 
@@ -111,7 +115,7 @@ class JobDriver(threading.Thread):
             try:
                 return self.stubs[rank].Setup(request, timeout=SETUP_TIMEOUT_S)
             except grpc.RpcError as err:
-                raise _rpc_error(rank, err) from None
+                raise self._rpc_error(rank, err) from None
 
         replies = _fan_out(prepare, requests)
         digests = {r.data_sha256 for r in replies}
@@ -125,7 +129,7 @@ class JobDriver(threading.Thread):
             try:
                 stub.Connect(pb.JobRef(job_id=job.job_id), timeout=COMM_TIMEOUT_S + 10)
             except grpc.RpcError as err:
-                raise _rpc_error(rank, err) from None
+                raise self._rpc_error(rank, err) from None
 
         _fan_out(connect, self.stubs)
 
@@ -149,7 +153,7 @@ class JobDriver(threading.Thread):
                 for report in stub.RunSteps(request, timeout=STEP_TIMEOUT_S * count):
                     reports.put(report)
             except grpc.RpcError as err:
-                reports.put(_rpc_error(rank, err))
+                reports.put(self._rpc_error(rank, err))
             reports.put(None)
 
         threads = [threading.Thread(target=stream, args=(r, s), daemon=True) for r, s in enumerate(self.stubs)]
@@ -204,7 +208,7 @@ class JobDriver(threading.Thread):
             try:
                 return stub.SaveParameters(pb.SaveRequest(job_id=job.job_id, path=files[rank]), timeout=SETUP_TIMEOUT_S)
             except grpc.RpcError as err:
-                raise _rpc_error(rank, err) from None
+                raise self._rpc_error(rank, err) from None
 
         replies = _fan_out(save, self.stubs)
         manifest = {
