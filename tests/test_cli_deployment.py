@@ -53,3 +53,12 @@ def test_cancel_and_servers(cluster):
     watched = _cli(cluster, "watch", job_id)
     assert watched.returncode == 1 and f"job {job_id} CANCELLED" in watched.stderr
     assert _cli(cluster, "servers").stdout.count("IDLE") == SERVERS
+
+
+def test_run_against_a_running_coordinator(cluster, tmp_path):
+    metrics = tmp_path / "m.jsonl"
+    result = _cli(cluster, "run", *_sets(TINY + LAYOUT), "--metrics-out", str(metrics))
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.startswith("submitted job-")
+    assert "starting a coordinator" not in result.stderr
+    assert len(metrics.read_text().splitlines()) == 3
