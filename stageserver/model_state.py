@@ -16,10 +16,9 @@ from protos.actions import Action
 from stageserver.data import Sampler
 from stageserver.flat import FlatParams
 from stageserver.model import GPTChunk, GPTConfig
+from stageserver.model.gpt import TIED
 from stageserver.optim import AdamW, Schedule, clip_coefficient, squared_norm
 from stageserver.transport import Transport
-
-TIED = "wte.weight"
 
 
 @dataclass(frozen=True)
