@@ -13,8 +13,6 @@ Every process runs one torch thread; each Interleaf run is followed at once by i
 
 from __future__ import annotations
 
-import argparse
-import os
 
 from clients.client import Client
 from clients.launcher import LocalCluster
@@ -24,7 +22,7 @@ from coordinator.config import load_config
 import single_process
 import torch_ddp
 from interleaf_run import run_job
-from measure import compare, comparison_table, machine, slowest_rank, write_json
+from measure import arguments, compare, comparison_table, machine, slowest_rank, write_json
 from peer_world import PeerWorld
 from workload import MODEL
 
@@ -46,11 +44,7 @@ def run_pair(client: Client, peers: PeerWorld, peer_fn, sets: list[str], warmup:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=8, help="training steps per run, warm-up included")
-    parser.add_argument("--warmup", type=int, default=2, help="first steps left out of the figures")
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "dp_tp_vs_torch.json"))
-    args = parser.parse_args()
+    args = arguments(__doc__.splitlines()[0], "dp_tp_vs_torch")
 
     before = machine()
     cluster, ddp_world, solo_world = LocalCluster(2, threads_per_server=1), PeerWorld(2), PeerWorld(1)

@@ -8,6 +8,7 @@ absolute seconds on a shared 2-core machine say little on their own.
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 import os
@@ -96,3 +97,12 @@ def machine() -> dict:
         "python": platform.python_version(),
         "torch": torch.__version__,
     }
+
+
+def arguments(description: str, name: str) -> argparse.Namespace:
+    """The options every benchmark takes."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--steps", type=int, default=8, help="training steps per run, warm-up included")
+    parser.add_argument("--warmup", type=int, default=2, help="first steps left out of the figures")
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", f"{name}.json"))
+    return parser.parse_args()

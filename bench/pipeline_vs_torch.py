@@ -11,8 +11,6 @@ of a schedule follow each other, so both see the machine in the same state.
 
 from __future__ import annotations
 
-import argparse
-import os
 
 from clients.client import Client
 from clients.launcher import LocalCluster
@@ -21,7 +19,7 @@ from coordinator.config import load_config
 # Siblings in bench/ (the script's own directory is first on sys.path).
 import torch_pipeline
 from interleaf_run import run_job
-from measure import compare, comparison_table, machine, slowest_rank, write_json
+from measure import arguments, compare, comparison_table, machine, slowest_rank, write_json
 from peer_world import PeerWorld
 from workload import MODEL
 
@@ -47,11 +45,7 @@ def run_schedule(client: Client, peers: PeerWorld, schedule: str, vpp: int, step
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=8, help="training steps per run, warm-up included")
-    parser.add_argument("--warmup", type=int, default=2, help="first steps left out of the figures")
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "pipeline_vs_torch.json"))
-    args = parser.parse_args()
+    args = arguments(__doc__.splitlines()[0], "pipeline_vs_torch")
 
     before = machine()
     results = []
