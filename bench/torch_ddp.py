@@ -15,9 +15,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from coordinator.config import JobConfig
-from stageserver.data import Sampler, resolve_source
 from stageserver.model import GPTConfig, full_model
-from stageserver.optim import Schedule
 
 import torch_training  # sibling in bench/
 
@@ -30,9 +28,7 @@ def train(rank: int, config: JobConfig) -> dict:
     model = full_model(GPTConfig(m.n_layers, m.d_model, m.n_heads, m.seq_len, m.vocab_size), t.seed)
     ddp = DistributedDataParallel(model)
     params = list(model.parameters())
-    optimizer = torch_training.adamw([model], t.weight_decay)
-    lr_schedule = Schedule(t.lr, t.warmup_steps, t.steps)
-    sampler = Sampler(resolve_source(config.data.source), t.seed, m.seq_len, t.global_batch // p.microbatches)
+    optimizer, lr_schedule, sampler = torch_training.training_setup(config, [model])
     times, history = [], []
     for step in range(t.steps):
         started = time.perf_counter()

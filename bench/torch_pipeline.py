@@ -24,9 +24,7 @@ from torch.distributed.pipelining.schedules import PipelineScheduleMulti
 
 from coordinator.config import JobConfig
 from coordinator.partition import chunks_of, partition
-from stageserver.data import Sampler, resolve_source
 from stageserver.model import GPTChunk, GPTConfig
-from stageserver.optim import Schedule
 from stageserver.transport import SoloTransport
 
 import torch_training  # sibling in bench/
@@ -78,9 +76,7 @@ def train(rank: int, config: JobConfig) -> dict:
     first = any(c.has_embedding for c in held)
     last = any(c.has_head for c in held)
 
-    optimizer = torch_training.adamw(chunks, t.weight_decay)
-    lr_schedule = Schedule(t.lr, t.warmup_steps, t.steps)
-    sampler = Sampler(resolve_source(config.data.source), t.seed, m.seq_len, t.global_batch // p.microbatches)
+    optimizer, lr_schedule, sampler = torch_training.training_setup(config, chunks)
     times, history = [], []
     for step in range(t.steps):
         started = time.perf_counter()

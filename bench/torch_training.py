@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from coordinator.config import JobConfig
+from stageserver.data import Sampler, resolve_source
 from stageserver.model import GPTChunk
 from stageserver.optim import BETAS, EPS, Schedule, clip_coefficient
 
@@ -49,3 +51,13 @@ def step(optimizer: torch.optim.AdamW, schedule: Schedule, step_index: int) -> N
     for group in optimizer.param_groups:
         group["lr"] = lr
     optimizer.step()
+
+
+def training_setup(config: JobConfig, chunks: list[GPTChunk]):
+    """The peer's optimizer, learning-rate schedule and sampler, matched to Interleaf's."""
+    m, p, t = config.model, config.parallel, config.train
+    return (
+        adamw(chunks, t.weight_decay),
+        Schedule(t.lr, t.warmup_steps, t.steps),
+        Sampler(resolve_source(config.data.source), t.seed, m.seq_len, t.global_batch // p.microbatches),
+    )

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import pathlib
-
 from protos import interleaf_pb2 as pb
 from protos import interleaf_pb2_grpc as rpc
 from protos import wire
@@ -20,9 +18,6 @@ class Client:
     def submit(self, config_toml: str = "", overrides: list[str] = ()) -> pb.JobStatus:
         request = pb.SubmitJobRequest(config_toml=config_toml, overrides=list(overrides))
         return self._stub.SubmitJob(request, timeout=RPC_TIMEOUT_S)
-
-    def submit_file(self, path: str | None, overrides: list[str] = ()) -> pb.JobStatus:
-        return self.submit(pathlib.Path(path).read_text() if path else "", overrides)
 
     def status(self, job_id: str) -> pb.JobStatus:
         return self._stub.GetJob(pb.JobRef(job_id=job_id), timeout=RPC_TIMEOUT_S)

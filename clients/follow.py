@@ -24,27 +24,23 @@ class MetricsOut:
             self.file.close()
 
 
-def follow(client, job_id: str, steps: int, metrics: MetricsOut, quiet: bool = False):
-    progress = None if quiet else Progress(steps)
-    final = None
+def follow(client, job_id: str, steps: int, metrics: MetricsOut) -> int:
+    """Shows progress and writes metrics until the job ends; returns the exit status."""
+    progress = Progress(steps)
     for event in client.watch(job_id):
         if event.HasField("step"):
             s = event.step
             metrics.write(step=s.step, loss=s.loss, tokens=s.tokens, step_seconds=s.step_seconds,
                           tokens_per_second=s.tokens_per_second, grad_norm=s.grad_norm, lr=s.lr,
                           control_seconds=s.control_seconds, bubble_seconds=s.bubble_seconds)
-            if progress:
-                progress.update(s.step, s.loss, s.tokens_per_second)
-        else:
-            final = event.status
-            if final.state == "RUNNING" and not quiet:
-                print(final.layout, file=sys.stderr)
-    if progress:
-        progress.close()
+            progress.update(s.step, s.loss, s.tokens_per_second)
+        elif event.status.state == "RUNNING":
+            print(event.status.layout, file=sys.stderr)
+    progress.close()
     status = client.status(job_id)
     if status.state != "SUCCEEDED":
         print(f"job {job_id} {status.state}: {status.error}", file=sys.stderr)
         return 1
     if status.checkpoint:
         print(f"parameters written: {status.checkpoint}", file=sys.stderr)
-    return 0 if final is None or final.state == "SUCCEEDED" else 1
+    return 0

@@ -166,11 +166,6 @@ class JobConfig:
                 f"parallel.dp*parallel.microbatches={p.dp * p.microbatches}"
             )
 
-    @property
-    def microbatch_size(self) -> int:
-        """Samples per microbatch per data-parallel replica."""
-        return self.train.global_batch // (self.parallel.dp * self.parallel.microbatches)
-
 
 _SECTION_TYPES = {
     "model": ModelConfig,

@@ -48,8 +48,6 @@ def _fan_out(fn, items):
         return [f.result() for f in futures]
 
 
-
-
 class JobDriver(threading.Thread):
     def __init__(self, job: JobRecord, registry: Registry, store: tuple[str, int]):
         super().__init__(name=f"driver-{job.job_id}", daemon=True)

@@ -40,9 +40,6 @@ COMPUTE = frozenset({Kind.FORWARD, Kind.BACKWARD})
 SENDS = frozenset({Kind.SEND_ACT, Kind.SEND_GRAD})
 RECVS = frozenset({Kind.RECV_ACT, Kind.RECV_GRAD})
 P2P = SENDS | RECVS
-# The receive that matches each send: an activation sent by chunk c is received as
-# chunk c+1's input; a gradient sent by chunk c is received as chunk c-1's output grad.
-MATCHING_RECV = {Kind.SEND_ACT: Kind.RECV_ACT, Kind.SEND_GRAD: Kind.RECV_GRAD}
 
 
 @dataclass(frozen=True, order=True)

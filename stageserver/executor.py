@@ -95,15 +95,13 @@ class Executor:
 
     def _forward(self, a: Action, state: _StepState) -> None:
         chunk = self.model.chunks[a.chunk]
-        targets = None
+        # Token ids feed the first chunk, targets the last; one read serves a chunk with both.
+        tokens = self.model.microbatch(state.step, a.microbatch) if chunk.has_embedding or chunk.has_head else None
         if chunk.has_embedding:
-            x, first_targets = self.model.microbatch(state.step, a.microbatch)
-            if chunk.has_head:
-                targets = first_targets
+            x = tokens[0]
         else:
             x = state.activations.pop((a.chunk, a.microbatch)).requires_grad_()
-        if chunk.has_head and targets is None:
-            targets = self.model.microbatch(state.step, a.microbatch)[1]
+        targets = tokens[1] if chunk.has_head else None
         t0 = time.perf_counter()
         out = chunk(x, targets) if chunk.has_head else chunk(x)
         state.compute_s += time.perf_counter() - t0

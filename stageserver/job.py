@@ -95,10 +95,6 @@ class StageJob:
         last = self.request.grid.pp * self.request.vpp - 1
         return any(c.index == last for c in self.chunks) and self.request.coordinates.tp == 0
 
-    @property
-    def parameter_count(self) -> int:
-        return sum(p.numel() for _, p, _ in self.model.named_parameters()) if self.model else 0
-
     def run_step(self, step: int) -> StepStats:
         if self.executor is None:
             raise RuntimeError(f"job {self.job_id} is not connected")

@@ -48,7 +48,6 @@ def test_defaults_are_a_valid_interleaved_job():
     assert config == JobConfig()
     assert config.parallel.schedule == "interleaved-1f1b"
     assert config.parallel.world_size == 2
-    assert config.microbatch_size == 4
 
 
 def test_toml_then_overrides_in_order():
