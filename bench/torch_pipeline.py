@@ -91,7 +91,8 @@ def train(rank: int, config: JobConfig) -> dict:
                       losses=losses, return_outputs=False)
         for weight in tied:
             dist.all_reduce(weight.grad)
-        torch_training.clip_global_norm(params, counted, t.grad_clip, across_ranks=True)
+        torch_training.clip_global_norm([q.grad for q in params], [q.grad for q in counted], t.grad_clip,
+                                        across_ranks=True)
         torch_training.step(optimizer, lr_schedule, step)
         times.append(time.perf_counter() - started)
         if last:

@@ -18,32 +18,38 @@ from stageserver.model import GPTChunk
 from stageserver.optim import BETAS, EPS, Schedule, clip_coefficient
 
 
-def adamw(chunks: list[GPTChunk], weight_decay: float) -> torch.optim.AdamW:
+def param_groups(chunks: list[GPTChunk], weight_decay: float) -> list[dict]:
+    """Interleaf's two groups: decayed (matrices, embeddings) and not (biases, norms).
+    Names are read after any wrapping (fully_shard keeps them), so the parameters
+    grouped are the ones the optimizer will see."""
     decay, plain = [], []
     for chunk in chunks:
         specs = chunk.param_specs()
         for name, param in chunk.named_parameters():
             (decay if specs[name].weight_decay else plain).append(param)
-    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": plain, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=0.0, betas=BETAS, eps=EPS)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": plain, "weight_decay": 0.0}]
 
 
-def clip_global_norm(params: list[torch.Tensor], counted: list[torch.Tensor], max_norm: float,
+def adamw(chunks: list[GPTChunk], weight_decay: float) -> torch.optim.AdamW:
+    return torch.optim.AdamW(param_groups(chunks, weight_decay), lr=0.0, betas=BETAS, eps=EPS)
+
+
+def clip_global_norm(grads: list[torch.Tensor], counted: list[torch.Tensor], max_norm: float,
                      across_ranks: bool) -> None:
-    """Scales the gradients of `params` so that the global norm is at most max_norm.
-    The norm counts `counted` only (a rank's copy of the tied embedding that another
-    rank also holds is scaled, not counted); with across_ranks, the sum of squares is
-    all-reduced over the default group first."""
+    """Scales `grads` in place so that the global norm is at most max_norm. The norm
+    counts `counted` only (a rank's copy of the tied embedding that another rank also
+    holds is scaled, not counted; a shard counts only its own elements); with
+    across_ranks, the sum of squares is all-reduced over the default group first."""
     sumsq = torch.zeros(1, dtype=torch.float64)
-    for param in counted:
-        sumsq += param.grad.double().square().sum()
+    for grad in counted:
+        sumsq += grad.double().square().sum()
     if across_ranks:
         dist.all_reduce(sumsq)
     norm = float(sumsq.sqrt())
     coefficient = clip_coefficient(norm, max_norm)
     if coefficient < 1.0:
-        for param in params:
-            param.grad.mul_(coefficient)
+        for grad in grads:
+            grad.mul_(coefficient)
 
 
 def step(optimizer: torch.optim.AdamW, schedule: Schedule, step_index: int) -> None:
@@ -53,11 +59,12 @@ def step(optimizer: torch.optim.AdamW, schedule: Schedule, step_index: int) -> N
     optimizer.step()
 
 
-def training_setup(config: JobConfig, chunks: list[GPTChunk]):
-    """The peer's optimizer, learning-rate schedule and sampler, matched to Interleaf's."""
+def training_setup(config: JobConfig, chunks: list[GPTChunk], optimizer=adamw):
+    """The peer's optimizer (`optimizer(chunks, weight_decay)`), learning-rate schedule
+    and sampler, matched to Interleaf's."""
     m, p, t = config.model, config.parallel, config.train
     return (
-        adamw(chunks, t.weight_decay),
+        optimizer(chunks, t.weight_decay),
         Schedule(t.lr, t.warmup_steps, t.steps),
         Sampler(resolve_source(config.data.source), t.seed, m.seq_len, t.global_batch // p.microbatches),
     )

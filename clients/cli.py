@@ -105,14 +105,14 @@ def cmd_schedule(args) -> int:
 def cmd_coordinator(args) -> int:
     from coordinator.main import serve
 
-    serve(args.host, args.port, args.bind, args.store_port)
+    serve(args.host, args.port, args.bind, args.store_port, args.steps_per_call)
     return 0
 
 
 def cmd_stage_server(args) -> int:
     from stageserver.main import serve
 
-    serve(args.coordinator, args.host, args.port, args.bind, args.threads)
+    serve(args.coordinator, args.host, args.port, args.bind, args.threads, args.memory_bytes)
     return 0
 
 
@@ -203,6 +203,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=50051)
     p.add_argument("--bind", default="0.0.0.0")
     p.add_argument("--store-port", type=int, default=0, help="gloo rendezvous store port (0: any free port)")
+    p.add_argument("--steps-per-call", type=int, default=8,
+                   help="steps per RunSteps call to each server (control traffic is per call)")
     p.set_defaults(fn=cmd_coordinator)
 
     p = sub.add_parser("stage-server", help="serve a stage server")
@@ -211,6 +213,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--bind", default="0.0.0.0")
     p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
+    p.add_argument("--memory-bytes", type=int, default=0,
+                   help="memory this server offers to jobs (0: the machine's physical memory); "
+                        "the coordinator refuses jobs predicted to need more")
     p.set_defaults(fn=cmd_stage_server)
 
     p = sub.add_parser("submit", help="submit a job, print its id")

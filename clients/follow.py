@@ -8,6 +8,13 @@ import sys
 from clients.progress import Progress
 
 
+def _block_control(s) -> dict:
+    """The control-plane figures, on the step that ends a RunSteps block only."""
+    if not s.block_steps:
+        return {}
+    return {"block_steps": s.block_steps, "block_control_seconds": s.block_control_seconds}
+
+
 class MetricsOut:
     """--metrics-out: one JSON object per step."""
 
@@ -32,7 +39,9 @@ def follow(client, job_id: str, steps: int, metrics: MetricsOut) -> int:
             s = event.step
             metrics.write(step=s.step, loss=s.loss, tokens=s.tokens, step_seconds=s.step_seconds,
                           tokens_per_second=s.tokens_per_second, grad_norm=s.grad_norm, lr=s.lr,
-                          control_seconds=s.control_seconds, bubble_seconds=s.bubble_seconds)
+                          bubble_seconds=s.bubble_seconds, **_block_control(s),
+                          ranks=[{f.name: getattr(r, f.name) for f in r.DESCRIPTOR.fields}
+                                 for r in s.ranks])
             progress.update(s.step, s.loss, s.tokens_per_second)
         elif event.status.state == "RUNNING":
             print(event.status.layout, file=sys.stderr)

@@ -15,6 +15,7 @@ import sys
 import time
 
 from clients.client import Client
+from stageserver.main import physical_memory_bytes
 
 PR_SET_PDEATHSIG = 1
 
@@ -25,10 +26,15 @@ def _die_with_parent() -> None:
 
 
 class LocalCluster:
-    def __init__(self, servers: int, threads_per_server: int | None = None, log_dir: str | None = None):
+    def __init__(self, servers: int, threads_per_server: int | None = None, log_dir: str | None = None,
+                 steps_per_call: int | None = None, memory_per_server: int | None = None):
         self.count = servers
         self.threads = threads_per_server or max(1, (os.cpu_count() or 1) // servers)
         self.log_dir = log_dir
+        self.steps_per_call = steps_per_call
+        # The servers share this machine: each offers its share of the memory, so the
+        # coordinator's admission check sees what the machine can really hold.
+        self.memory_per_server = memory_per_server or physical_memory_bytes() // servers
         self.processes: list[subprocess.Popen] = []
         self.address = ""
 
@@ -46,8 +52,9 @@ class LocalCluster:
 
     def start(self, timeout_s: float = 120.0) -> "LocalCluster":
         try:
+            extra = ["--steps-per-call", str(self.steps_per_call)] if self.steps_per_call else []
             coordinator = self._spawn(
-                ["coordinator", "--host", "127.0.0.1", "--port", "0"], "coordinator", stdout=subprocess.PIPE
+                ["coordinator", "--host", "127.0.0.1", "--port", "0", *extra], "coordinator", stdout=subprocess.PIPE
             )
             line = coordinator.stdout.readline().decode()
             if "listening on" not in line:
@@ -56,7 +63,8 @@ class LocalCluster:
             for i in range(self.count):
                 self._spawn(
                     ["stage-server", "--coordinator", self.address, "--host", "127.0.0.1",
-                     "--port", "0", "--threads", str(self.threads)],
+                     "--port", "0", "--threads", str(self.threads),
+                     "--memory-bytes", str(self.memory_per_server)],
                     f"stage-server-{i}",
                 )
             self._wait_for_servers(timeout_s)

@@ -13,6 +13,9 @@ import tomllib
 from dataclasses import dataclass, field
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
+PRECISIONS = ("fp32", "bf16", "fp64")
+RECOMPUTE = ("none", "full")
+MAX_ZERO_PREFETCH = 4
 MAX_TOKEN_ID = 2**32 - 1
 
 
@@ -66,7 +69,16 @@ class ParallelConfig:
     microbatches: int = 4
     """Microbatches per step (gradient accumulation through the pipeline)."""
     zero: int = 0
-    """ZeRO stage; 0 (plain data parallelism) is the one this release runs."""
+    """ZeRO stage over the data-parallel group: 0 replicates everything (gradients
+    all-reduced); 1 shards the optimizer state (fp32 master weights and Adam moments);
+    2 also the gradients (reduce-scattered); 3 also the parameters (gathered before a
+    chunk's forwards and backwards, released after). With dp=1 every stage runs and
+    shards over the one rank, which holds everything, as stage 0 does."""
+    zero_prefetch: int = 1
+    """ZeRO-3: how many parameter gathers are issued ahead of the compute that needs
+    them (0: each gather waits in front of its first use; 1: the next chunk's gather
+    overlaps the current chunk's compute). Bounds the gathered chunks a rank holds at
+    once to zero_prefetch + 1."""
 
     def __post_init__(self):
         _positive("parallel", self, "dp", "tp", "pp", "vpp", "microbatches")
@@ -84,8 +96,12 @@ class ParallelConfig:
                 f"parallel.microbatches={self.microbatches} must be a multiple of "
                 f"parallel.pp={self.pp} for interleaved-1f1b"
             )
-        if self.zero != 0:
-            raise ConfigError(f"parallel.zero={self.zero} must be 0: ZeRO stages 1-3 are not available yet")
+        if not 0 <= self.zero <= 3:
+            raise ConfigError(f"parallel.zero={self.zero} must be 0, 1, 2 or 3")
+        if not 0 <= self.zero_prefetch <= MAX_ZERO_PREFETCH:
+            raise ConfigError(
+                f"parallel.zero_prefetch={self.zero_prefetch} must be between 0 and {MAX_ZERO_PREFETCH}"
+            )
 
     @property
     def world_size(self) -> int:
@@ -108,9 +124,20 @@ class TrainConfig:
     """Clip the global gradient norm (over all ranks) to this; 0 turns clipping off."""
     seed: int = 1234
     """Seeds the initial weights and the sample order."""
+    precision: str = "fp32"
+    """fp32; bf16 (bf16 parameters, activations and gradients for compute, fp32 master
+    weights, Adam moments and gradient reductions, softmax and loss in fp32); or fp64
+    (everything float64: the verification mode, with no rounding noise to hide a bug)."""
+    recompute: str = "none"
+    """none, or full: a chunk keeps only its input after a forward and recomputes its
+    activations in the backward (less activation memory for a second forward)."""
 
     def __post_init__(self):
         _positive("train", self, "steps", "global_batch")
+        if self.precision not in PRECISIONS:
+            raise ConfigError(f"train.precision={self.precision!r} must be one of {', '.join(PRECISIONS)}")
+        if self.recompute not in RECOMPUTE:
+            raise ConfigError(f"train.recompute={self.recompute!r} must be one of {', '.join(RECOMPUTE)}")
         if not self.lr > 0:
             raise ConfigError(f"train.lr={self.lr} must be greater than 0")
         for name in ("warmup_steps", "weight_decay", "grad_clip", "seed"):

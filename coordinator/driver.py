@@ -30,7 +30,6 @@ from protos import wire
 
 log = logging.getLogger("interleaf.coordinator")
 
-STEPS_PER_CALL = 8
 SETUP_TIMEOUT_S = 120.0
 COMM_TIMEOUT_S = 120.0
 STEP_TIMEOUT_S = 600.0
@@ -49,8 +48,9 @@ def _fan_out(fn, items):
 
 
 class JobDriver(threading.Thread):
-    def __init__(self, job: JobRecord, registry: Registry, store: tuple[str, int]):
+    def __init__(self, job: JobRecord, registry: Registry, store: tuple[str, int], steps_per_call: int = 8):
         super().__init__(name=f"driver-{job.job_id}", daemon=True)
+        self.steps_per_call = steps_per_call
         self.job = job
         self.registry = registry
         self.store = store
@@ -135,13 +135,15 @@ class JobDriver(threading.Thread):
         job, steps = self.job, self.job.config.train.steps
         step = 0
         while step < steps and not job.cancel_requested.is_set():
-            count = min(STEPS_PER_CALL, steps - step)
+            count = min(self.steps_per_call, steps - step)
             self._run_block(plan, step, count)
             step += count
 
     def _run_block(self, plan: JobPlan, first: int, count: int) -> None:
         """One RunSteps call per server; step events are published as soon as every
-        rank has reported that step."""
+        rank has reported that step, the last one with the block's control time: the
+        wall time from issuing the calls until every stream ended, beyond the slowest
+        rank's total time inside its steps."""
         job, world = self.job, plan.grid.world_size
         reports: queue.Queue = queue.Queue()
         request = pb.RunStepsRequest(job_id=job.job_id, first_step=first, num_steps=count)
@@ -159,7 +161,8 @@ class JobDriver(threading.Thread):
         for t in threads:
             t.start()
         pending: dict[int, list[pb.StepReport]] = {}
-        finished, last_time, inside = 0, started, 0.0
+        inside = [0.0] * world  # per rank, seconds inside its steps
+        finished, last_time, held = 0, started, None
         while finished < world:
             item = reports.get()
             if item is None:
@@ -167,17 +170,22 @@ class JobDriver(threading.Thread):
                 continue
             if isinstance(item, JobFailed):
                 raise item
+            inside[item.rank] += item.step_seconds
             pending.setdefault(item.step, []).append(item)
             if len(pending[item.step]) == world:
                 now = time.perf_counter()
                 event = self._step_event(pending.pop(item.step), now - last_time)
-                inside += event.step_seconds
                 last_time = now
-                job.add_step(event)
+                if held is not None:
+                    job.add_step(held)
+                held = event  # the block's last event waits for the streams to end
         for t in threads:
             t.join()
-        outside = (time.perf_counter() - started) - inside
-        log.info("steps %d-%d: control %.4fs outside %d steps", first, first + count - 1, outside, count)
+        held.block_control_seconds = (time.perf_counter() - started) - max(inside)
+        held.block_steps = count
+        job.add_step(held)
+        log.info("steps %d-%d: control %.4fs beyond the slowest rank", first, first + count - 1,
+                 held.block_control_seconds)
 
     def _step_event(self, reports: list[pb.StepReport], wall_s: float) -> pb.StepEvent:
         config = self.job.config
@@ -192,7 +200,7 @@ class JobDriver(threading.Thread):
             tokens_per_second=tokens / wall_s if wall_s > 0 else 0.0,
             grad_norm=reports[0].grad_norm,
             lr=reports[0].lr,
-            control_seconds=max(0.0, wall_s - slowest),
+            ranks=sorted((r.memory for r in reports), key=lambda m: m.rank),
             bubble_seconds=sum(r.comm_wait_seconds for r in reports) / len(reports),
         )
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import datetime
 import logging
 import signal
-import threading
 
 import torch.distributed as dist
 
@@ -16,14 +15,14 @@ from protos import wire
 log = logging.getLogger("interleaf.coordinator")
 
 
-def serve(host: str, port: int, bind: str, store_port: int, ready: threading.Event | None = None) -> None:
+def serve(host: str, port: int, bind: str, store_port: int, steps_per_call: int = 8) -> None:
     # Stage servers rendezvous here to build their gloo groups; each job attempt uses
     # its own key prefix, so one store serves every job.
     store = dist.TCPStore(
         bind, store_port, is_master=True, wait_for_workers=False,
         timeout=datetime.timedelta(seconds=300),
     )
-    service = CoordinatorService((host, store.port))
+    service = CoordinatorService((host, store.port), steps_per_call)
     server = wire.server(threads=64)
     rpc.add_CoordinatorServicer_to_server(service, server)
     bound = server.add_insecure_port(f"{bind}:{port}")

@@ -13,7 +13,8 @@ from protos import interleaf_pb2_grpc as rpc
 
 
 class CoordinatorService(rpc.CoordinatorServicer):
-    def __init__(self, store_address: tuple[str, int]):
+    def __init__(self, store_address: tuple[str, int], steps_per_call: int = 8):
+        self.steps_per_call = steps_per_call
         self.registry = Registry()
         self.jobs = JobTable()
         self.drivers: dict[str, JobDriver] = {}
@@ -34,7 +35,8 @@ class CoordinatorService(rpc.CoordinatorServicer):
         return pb.ServerList(
             servers=[
                 pb.ServerInfo(server_id=e.server_id, address=e.address, host=e.host,
-                              device=e.device, state=e.state, job_id=e.job_id)
+                              device=e.device, state=e.state, job_id=e.job_id,
+                              memory_bytes=e.memory_bytes)
                 for e in self.registry.servers()
             ]
         )
@@ -45,7 +47,7 @@ class CoordinatorService(rpc.CoordinatorServicer):
         except ConfigError as err:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
         record = self.jobs.create(config)
-        driver = JobDriver(record, self.registry, self.store_address)
+        driver = JobDriver(record, self.registry, self.store_address, self.steps_per_call)
         self.drivers[record.job_id] = driver
         driver.start()
         return record.status()

@@ -12,7 +12,12 @@ Every action has a compact string form that round-trips through `parse`:
     RA4.1<1     receive chunk 4's input activation of microbatch 1 from pipeline rank 1
     SG4.1>1     send the gradient of chunk 4's input, microbatch 1, to pipeline rank 1
     RG3.1<2     receive the gradient of chunk 3's output, microbatch 1, from pipeline rank 2
-    DP3         reduce chunk 3's gradients over the data-parallel group
+    DP3         all-reduce chunk 3's gradients over the data-parallel group (ZeRO-0)
+    RS3         reduce-scatter chunk 3's gradients: each data-parallel rank keeps the sum
+                of its shard (ZeRO-1/2 once per step, ZeRO-3 after each run of backwards)
+    AG3         all-gather chunk 3's parameters from the data-parallel shards (ZeRO-3
+                before the chunk's compute; ZeRO-1/2 after the optimizer step)
+    RP3         release chunk 3's gathered parameters (ZeRO-3)
     TIE         all-reduce the tied embedding's gradient (first and last stage)
     OPT         optimizer step
 """
@@ -32,6 +37,9 @@ class Kind(enum.Enum):
     SEND_GRAD = "SG"
     RECV_GRAD = "RG"
     REDUCE_GRADS = "DP"
+    REDUCE_SCATTER_GRADS = "RS"
+    GATHER_PARAMS = "AG"
+    RELEASE_PARAMS = "RP"
     REDUCE_TIED_GRADS = "TIE"
     OPTIMIZER_STEP = "OPT"
 
@@ -40,6 +48,9 @@ COMPUTE = frozenset({Kind.FORWARD, Kind.BACKWARD})
 SENDS = frozenset({Kind.SEND_ACT, Kind.SEND_GRAD})
 RECVS = frozenset({Kind.RECV_ACT, Kind.RECV_GRAD})
 P2P = SENDS | RECVS
+PER_CHUNK = frozenset({Kind.REDUCE_GRADS, Kind.REDUCE_SCATTER_GRADS, Kind.GATHER_PARAMS,
+                       Kind.RELEASE_PARAMS})
+REDUCTIONS = frozenset({Kind.REDUCE_GRADS, Kind.REDUCE_SCATTER_GRADS})
 
 
 @dataclass(frozen=True, order=True)
@@ -57,7 +68,7 @@ class Action:
             return f"{k}{self.chunk}.{self.microbatch}>{self.peer}"
         if self.kind in RECVS:
             return f"{k}{self.chunk}.{self.microbatch}<{self.peer}"
-        if self.kind is Kind.REDUCE_GRADS:
+        if self.kind in PER_CHUNK:
             return f"{k}{self.chunk}"
         return k
 
@@ -79,7 +90,7 @@ class Action:
         raise ValueError(f"{self} moves no tensor")
 
 
-_PATTERN = re.compile(r"^(SA|RA|SG|RG|DP|TIE|OPT|F|B)(\d+)?(?:\.(\d+))?(?:[<>](\d+))?$")
+_PATTERN = re.compile(r"^(SA|RA|SG|RG|DP|RS|AG|RP|TIE|OPT|F|B)(\d+)?(?:\.(\d+))?(?:[<>](\d+))?$")
 
 
 def parse(text: str) -> Action:

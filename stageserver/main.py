@@ -20,16 +20,16 @@ log = logging.getLogger("interleaf.stageserver")
 RPC_TIMEOUT_S = 10.0
 
 
-def _memory_bytes() -> int:
+def physical_memory_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 class Registrar(threading.Thread):
-    def __init__(self, coordinator: str, address: str, host: str, stop: threading.Event):
+    def __init__(self, coordinator: str, address: str, host: str, stop: threading.Event, memory_bytes: int):
         super().__init__(name="registrar", daemon=True)
         self.stub = rpc.CoordinatorStub(wire.channel(coordinator))
         self.request = pb.RegisterRequest(
-            address=address, host=host, device="cpu", memory_bytes=_memory_bytes()
+            address=address, host=host, device="cpu", memory_bytes=memory_bytes
         )
         self.stop = stop
         self.server_id = ""
@@ -52,7 +52,7 @@ class Registrar(threading.Thread):
             self.stop.wait(interval)
 
 
-def serve(coordinator: str, host: str, port: int, bind: str, threads: int) -> None:
+def serve(coordinator: str, host: str, port: int, bind: str, threads: int, memory_bytes: int = 0) -> None:
     if threads > 0:
         torch.set_num_threads(threads)
     server = wire.server()
@@ -60,7 +60,7 @@ def serve(coordinator: str, host: str, port: int, bind: str, threads: int) -> No
     bound = server.add_insecure_port(f"{bind}:{port}")
     server.start()
     stop = threading.Event()
-    Registrar(coordinator, f"{host}:{bound}", host, stop).start()
+    Registrar(coordinator, f"{host}:{bound}", host, stop, memory_bytes or physical_memory_bytes()).start()
     log.info("stage server on %s:%d, coordinator %s", host, bound, coordinator)
 
     def shutdown(*_):

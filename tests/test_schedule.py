@@ -38,10 +38,12 @@ def test_every_kind_round_trips_through_its_string():
     actions = [Action(F, 3, 1), Action(B, 3, 1), Action(Kind.SEND_ACT, 3, 1, 2),
                Action(Kind.RECV_ACT, 4, 1, 1), Action(Kind.SEND_GRAD, 4, 1, 1),
                Action(Kind.RECV_GRAD, 3, 1, 2), Action(Kind.REDUCE_GRADS, 3),
+               Action(Kind.REDUCE_SCATTER_GRADS, 3), Action(Kind.GATHER_PARAMS, 5),
+               Action(Kind.RELEASE_PARAMS, 5),
                Action(Kind.REDUCE_TIED_GRADS), Action(Kind.OPTIMIZER_STEP)]
     assert {a.kind for a in actions} == set(Kind)
     assert [str(a) for a in actions] == ["F3.1", "B3.1", "SA3.1>2", "RA4.1<1", "SG4.1>1",
-                                         "RG3.1<2", "DP3", "TIE", "OPT"]
+                                         "RG3.1<2", "DP3", "RS3", "AG5", "RP5", "TIE", "OPT"]
     assert [parse(str(a)) for a in actions] == actions
 
 

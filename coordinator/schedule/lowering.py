@@ -1,4 +1,5 @@
-"""Passes 2 and 3 of lowering: point-to-point communication, then gradient sync.
+"""Passes 2 and 3 of lowering: point-to-point communication, then gradient sync
+(ZeRO-3's parameter gathers are pass 4, in `zero.py`).
 
 Each pass is a pure function from programs to programs; `build_programs` composes them
 after `compute_order`. The executor and the simulator read the result with these
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 from protos.actions import Action, Kind
 from .compute_order import compute_order
+from .zero import add_param_gathers, compute_runs
 
 
 def add_p2p(orders: list[list[Action]], pp: int, vpp: int) -> list[list[Action]]:
@@ -47,64 +49,98 @@ def _p2p_for_rank(order: list[Action], rank: int, pp: int, last: int) -> list[Ac
 
 
 def add_gradient_sync(program: list[Action], rank: int, pp: int, vpp: int, dp: int,
-                      tied_embedding_pipeline: bool) -> list[Action]:
+                      tied_embedding_pipeline: bool, zero: int = 0) -> list[Action]:
     """Adds the gradient reductions and the optimizer step to one rank's program.
 
-    - dp > 1: REDUCE_GRADS(c) right after the last backward of chunk c on this rank
-      (and after that backward's SEND_GRAD), so the chunk's data-parallel reduction
-      overlaps the backwards still to run. Every chunk the rank owns (rank, rank+pp,
-      ... below pp*vpp) must have a backward.
+    - ZeRO-0 with dp > 1: REDUCE_GRADS(c) (an all-reduce) right after the last backward
+      of chunk c on this rank (and after that backward's SEND_GRAD), so the chunk's
+      reduction overlaps the backwards still to run. Every chunk the rank owns (rank,
+      rank+pp, ... below pp*vpp) must have a backward.
+    - ZeRO-1/2: REDUCE_SCATTER_GRADS(c) at the same point: each data-parallel rank keeps
+      the sum of its shard (stage 2 then frees the full-size gradient). After the
+      optimizer step, GATHER_PARAMS(c) for every owned chunk all-gathers the updated
+      shards into the full working parameters.
+    - ZeRO-3: REDUCE_SCATTER_GRADS(c) after the last backward of every run (see
+      `zero.compute_runs`) of chunk c that has backwards, so the full-size gradient lives
+      only while its run does; the parameters are gathered by `zero.add_param_gathers`.
     - `tied_embedding_pipeline` (the model ties its input and output embeddings) and
       more than one chunk: the embedding's two copies live with chunk 0 on rank 0 and
       with the last chunk on rank pp-1, so those ranks append REDUCE_TIED_GRADS after
-      all backwards (with pp=1 both copies are on rank 0 and it sums them locally).
-    - OPTIMIZER_STEP comes last on every rank.
+      all backwards (with pp=1 both copies are on rank 0 and it sums them locally). It
+      sums whatever the optimizer reads: the full gradient under ZeRO-0, the shard
+      otherwise (the embedding has a flat buffer of its own, so both copies' shards
+      hold the same rows).
+    - OPTIMIZER_STEP after every reduction.
 
-    Order rule: REDUCE_GRADS and REDUCE_TIED_GRADS are collectives, and every member of
-    a group must issue its collectives in the same order (NCCL and gloo hang or mix up
-    tensors otherwise). REDUCE_GRADS(c) runs in the DP group of chunk c's owner: all its
-    members are replicas of this pipeline rank and run this very program, so their
-    order matches. REDUCE_TIED_GRADS is the only collective of the two-member tie group
-    (ranks 0 and pp-1), and each of them issues it once.
+    Order rule: reductions and REDUCE_TIED_GRADS are collectives, and every member of a
+    group must issue its collectives in the same order (NCCL and gloo hang or mix up
+    tensors otherwise). A chunk's reductions and gathers run in the DP group of its
+    owner: all its members are replicas of this pipeline rank and run this very
+    program, so their order matches. REDUCE_TIED_GRADS is the only collective of the
+    two-member tie group (ranks 0 and pp-1), and each of them issues it once.
     """
-    reduce_after = _reduction_points(program, rank, pp, vpp) if dp > 1 else {}
+    if zero == 3:
+        reduce_after = _run_reduction_points(program)
+    elif zero or dp > 1:
+        reduce_after = _reduction_points(program, rank, pp, vpp)
+    else:
+        reduce_after = {}
+    kind = Kind.REDUCE_SCATTER_GRADS if zero else Kind.REDUCE_GRADS
     synced: list[Action] = []
     for i, action in enumerate(program):
         synced.append(action)
         if i in reduce_after:
-            synced.append(Action(Kind.REDUCE_GRADS, reduce_after[i]))
+            synced.append(Action(kind, reduce_after[i]))
     if tied_embedding_pipeline and pp * vpp > 1 and rank in (0, pp - 1):
         synced.append(Action(Kind.REDUCE_TIED_GRADS))
     synced.append(Action(Kind.OPTIMIZER_STEP))
+    if zero in (1, 2):
+        synced += [Action(Kind.GATHER_PARAMS, c) for c in range(rank, pp * vpp, pp)]
     return synced
 
 
+def _after_send_grad(program: list[Action], index: int) -> int:
+    # The backward's SEND_GRAD (if any) stays directly behind it: the send is
+    # non-blocking, and the upstream rank should not wait out our reduction.
+    if index + 1 < len(program) and program[index + 1].kind is Kind.SEND_GRAD:
+        return index + 1
+    return index
+
+
 def _reduction_points(program: list[Action], rank: int, pp: int, vpp: int) -> dict[int, int]:
-    """Maps the index after which each owned chunk's REDUCE_GRADS goes to that chunk."""
+    """Maps the index after which each owned chunk's reduction goes to that chunk."""
     last_backward = {a.chunk: i for i, a in enumerate(program) if a.kind is Kind.BACKWARD}
     points = {}
     for chunk in range(rank, pp * vpp, pp):
         if chunk not in last_backward:
             raise ValueError(f"rank {rank} owns chunk {chunk} but its program has no "
                              f"backward for it, so its gradients would never be reduced")
-        index = last_backward[chunk]
-        # The backward's SEND_GRAD (if any) stays directly behind it: the send is
-        # non-blocking, and the upstream rank should not wait out our reduction.
-        if index + 1 < len(program) and program[index + 1].kind is Kind.SEND_GRAD:
-            index += 1
-        points[index] = chunk
+        points[_after_send_grad(program, last_backward[chunk])] = chunk
+    return points
+
+
+def _run_reduction_points(program: list[Action]) -> dict[int, int]:
+    """ZeRO-3: one reduction after the last backward of each run that has backwards."""
+    points = {}
+    for run in compute_runs(program):
+        backwards = [i for i in run.indices if program[i].kind is Kind.BACKWARD]
+        if backwards:
+            points[_after_send_grad(program, backwards[-1])] = run.chunk
     return points
 
 
 def build_programs(schedule: str, pp: int, vpp: int, microbatches: int,
-                   dp: int) -> list[list[Action]]:
+                   dp: int, zero: int = 0, prefetch: int = 1) -> list[list[Action]]:
     """One program per pipeline rank; its DP and TP replicas run the same program.
 
     GPT's input and output embeddings are always tied (DESIGN.md, "Model and tensor
     parallelism"), so the tie reduction is added whenever the model has several chunks.
     """
     programs = add_p2p(compute_order(schedule, pp, vpp, microbatches), pp, vpp)
-    return [
-        add_gradient_sync(program, rank, pp, vpp, dp, tied_embedding_pipeline=True)
+    programs = [
+        add_gradient_sync(program, rank, pp, vpp, dp, tied_embedding_pipeline=True, zero=zero)
         for rank, program in enumerate(programs)
     ]
+    if zero == 3:
+        programs = [add_param_gathers(program, prefetch) for program in programs]
+    return programs

@@ -7,18 +7,13 @@ fails at run time.
 
 from __future__ import annotations
 
-from protos.actions import COMPUTE, RECVS, SENDS, Action, Kind
-
-
-class ProgramError(ValueError):
-    def __init__(self, rank: int, index: int | None, action: Action | None, reason: str):
-        self.rank, self.index, self.action = rank, index, action
-        where = f"rank {rank}" if index is None else f"rank {rank}, action {index} ({action})"
-        super().__init__(f"{where}: {reason}")
+from protos.actions import COMPUTE, PER_CHUNK, RECVS, SENDS, Action, Kind
+from .errors import ProgramError
+from .zero_rules import check_zero
 
 
 def validate_programs(programs: list[list[Action]], pp: int, vpp: int,
-                      microbatches: int) -> None:
+                      microbatches: int, zero: int = 0) -> None:
     """Raises ProgramError on the first rule a program breaks:
 
     - every action's chunk lives on its rank, and every send/receive names the rank
@@ -27,8 +22,10 @@ def validate_programs(programs: list[list[Action]], pp: int, vpp: int,
     - every send has exactly one matching receive on its peer and vice versa;
     - a receive comes before the compute that consumes it, a send after the one that
       produces it; a chunk's REDUCE_GRADS comes once, after all of its backwards;
-    - REDUCE_TIED_GRADS is only on the first and last rank; OPTIMIZER_STEP is last and
-      appears once.
+    - REDUCE_TIED_GRADS is only on the first and last rank; OPTIMIZER_STEP appears once,
+      last (under ZeRO-1/2 followed only by the gathers of the updated parameters);
+    - the ZeRO rules of `zero_rules.check_zero` for the stage: the reductions and
+      gathers it uses, no use of a parameter before its gather or after its release.
     """
     if len(programs) != pp:
         raise ValueError(f"got {len(programs)} programs for pp={pp}")
@@ -36,13 +33,13 @@ def validate_programs(programs: list[list[Action]], pp: int, vpp: int,
         _check_placement(program, rank, pp, vpp)
         _check_compute(program, rank, pp, vpp, microbatches)
         _check_ordering(program, rank, pp, vpp)
+        check_zero(program, rank, pp, vpp, zero)
     _check_matching(programs)
 
 
 def _check_placement(program: list[Action], rank: int, pp: int, vpp: int) -> None:
     for i, a in enumerate(program):
-        if a.kind in COMPUTE or a.kind in SENDS or a.kind in RECVS \
-                or a.kind is Kind.REDUCE_GRADS:
+        if a.kind in COMPUTE or a.kind in SENDS or a.kind in RECVS or a.kind in PER_CHUNK:
             if not 0 <= a.chunk < pp * vpp or a.chunk % pp != rank:
                 raise ProgramError(rank, i, a, f"chunk {a.chunk} does not live on rank "
                                                f"{rank} (chunk c lives on rank c % {pp})")
@@ -54,10 +51,12 @@ def _check_placement(program: list[Action], rank: int, pp: int, vpp: int) -> Non
         if a.kind is Kind.REDUCE_TIED_GRADS and (pp * vpp == 1 or rank not in (0, pp - 1)):
             raise ProgramError(rank, i, a, "only the ranks of the first and last of several "
                                            "chunks hold a copy of the tied embedding")
-        if a.kind is Kind.OPTIMIZER_STEP and i != len(program) - 1:
-            raise ProgramError(rank, i, a, "the optimizer step must be the last action")
-    if not program or program[-1].kind is not Kind.OPTIMIZER_STEP:
-        raise ProgramError(rank, None, None, "program does not end with OPT")
+        if a.kind is Kind.OPTIMIZER_STEP and any(b.kind is not Kind.GATHER_PARAMS
+                                                 for b in program[i + 1:]):
+            raise ProgramError(rank, i, a, "the optimizer step must be the last action "
+                                           "(but for the gathers of the updated parameters)")
+    if sum(a.kind is Kind.OPTIMIZER_STEP for a in program) != 1:
+        raise ProgramError(rank, None, None, "program must have exactly one OPT")
 
 
 def _source_chunk(recv: Action) -> int:

@@ -130,12 +130,18 @@ class VocabParallelEmbedding(nn.Module):
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     """Cross-entropy over logits split along the vocabulary, as Megatron's
-    _VocabParallelCrossEntropy: only per-token scalars cross the network, never logits."""
+    _VocabParallelCrossEntropy: only per-token scalars cross the network, never logits.
+
+    Logits narrower than float32 (bf16, fp16) are upcast first: the softmax, its saved
+    copy and the loss are float32 (DESIGN.md, Precision), while the gradient goes back in
+    the logits' own dtype. float32 and float64 logits are used as they are."""
 
     @staticmethod
     def forward(ctx, logits_shard: torch.Tensor, targets: torch.Tensor, tp: Transport):
         local_vocab = logits_shard.size(-1)
         logits = logits_shard.reshape(-1, local_vocab)
+        if torch.finfo(logits.dtype).bits < 32:
+            logits = logits.float()
         flat_targets = targets.reshape(-1)
         n = logits.size(0)
         if flat_targets.numel() != n:
@@ -165,6 +171,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         softmax = exp.div_(sum_exp.unsqueeze(1))
         ctx.save_for_backward(softmax, local_targets, outside)
         ctx.logits_shape = logits_shard.shape
+        ctx.logits_dtype = logits_shard.dtype
         return loss
 
     @staticmethod
@@ -176,7 +183,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             1, local_targets.unsqueeze(1), (outside.to(softmax.dtype) - 1.0).unsqueeze(1)
         )
         grad.mul_(grad_loss / softmax.size(0))
-        return grad.view(ctx.logits_shape), None, None
+        return grad.view(ctx.logits_shape).to(ctx.logits_dtype), None, None
 
 
 def vocab_parallel_cross_entropy(

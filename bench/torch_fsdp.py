@@ -1,0 +1,56 @@
+"""The ZeRO-3 peer: torch FSDP2 (`torch.distributed.fsdp.fully_shard`) on a CPU device
+mesh over gloo, each transformer block one FSDP unit and the root (embedding,
+positions, final norm; the head is the tied embedding) one more, as torchtitan wraps a
+model. Parameters, gradients and Adam moments are sharded over the replicas (dim-0
+shards of every parameter, DTensors); each block's parameters are all-gathered before
+its forward and again before its backward, and freed after (reshard_after_forward).
+
+Gradient accumulation: on every microbatch but the last, gradient sync is off, so FSDP2
+accumulates full-size unsharded gradients and reduce-scatters them once, after the last
+microbatch's backward: one reduce-scatter per step, as DDP's one all-reduce and
+Interleaf's REDUCE_GRADS after a chunk's last backward. The parameters are still
+gathered and freed for every microbatch. Clipping sums the squares of each rank's
+gradient shards over the ranks (every element counted once: FSDP2's padding is not in
+the local shards).
+
+Runs on every rank of a peer_world; returns what data_parallel.train_steps does and the
+training state this rank holds (its shards).
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+from coordinator.config import JobConfig
+from stageserver.model import GPTConfig, full_model
+
+import data_parallel  # siblings in bench/
+import memory
+import torch_training
+
+
+def train(rank: int, config: JobConfig) -> dict:
+    m, p, t = config.model, config.parallel, config.train
+    data_parallel.check_layout(config, "FSDP2")
+    # Built whole from the seed on every rank, then sharded: the shards are slices of
+    # the same initial weights every Interleaf layout starts from.
+    model = full_model(GPTConfig(m.n_layers, m.d_model, m.n_heads, m.seq_len, m.vocab_size), t.seed)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for block in model.h.values():
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    params = list(model.parameters())  # DTensors, each holding this rank's shard
+    optimizer, lr_schedule, sampler = torch_training.training_setup(config, [model])
+
+    def microbatch(inputs, targets, last):
+        model.set_requires_gradient_sync(last)
+        loss = model(inputs, targets)
+        (loss / p.microbatches).backward()
+        return loss
+
+    # to_local() is the shard itself, not a copy: clipping scales it in place.
+    result = data_parallel.train_steps(rank, config, microbatch, lambda: [q.grad.to_local() for q in params], True,
+                                       optimizer, lr_schedule, sampler)
+    return {**result, "state_bytes": memory.state_bytes(params, optimizer.state)}

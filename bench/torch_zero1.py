@@ -1,0 +1,54 @@
+"""The ZeRO-1 peer: DistributedDataParallel with torch's ZeroRedundancyOptimizer wrapping
+AdamW, in Interleaf's two weight-decay groups. Gradients are all-reduced as with plain
+DDP (once per step, on the last microbatch); each rank keeps the Adam moments of its
+partition of the parameters only, updates that partition, and broadcasts it to the
+other ranks (ZeRO stage 1, as `parallel.zero=1`).
+
+torch partitions whole parameters (greedily by size, per group), where Interleaf cuts
+one flat buffer into equal shards; the arithmetic per element is the same AdamW.
+
+Runs on every rank of a peer_world; returns what data_parallel.train_steps does and the
+training state this rank holds (its optimizer state is its partition's).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.nn.parallel import DistributedDataParallel
+
+from coordinator.config import JobConfig
+from stageserver.model import GPTChunk, GPTConfig, full_model
+from stageserver.optim import BETAS, EPS
+
+import data_parallel  # siblings in bench/
+import memory
+import torch_training
+
+
+def zero_redundancy_adamw(chunks: list[GPTChunk], weight_decay: float) -> ZeroRedundancyOptimizer:
+    return ZeroRedundancyOptimizer(torch_training.param_groups(chunks, weight_decay),
+                                   optimizer_class=torch.optim.AdamW, lr=0.0, betas=BETAS, eps=EPS)
+
+
+def train(rank: int, config: JobConfig) -> dict:
+    m, p, t = config.model, config.parallel, config.train
+    data_parallel.check_layout(config, "ZeRO-1")
+    model = full_model(GPTConfig(m.n_layers, m.d_model, m.n_heads, m.seq_len, m.vocab_size), t.seed)
+    ddp = DistributedDataParallel(model)
+    params = list(model.parameters())
+    optimizer, lr_schedule, sampler = torch_training.training_setup(config, [model], zero_redundancy_adamw)
+
+    def microbatch(inputs, targets, last):
+        with contextlib.nullcontext() if last else ddp.no_sync():
+            loss = ddp(inputs, targets)
+            (loss / p.microbatches).backward()
+        return loss
+
+    # Gradients are whole on every rank after the all-reduce: the norm is local, and
+    # every rank scales all of them (only its partition's are used).
+    result = data_parallel.train_steps(rank, config, microbatch, lambda: [q.grad for q in params], False,
+                                       optimizer, lr_schedule, sampler)
+    return {**result, "state_bytes": memory.state_bytes(params, optimizer.optim.state)}
