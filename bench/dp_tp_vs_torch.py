@@ -8,7 +8,7 @@
 
 Every process runs one torch thread; each Interleaf run is followed at once by its peer.
 
-    python bench/dp_tp_vs_torch.py [--steps 8] [--warmup 2] [--out PATH]
+    python bench/dp_tp_vs_torch.py [--steps 8] [--warmup 2] [--steps-per-call 2] [--out PATH]
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ from coordinator.config import load_config
 import single_process
 import torch_ddp
 from interleaf_run import run_job
-from measure import arguments, compare, comparison_table, machine, slowest_rank, write_json
+from measure import (arguments, compare, comparison_table, fail_on_loss_disagreement, machine, slowest_rank,
+                     write_json)
 from peer_world import PeerWorld
 from workload import MODEL
 
@@ -36,18 +37,22 @@ def overrides(dp: int, tp: int, steps: int) -> list[str]:
 
 
 def run_pair(client: Client, peers: PeerWorld, peer_fn, sets: list[str], warmup: int) -> dict:
+    config = load_config("", sets)
     ours = run_job(client, sets)
-    per_rank = peers.run(peer_fn, load_config("", sets))
+    per_rank = peers.run(peer_fn, config)
     # Replicas hold equal rows, so the step's loss is the mean of theirs.
     losses = [sum(step) / len(step) for step in zip(*(r["losses"] for r in per_rank))]
-    return {"overrides": sets, **compare(ours, slowest_rank([r["step_seconds"] for r in per_rank]), losses, warmup)}
+    processes = (config.parallel.dp * config.parallel.tp, peers.size)
+    return {"overrides": sets,
+            **compare(ours, slowest_rank([r["step_seconds"] for r in per_rank]), losses, warmup, processes)}
 
 
 def main() -> None:
     args = arguments(__doc__.splitlines()[0], "dp_tp_vs_torch")
 
     before = machine()
-    cluster, ddp_world, solo_world = LocalCluster(2, threads_per_server=1), PeerWorld(2), PeerWorld(1)
+    cluster = LocalCluster(2, threads_per_server=1, steps_per_call=args.steps_per_call)
+    ddp_world, solo_world = PeerWorld(2), PeerWorld(1)
     try:
         cluster.start()
         ddp_world.start()
@@ -64,19 +69,22 @@ def main() -> None:
         cluster.stop()
     after = machine()
 
-    print(comparison_table("peer", [("dp=2 vs torch DDP", dp), ("tp=2 vs 1 process", tp)]))
+    labelled = [("dp=2 vs torch DDP", dp), ("tp=2 vs 1 process", tp)]
+    print(comparison_table("peer", labelled))
     print(f"{before['cpus']} CPUs, load average {before['load_average_1m']} before, "
           f"{after['load_average_1m']} after; {args.steps} steps per run, first {args.warmup} left out")
     write_json(args.out, {
         "benchmark": "dp_tp_vs_torch",
         "machine_before": before, "machine_after": after,
-        "steps": args.steps, "warmup": args.warmup, "threads_per_process": 1,
+        "steps": args.steps, "warmup": args.warmup, "steps_per_call": args.steps_per_call,
+        "threads_per_process": 1,
         "results": {
             "dp": {"peer": "torch DistributedDataParallel, 2 processes", **dp},
-            "tp": {"peer": "clients/reference.py in 1 process", **tp},
+            "tp": {"peer": "clients/reference.py in 1 process (half the cores Interleaf's 2 processes use)", **tp},
         },
     })
     print(f"results written to {args.out}")
+    fail_on_loss_disagreement(labelled)
 
 
 if __name__ == "__main__":

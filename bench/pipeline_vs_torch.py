@@ -6,7 +6,7 @@ torch thread each: as an Interleaf job on a local cluster (coordinator + 2 stage
 servers over gRPC, tensors over gloo), then as torch's schedule over gloo. The two runs
 of a schedule follow each other, so both see the machine in the same state.
 
-    python bench/pipeline_vs_torch.py [--steps 8] [--warmup 2] [--out PATH]
+    python bench/pipeline_vs_torch.py [--steps 8] [--warmup 2] [--steps-per-call 2] [--out PATH]
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ from coordinator.config import load_config
 # Siblings in bench/ (the script's own directory is first on sys.path).
 import torch_pipeline
 from interleaf_run import run_job
-from measure import arguments, compare, comparison_table, machine, slowest_rank, write_json
+from measure import (arguments, compare, comparison_table, fail_on_loss_disagreement, machine, slowest_rank,
+                     write_json)
 from peer_world import PeerWorld
 from workload import MODEL
 
@@ -40,7 +41,7 @@ def run_schedule(client: Client, peers: PeerWorld, schedule: str, vpp: int, step
     ours = run_job(client, sets)
     per_rank = peers.run(torch_pipeline.train, load_config("", sets))
     losses = next(r["losses"] for r in per_rank if r["losses"] is not None)
-    result = compare(ours, slowest_rank([r["step_seconds"] for r in per_rank]), losses, warmup)
+    result = compare(ours, slowest_rank([r["step_seconds"] for r in per_rank]), losses, warmup, (PP, PP))
     return {"schedule": schedule, "vpp": vpp, "overrides": sets, **result}
 
 
@@ -49,7 +50,7 @@ def main() -> None:
 
     before = machine()
     results = []
-    cluster, peers = LocalCluster(PP, threads_per_server=1), PeerWorld(PP)
+    cluster, peers = LocalCluster(PP, threads_per_server=1, steps_per_call=args.steps_per_call), PeerWorld(PP)
     try:
         cluster.start()
         peers.start()
@@ -71,10 +72,11 @@ def main() -> None:
     write_json(args.out, {
         "benchmark": "pipeline_vs_torch", "peer": "torch.distributed.pipelining",
         "machine_before": before, "machine_after": after,
-        "steps": args.steps, "warmup": args.warmup, "threads_per_process": 1,
-        "results": results,
+        "steps": args.steps, "warmup": args.warmup, "steps_per_call": args.steps_per_call,
+        "threads_per_process": 1, "results": results,
     })
     print(f"results written to {args.out}")
+    fail_on_loss_disagreement(labelled)
 
 
 if __name__ == "__main__":

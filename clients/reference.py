@@ -15,9 +15,13 @@ import torch
 
 from coordinator.config import JobConfig
 from stageserver.data import Sampler, resolve_source
-from stageserver.flat import FlatParams
+from stageserver.buckets import BucketLayout
+from stageserver.memory import MemoryLedger
 from stageserver.model import GPTConfig, full_model
-from stageserver.optim import AdamW, Schedule, clip_coefficient, squared_norm
+from stageserver.model_state import DTYPES, MASTER_DTYPES
+from stageserver.optim import Schedule, clip_coefficient, squared_norm
+from stageserver.sharded_bucket import ShardedBucket
+from stageserver.transport import SoloTransport
 
 
 @dataclass
@@ -34,8 +38,12 @@ def train(config: JobConfig, on_step=None) -> tuple[list[ReferenceStep], dict[st
     m, t, microbatches = config.model, config.train, config.parallel.microbatches
     model = full_model(GPTConfig(m.n_layers, m.d_model, m.n_heads, m.seq_len, m.vocab_size), t.seed)
     specs = model.param_specs()
-    flat = FlatParams(model, {name: spec.weight_decay for name, spec in specs.items()})
-    optimizer = AdamW(flat.data, flat.decay_mask, t.weight_decay)
+    named = list(model.named_parameters())
+    dtype = DTYPES[t.precision]
+    # The whole model in one bucket on a data-parallel group of one: stage 0, no padding.
+    flat = ShardedBucket(named, BucketLayout.build([(n, p.numel()) for n, p in named], 1, 0), 0,
+                         dtype, MASTER_DTYPES[dtype], SoloTransport(), MemoryLedger(),
+                         {n for n in specs if specs[n].weight_decay}, t.weight_decay)
     schedule = Schedule(t.lr, t.warmup_steps, t.steps)
     sampler = Sampler(resolve_source(config.data.source), t.seed, m.seq_len, t.global_batch // microbatches)
     history = []
@@ -48,12 +56,9 @@ def train(config: JobConfig, on_step=None) -> tuple[list[ReferenceStep], dict[st
             loss = model(inputs, targets)
             (loss / microbatches).backward()
             losses.append(loss.item())
-        norm = math.sqrt(squared_norm(flat.grad))
-        coefficient = clip_coefficient(norm, t.grad_clip)
-        if coefficient < 1.0:
-            flat.grad.mul_(coefficient)
+        norm = math.sqrt(squared_norm(flat.optimizer_grad()))
         lr = schedule.lr_at(step)
-        optimizer.step(flat.grad, lr)
+        flat.step(lr, clip_coefficient(norm, t.grad_clip))
         record = ReferenceStep(step, sum(losses) / len(losses), t.global_batch * m.seq_len,
                                time.perf_counter() - started, norm, lr)
         history.append(record)

@@ -2,9 +2,10 @@
 backward, per tp rank: what stageserver/activation_meter.py measures, exactly.
 
 Counted the way Korthikanti et al. 2022 (section 4.1) count sbh(34 + 5as/h), but tensor
-by tensor for this model on torch's CPU kernels, and by distinct storage: a tensor two
-ops save (ln_1's output, saved by nothing else but the qkv matmul; q, k, v, three views
-of one qkv output; the attention output, which proj saves as a view) counts once.
+by tensor for this model on torch 2.13's CPU kernels, and by distinct storage, so what
+several saved tensors share counts once: q, k and v are three views of one qkv output;
+proj saves a view of the attention output; a block's output is the next block's ln_1
+input; the token ids and targets are views of one sampler window.
 Notation: b rows, s tokens, d d_model, t tp, a the compute dtype's bytes; f is the
 float32 floor the kernels keep for softmax statistics (4 for bf16, else a).
 

@@ -59,8 +59,8 @@ def plan_programs(config: JobConfig) -> tuple[list[list[Action]], float]:
     """Lowers the schedule into one validated program per pipeline rank and simulates
     it with uniform costs (forward = backward, free communication)."""
     p = config.parallel
-    programs = build_programs(p.schedule, p.pp, p.vpp, p.microbatches, p.dp)
-    validate_programs(programs, p.pp, p.vpp, p.microbatches)
+    programs = build_programs(p.schedule, p.pp, p.vpp, p.microbatches, p.dp, p.zero, p.zero_prefetch)
+    validate_programs(programs, p.pp, p.vpp, p.microbatches, p.zero)
     result = simulate(programs, CostModel(forward_s=1.0, backward_s=1.0))
     return programs, result.bubble_fraction
 
@@ -114,6 +114,7 @@ def setup_requests(
                     steps=t.steps, global_batch=t.global_batch, lr=t.lr,
                     warmup_steps=t.warmup_steps, weight_decay=t.weight_decay,
                     grad_clip=t.grad_clip, seed=t.seed, microbatches=p.microbatches,
+                    precision=t.precision, recompute=t.recompute,
                 ),
                 data_source=config.data.source,
                 chunks=[
@@ -129,6 +130,7 @@ def setup_requests(
                 store_port=port,
                 store_prefix=prefix,
                 comm_timeout_s=comm_timeout_s,
+                zero=p.zero,
             )
         )
     return requests

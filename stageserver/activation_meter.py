@@ -26,7 +26,10 @@ Recompute (`train.recompute=full`): the forward runs under no_grad and the execu
 only x, so that is all `forward_no_grad` counts; for the chunk with the head the targets
 are read again from the (deterministic) sampler for the rerun, not kept. The backward
 reruns the forward with grad through `forward`, whose count is then the transient peak
-of saved activations during that backward, equal to what the plain mode keeps.
+of saved activations during that backward, equal to what the plain mode keeps; it
+includes x, which recompute already holds, so the rerun adds (that count - kept).
+Counts are per (chunk, microbatch): where one chunk's output is handed to the next
+chunk on the same rank as its input (pp=1), both counts include that one storage.
 """
 
 from __future__ import annotations

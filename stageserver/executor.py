@@ -2,8 +2,11 @@
 
 The program comes from the coordinator (coordinator/schedule) and is the same every
 step. Sends are non-blocking and receives block, exactly as the coordinator's simulator
-assumes, so a program it accepted cannot deadlock here. A failing action raises
-`StepError` naming the rank, the step and the action.
+assumes, so a program it accepted cannot deadlock here. Reductions and parameter
+gathers start asynchronously and are waited where their result is needed: a chunk's
+gather before its first compute, its reduction before its gradient is touched again.
+Every tensor the step allocates or frees is entered in the model's memory ledger. A
+failing action raises `StepError` naming the rank, the step and the action.
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ from dataclasses import dataclass, field
 import torch
 
 from protos.actions import Action, Kind
+from stageserver.activation_meter import ActivationMeter, parameter_storages
+from stageserver.memory import nbytes, reset_rss_peak, rss_peak_bytes
 from stageserver.model_state import ModelState
 
 
@@ -29,6 +34,7 @@ class StepStats:
     comm_wait_seconds: float
     grad_norm: float
     lr: float
+    memory: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -42,9 +48,18 @@ class _StepState:
     output_grads: dict = field(default_factory=dict)
     # (chunk, microbatch) -> gradient of that chunk's input, waiting to be sent.
     input_grads: dict = field(default_factory=dict)
-    # Sends in flight: their tensors must stay alive until the network has them.
+    # (chunk, microbatch) -> activation bytes its forward left for its backward.
+    kept: dict = field(default_factory=dict)
+    # (id of activations or output_grads, key) -> bytes of a received tensor not yet used.
+    inbox: dict = field(default_factory=dict)
+    # (chunk, microbatch) -> output kept only for its send (recompute keeps no graph).
+    outputs: dict = field(default_factory=dict)
+    # Sends in flight, (work, tensor, ledger bytes): the tensor must stay alive until
+    # the network has it.
     sends: list = field(default_factory=list)
-    reductions: list = field(default_factory=list)
+    # chunk -> started reductions / parameter gathers, waited when next needed.
+    reductions: dict = field(default_factory=dict)
+    gathers: dict = field(default_factory=dict)
     losses: list = field(default_factory=list)
     compute_s: float = 0.0
     wait_s: float = 0.0
@@ -55,8 +70,10 @@ class _StepState:
 class Executor:
     def __init__(self, model: ModelState, program: list[Action], rank: int):
         self.model = model
+        self.ledger = model.ledger
         self.program = program
         self.rank = rank
+        self.recompute = model.train.recompute == "full"
         self.handlers = {
             Kind.FORWARD: self._forward,
             Kind.BACKWARD: self._backward,
@@ -65,23 +82,30 @@ class Executor:
             Kind.SEND_GRAD: self._send_grad,
             Kind.RECV_GRAD: self._recv_grad,
             Kind.REDUCE_GRADS: self._reduce_grads,
+            Kind.REDUCE_SCATTER_GRADS: self._reduce_grads,
+            Kind.GATHER_PARAMS: self._gather,
+            Kind.RELEASE_PARAMS: self._release,
             Kind.REDUCE_TIED_GRADS: self._reduce_tied_grads,
             Kind.OPTIMIZER_STEP: self._optimizer_step,
         }
 
     def run_step(self, step: int) -> StepStats:
         state = _StepState(step)
+        reset_rss_peak()
+        self.ledger.reset_peaks()
         start = time.perf_counter()
         self.model.zero_grad()
         for index, action in enumerate(self.program):
             try:
                 self.handlers[action.kind](action, state)
+                self._reap_sends(state, block=False)
             except Exception as err:
                 raise StepError(
                     f"rank {self.rank} step {step} action {index} ({action}): {err}"
                 ) from err
-        for work, _ in state.sends:
-            work.wait()
+        self._reap_sends(state, block=True)
+        for chunk in list(state.gathers):
+            self._wait(state.gathers, chunk, state)
         return StepStats(
             loss=sum(state.losses) / len(state.losses) if state.losses else None,
             step_seconds=time.perf_counter() - start,
@@ -89,40 +113,90 @@ class Executor:
             comm_wait_seconds=state.wait_s,
             grad_norm=state.grad_norm,
             lr=state.lr,
+            memory=self._memory_report(),
         )
+
+    def _memory_report(self) -> dict:
+        ledger = self.ledger
+        return {
+            "parameters_bytes": ledger.current["parameters"],
+            "gradients_bytes": ledger.current["gradients"],
+            "optimizer_bytes": ledger.current["optimizer"],
+            "parameters_peak_bytes": ledger.peak["parameters"],
+            "gradients_peak_bytes": ledger.peak["gradients"],
+            "activations_peak_bytes": ledger.peak["activations"],
+            "communication_peak_bytes": ledger.peak["communication"],
+            "peak_bytes": ledger.total_peak,
+            "rss_peak_bytes": rss_peak_bytes(),
+        }
+
+    def _wait(self, started: dict, chunk: int, state: _StepState) -> None:
+        """Waits for the chunk's started collectives and runs what follows each."""
+        pending = started.pop(chunk, [])
+        if pending:
+            t0 = time.perf_counter()
+            for p in pending:
+                p.wait()
+            state.wait_s += time.perf_counter() - t0
 
     # -- compute ---------------------------------------------------------------
 
     def _forward(self, a: Action, state: _StepState) -> None:
         chunk = self.model.chunks[a.chunk]
+        self._wait(state.gathers, a.chunk, state)
         # Token ids feed the first chunk, targets the last; one read serves a chunk with both.
         tokens = self.model.microbatch(state.step, a.microbatch) if chunk.has_embedding or chunk.has_head else None
+        exclude = parameter_storages(chunk)
         if chunk.has_embedding:
             x = tokens[0]
         else:
-            x = state.activations.pop((a.chunk, a.microbatch)).requires_grad_()
+            x = self._take(state, state.activations, (a.chunk, a.microbatch)).requires_grad_()
+            if self.model.holds(a.chunk - 1):
+                # Handed over locally: the previous chunk's output, already counted there.
+                exclude |= {x.untyped_storage().data_ptr()}
         targets = tokens[1] if chunk.has_head else None
+        meter = ActivationMeter(exclude)
         t0 = time.perf_counter()
-        out = chunk(x, targets) if chunk.has_head else chunk(x)
+        out, kept = (meter.forward_no_grad if self.recompute else meter.forward)(chunk, x, targets)
         state.compute_s += time.perf_counter() - t0
-        state.saved[(a.chunk, a.microbatch)] = (x, out)
+        self.ledger.add("activations", kept)
+        state.kept[(a.chunk, a.microbatch)] = kept
+        state.saved[(a.chunk, a.microbatch)] = (x, None if self.recompute else out)
         if chunk.has_head:
             state.losses.append(out.item())
         elif self.model.holds(a.chunk + 1):
             # Next chunk on this rank (pp=1): hand over locally, cut the graph as the
             # network would so each chunk's backward stays its own action.
             state.activations[(a.chunk + 1, a.microbatch)] = out.detach()
+        elif self.recompute:
+            state.outputs[(a.chunk, a.microbatch)] = out  # for the send that follows
 
     def _backward(self, a: Action, state: _StepState) -> None:
         x, out = state.saved.pop((a.chunk, a.microbatch))
         chunk = self.model.chunks[a.chunk]
+        self._wait(state.gathers, a.chunk, state)
+        # The gradient buffer may still be read by this chunk's last reduction.
+        self._wait(state.reductions, a.chunk, state)
+        self.model.hold_grads(a.chunk)
         t0 = time.perf_counter()
+        if out is None:  # recompute: rerun the forward with the graph this time
+            if chunk.has_head:
+                targets = self.model.microbatch(state.step, a.microbatch)[1]
+            exclude = parameter_storages(chunk)
+            if not chunk.has_embedding and self.model.holds(a.chunk - 1):
+                exclude |= {x.untyped_storage().data_ptr()}
+            out, rerun = ActivationMeter(exclude).forward(chunk, x, targets if chunk.has_head else None)
+            # The rerun's count includes the kept input: only the rest is new.
+            self.ledger.add("activations", rerun - state.kept[(a.chunk, a.microbatch)])
+            state.kept[(a.chunk, a.microbatch)] = rerun
         if chunk.has_head:
             # The step's loss is the mean over microbatches: scale each one's share.
             (out / self.model.microbatches).backward()
         else:
-            out.backward(state.output_grads.pop((a.chunk, a.microbatch)))
+            grad = self._take(state, state.output_grads, (a.chunk, a.microbatch))
+            out.backward(grad)
         state.compute_s += time.perf_counter() - t0
+        self.ledger.free("activations", state.kept.pop((a.chunk, a.microbatch)))
         if not chunk.has_embedding:
             if self.model.holds(a.chunk - 1):
                 state.output_grads[(a.chunk - 1, a.microbatch)] = x.grad
@@ -132,43 +206,74 @@ class Executor:
     # -- point to point ----------------------------------------------------------
 
     def _send_act(self, a: Action, state: _StepState) -> None:
-        _, out = state.saved[(a.chunk, a.microbatch)]
-        tensor = out.detach()
-        state.sends.append((self.model.pp.send(tensor, a.peer, self.model.tag(a)), tensor))
+        if self.recompute:
+            tensor = state.outputs.pop((a.chunk, a.microbatch))
+            counted = nbytes(tensor)  # kept by nothing else once the forward is done
+        else:
+            tensor = state.saved[(a.chunk, a.microbatch)][1].detach()
+            counted = 0  # the output is counted among the chunk's activations
+        self._send(a, tensor, counted, state)
 
     def _send_grad(self, a: Action, state: _StepState) -> None:
-        tensor = state.input_grads.pop((a.chunk, a.microbatch))
-        state.sends.append((self.model.pp.send(tensor, a.peer, self.model.tag(a)), tensor))
+        self._send(a, state.input_grads.pop((a.chunk, a.microbatch)), None, state)
+
+    def _send(self, a: Action, tensor: torch.Tensor, counted: int | None, state: _StepState) -> None:
+        counted = nbytes(tensor) if counted is None else counted
+        self.ledger.add("communication", counted)
+        state.sends.append((self.model.pp.send(tensor, a.peer, self.model.tag(a)), tensor, counted))
+
+    def _reap_sends(self, state: _StepState, block: bool) -> None:
+        """Drops sends the network has taken (all of them, waiting, when `block`)."""
+        while state.sends and (block or state.sends[0][0].is_completed()):
+            work, _, counted = state.sends.pop(0)
+            work.wait()
+            self.ledger.free("communication", counted)
 
     def _receive(self, a: Action, state: _StepState) -> torch.Tensor:
         buffer = self.model.activation_buffer()
+        self.ledger.add("communication", nbytes(buffer))
         t0 = time.perf_counter()
         self.model.pp.recv(buffer, a.peer, self.model.tag(a)).wait()
         state.wait_s += time.perf_counter() - t0
         return buffer
 
+    def _take(self, state: _StepState, store: dict, key: tuple[int, int]) -> torch.Tensor:
+        """An input for a compute; one that came over the network leaves the
+        communication buffers (a local hand-over from a neighbouring chunk never
+        entered them)."""
+        tensor = store.pop(key)
+        self.ledger.free("communication", state.inbox.pop((id(store), key), 0))
+        return tensor
+
     def _recv_act(self, a: Action, state: _StepState) -> None:
-        state.activations[(a.chunk, a.microbatch)] = self._receive(a, state)
+        self._deliver(state, state.activations, (a.chunk, a.microbatch), self._receive(a, state))
 
     def _recv_grad(self, a: Action, state: _StepState) -> None:
-        state.output_grads[(a.chunk, a.microbatch)] = self._receive(a, state)
+        self._deliver(state, state.output_grads, (a.chunk, a.microbatch), self._receive(a, state))
 
-    # -- gradient synchronisation and update ---------------------------------------
+    def _deliver(self, state: _StepState, store: dict, key: tuple[int, int], tensor: torch.Tensor) -> None:
+        store[key] = tensor
+        state.inbox[(id(store), key)] = nbytes(tensor)
+
+    # -- ZeRO: gradient reductions and parameter gathers ------------------------------
 
     def _reduce_grads(self, a: Action, state: _StepState) -> None:
-        # Started now, waited at the optimizer step: overlaps the remaining backwards.
-        state.reductions.append(self.model.start_dp_reduce(a.chunk))
+        # Started now, waited when next needed: overlaps the remaining backwards.
+        state.reductions.setdefault(a.chunk, []).extend(self.model.start_reduction(a.chunk))
+
+    def _gather(self, a: Action, state: _StepState) -> None:
+        state.gathers.setdefault(a.chunk, []).extend(self.model.start_gather(a.chunk))
+
+    def _release(self, a: Action, state: _StepState) -> None:
+        self._wait(state.gathers, a.chunk, state)
+        self.model.release(a.chunk)
 
     def _finish_reductions(self, state: _StepState) -> None:
-        t0 = time.perf_counter()
-        for work in state.reductions:
-            work.wait()
-        state.reductions.clear()
-        state.wait_s += time.perf_counter() - t0
+        for chunk in list(state.reductions):
+            self._wait(state.reductions, chunk, state)
 
     def _reduce_tied_grads(self, a: Action, state: _StepState) -> None:
-        # The embedding's gradient lives in chunk 0's flat buffer, which a data-parallel
-        # reduction may still be writing: let those land first.
+        # The embedding's gradient is what the reductions write: let them land first.
         self._finish_reductions(state)
         t0 = time.perf_counter()
         self.model.reduce_tied_grads()

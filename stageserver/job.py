@@ -57,6 +57,8 @@ class StageJob:
             weight_decay=t.weight_decay,
             grad_clip=t.grad_clip,
             seed=t.seed,
+            precision=t.precision or "fp32",
+            recompute=t.recompute or "none",
         )
         try:
             self.data = resolve_source(request.data_source)
@@ -86,7 +88,8 @@ class StageJob:
                 store, group.name, list(group.members), self.rank, r.comm_timeout_s, self.hostname
             )
         last_chunk = r.grid.pp * r.vpp - 1
-        self.model = ModelState(self.config, self.chunks, groups, self.sampler, self.train, last_chunk)
+        self.model = ModelState(self.config, self.chunks, groups, self.sampler, self.train, last_chunk,
+                                zero=r.zero)
         self.executor = Executor(self.model, self.program, self.rank)
 
     @property

@@ -1,5 +1,6 @@
-"""What one rank holds for a job: its model chunks on flat buffers, their optimizers,
-its groups and its data. The executor drives it; the gRPC handler never touches it.
+"""What one rank holds for a job: its model chunks, their parameters as ZeRO-sharded
+buckets (sharded_bucket.py), its groups, its data and its memory ledger. The executor
+drives it; the gRPC handler never touches it.
 
 Group roles: `pp` (pipeline neighbours), `dp` (replicas of the same chunks), `tp`
 (tensor shards of the same layers), `tie` (first and last pipeline stage, which both
@@ -14,11 +15,16 @@ import torch
 
 from protos.actions import Action
 from stageserver.data import Sampler
-from stageserver.flat import FlatParams
+from stageserver.buckets import BucketLayout
+from stageserver.memory import MemoryLedger
 from stageserver.model import GPTChunk, GPTConfig
 from stageserver.model.gpt import TIED
-from stageserver.optim import AdamW, Schedule, clip_coefficient, squared_norm
+from stageserver.optim import Schedule, clip_coefficient, squared_norm
+from stageserver.sharded_bucket import Pending, ShardedBucket
 from stageserver.transport import Transport
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
+MASTER_DTYPES = {torch.float32: torch.float32, torch.bfloat16: torch.float32, torch.float64: torch.float64}
 
 
 @dataclass(frozen=True)
@@ -39,6 +45,8 @@ class TrainPlan:
     weight_decay: float
     grad_clip: float
     seed: int
+    precision: str = "fp32"
+    recompute: str = "none"
 
 
 class ModelState:
@@ -50,50 +58,49 @@ class ModelState:
         sampler: Sampler,
         train: TrainPlan,
         last_chunk: int,
+        zero: int = 0,
     ):
         self.config = config
         self.groups = groups
         self.pp, self.dp, self.tp = groups["pp"], groups["dp"], groups["tp"]
         self.sampler = sampler
         self.train = train
+        self.zero = zero
+        self.dtype = DTYPES[train.precision]
         self.microbatches = train.microbatches
         self.schedule = Schedule(train.lr, train.warmup_steps, train.steps)
         self.last_chunk = last_chunk
+        self.ledger = MemoryLedger()
         self.chunks: dict[int, GPTChunk] = {}
-        self.flats: dict[int, FlatParams] = {}
-        self.optimizers: dict[int, AdamW] = {}
-        self.norm_segments: dict[int, list[tuple[int, int]]] = {}
+        self.buckets: dict[int, list[ShardedBucket]] = {}
+        self.norm_segments: dict[tuple[int, int], list[tuple[int, int]]] = {}
         for plan in chunks:
             chunk = GPTChunk(config, plan.layers, plan.has_embedding, plan.has_head, self.tp, train.seed)
-            specs = chunk.param_specs()
-            flat = FlatParams(chunk, {name: spec.weight_decay for name, spec in specs.items()})
             self.chunks[plan.index] = chunk
-            self.flats[plan.index] = flat
-            self.optimizers[plan.index] = AdamW(flat.data, flat.decay_mask, train.weight_decay)
-            self.norm_segments[plan.index] = self._norm_segments(plan, flat, specs)
+            self.buckets[plan.index] = self._bucketize(plan, chunk)
 
-    def _norm_segments(self, plan: ChunkPlan, flat: FlatParams, specs) -> list[tuple[int, int]]:
-        """The [start, end) ranges of the flat gradient that this rank counts toward the
-        global norm.
+    def _bucketize(self, plan: ChunkPlan, chunk: GPTChunk) -> list[ShardedBucket]:
+        """The tied embedding in a bucket of its own (see buckets.py), the rest in one."""
+        specs = chunk.param_specs()
+        named = list(chunk.named_parameters())
+        groups = [[(n, p) for n, p in named if n == TIED], [(n, p) for n, p in named if n != TIED]]
+        buckets = []
+        for params in (g for g in groups if g):
+            layout = BucketLayout.build([(n, p.numel()) for n, p in params], self.dp.size, self.dp.rank)
+            decayed = {n for n, _ in params if specs[n].weight_decay}
+            self.norm_segments[(plan.index, len(buckets))] = layout.segments(
+                n for n, _ in params if self._counts_toward_norm(plan, specs[n]))
+            buckets.append(ShardedBucket(params, layout, self.zero, self.dtype, MASTER_DTYPES[self.dtype],
+                                         self.dp, self.ledger, decayed, self.train.weight_decay))
+        return buckets
 
-        Every element of the model must count exactly once over the world: replicas
-        (dp rank > 0) count nothing, tensor-replicated parameters count on tp rank 0
-        only, and the last chunk's copy of the tied embedding not at all.
-        """
-        if self.dp.rank > 0:
-            return []
-        segments: list[tuple[int, int]] = []
-        for name, spec in specs.items():
-            duplicate = spec.tp_dim is None and self.tp.rank > 0
-            tied_copy = spec.tied and plan.has_head and not plan.has_embedding
-            if duplicate or tied_copy:
-                continue
-            start, n = flat.offsets[name]
-            if segments and segments[-1][1] == start:
-                segments[-1] = (segments[-1][0], start + n)  # merge neighbours
-            else:
-                segments.append((start, start + n))
-        return segments
+    def _counts_toward_norm(self, plan: ChunkPlan, spec) -> bool:
+        """Every element of the model must count exactly once over the world:
+        tensor-replicated parameters count on tp rank 0 only, and the last chunk's copy
+        of the tied embedding not at all (data-parallel ranks count disjoint shards)."""
+        duplicate = spec.tp_dim is None and self.tp.rank > 0
+        tied_copy = spec.tied and plan.has_head and not plan.has_embedding
+        return not (duplicate or tied_copy)
 
     # -- what the executor asks for ------------------------------------------------
 
@@ -104,7 +111,7 @@ class ModelState:
         return self.sampler.microbatch(step, microbatch, self.dp.rank, self.dp.size)
 
     def activation_buffer(self) -> torch.Tensor:
-        return torch.empty(self.train.rows, self.config.seq_len, self.config.d_model)
+        return torch.empty(self.train.rows, self.config.seq_len, self.config.d_model, dtype=self.dtype)
 
     def tag(self, action: Action) -> int:
         """A gloo tag unique to the tensor within a step: both ends derive the same one."""
@@ -112,15 +119,28 @@ class ModelState:
         return (chunk * self.microbatches + microbatch) * 2 + (kind == "grad")
 
     def zero_grad(self) -> None:
-        for flat in self.flats.values():
-            flat.zero_grad()
+        for buckets in self.buckets.values():
+            for bucket in buckets:
+                bucket.zero_grad()
 
-    def start_dp_reduce(self, chunk: int):
-        return self.dp.all_reduce(self.flats[chunk].grad, async_op=True)
+    def hold_grads(self, chunk: int) -> None:
+        for bucket in self.buckets[chunk]:
+            bucket.hold_grads()
+
+    def start_reduction(self, chunk: int) -> list[Pending]:
+        return [bucket.reduce() for bucket in self.buckets[chunk]]
+
+    def start_gather(self, chunk: int) -> list[Pending]:
+        return [bucket.gather() for bucket in self.buckets[chunk]]
+
+    def release(self, chunk: int) -> None:
+        for bucket in self.buckets[chunk]:
+            bucket.release()
 
     def reduce_tied_grads(self) -> None:
-        """Sums the tied embedding's gradient over its copies (first and last chunk)."""
-        copies = [self.flats[c].view(TIED, self.flats[c].grad) for c in (0, self.last_chunk) if c in self.flats]
+        """Sums the tied embedding's gradient over its copies (first and last chunk):
+        whatever the optimizer will read, the full gradient or this rank's shard."""
+        copies = [self.buckets[c][0].optimizer_grad() for c in (0, self.last_chunk) if c in self.buckets]
         if len(copies) == 2:
             copies[0].add_(copies[1])
             copies[1].copy_(copies[0])
@@ -130,33 +150,38 @@ class ModelState:
     def optimizer_step(self, step: int) -> tuple[float, float]:
         """Averages data-parallel gradients, clips by the global norm, steps AdamW.
         Returns (global gradient norm before clipping, learning rate)."""
-        for flat in self.flats.values():
-            flat.check_grads_in_place()
-            if self.dp.size > 1:
-                flat.grad.div_(self.dp.size)
-        sumsq = torch.tensor([sum(squared_norm(flat.grad[start:end])
-                                  for index, flat in self.flats.items()
-                                  for start, end in self.norm_segments[index])], dtype=torch.float64)
+        parts = [part for (index, b), segments in self.norm_segments.items()
+                 for part in self.buckets[index][b].count_norm(segments)]
+        sumsq = torch.tensor([sum(squared_norm(p) for p in parts)], dtype=torch.float64)
         self.groups["world"].all_reduce(sumsq)
-        norm = float(sumsq.sqrt())
+        # The sum of squares was taken before averaging over the dp replicas: rescale.
+        norm = float(sumsq.sqrt()) / self.dp.size
         coefficient = clip_coefficient(norm, self.train.grad_clip)
         lr = self.schedule.lr_at(step)
-        for index, flat in self.flats.items():
-            if coefficient < 1.0:
-                flat.grad.mul_(coefficient)
-            self.optimizers[index].step(flat.grad, lr)
+        for buckets in self.buckets.values():
+            for bucket in buckets:
+                bucket.step(lr, coefficient / self.dp.size)
         return norm, lr
 
     def named_parameters(self):
         """(global name, tensor, tp_dim) for every parameter this rank holds, each
-        name once (a rank holding both tied-embedding copies saves one)."""
+        name once (a rank holding both tied-embedding copies saves one). Under ZeRO-3
+        the parameters are gathered for the occasion (a collective: every data-parallel
+        rank calls this together)."""
+        if self.zero == 3:
+            for index in sorted(self.chunks):
+                for pending in self.start_gather(index):
+                    pending.wait()
         seen = set()
         for index in sorted(self.chunks):
             specs = self.chunks[index].param_specs()
             for name, param in self.chunks[index].named_parameters():
                 if name not in seen:
                     seen.add(name)
-                    yield name, param.detach(), specs[name].tp_dim
+                    yield name, param.detach().clone(), specs[name].tp_dim
+        if self.zero == 3:
+            for index in sorted(self.chunks):
+                self.release(index)
 
     def close(self) -> None:
         for group in self.groups.values():

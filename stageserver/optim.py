@@ -54,23 +54,34 @@ def clip_coefficient(total_norm: float, max_norm: float) -> float:
 
 
 class AdamW:
-    """Decoupled weight decay (Loshchilov & Hutter), torch.optim.AdamW's arithmetic."""
+    """Decoupled weight decay (Loshchilov & Hutter), torch.optim.AdamW's arithmetic.
 
-    def __init__(self, params: torch.Tensor, decay_mask: torch.Tensor, weight_decay: float):
+    `params` is a flat buffer (a whole bucket, or a ZeRO shard of one) and
+    `decay_segments` the [start, end) ranges of it that are decayed."""
+
+    def __init__(self, params: torch.Tensor, decay_segments: list[tuple[int, int]], weight_decay: float):
         self.params = params
-        self.decay = decay_mask * weight_decay
+        self.decay_segments = list(decay_segments)
+        self.weight_decay = weight_decay
         self.exp_avg = torch.zeros_like(params)
         self.exp_avg_sq = torch.zeros_like(params)
         self.steps = 0
+
+    @property
+    def state_bytes(self) -> int:
+        return 2 * self.params.numel() * self.params.element_size()
 
     def step(self, grad: torch.Tensor, lr: float) -> None:
         self.steps += 1
         beta1, beta2 = BETAS
         bias1 = 1.0 - beta1**self.steps
         bias2_sqrt = math.sqrt(1.0 - beta2**self.steps)
-        parts = zip(*(t.split(SLICE) for t in (self.params, grad, self.exp_avg, self.exp_avg_sq, self.decay)))
-        for params, g, exp_avg, exp_avg_sq, decay in parts:
-            params.mul_(1.0 - lr * decay)
+        # Decay first: per element the same p*(1 - lr*wd) before the update as in torch.
+        for start, end in self.decay_segments:
+            for part in self.params[start:end].split(SLICE):
+                part.mul_(1.0 - lr * self.weight_decay)
+        parts = zip(*(t.split(SLICE) for t in (self.params, grad, self.exp_avg, self.exp_avg_sq)))
+        for params, g, exp_avg, exp_avg_sq in parts:
             exp_avg.lerp_(g, 1.0 - beta1)
             exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
             denom = (exp_avg_sq.sqrt() / bias2_sqrt).add_(EPS)

@@ -70,6 +70,7 @@ class StageServerService(rpc.StageServerServicer):
                 comm_wait_seconds=stats.comm_wait_seconds,
                 grad_norm=stats.grad_norm,
                 lr=stats.lr,
+                memory=pb.RankMemory(rank=job.rank, **stats.memory),
             )
 
     def SaveParameters(self, request: pb.SaveRequest, context):

@@ -2,6 +2,8 @@
 
 Tolerances: layers rtol=1e-5, atol=1e-6; the whole model at tp=2 vs tp=1 has an exact
 initialisation, loss within 1e-5 relative and gradients within rtol=1e-4, atol=1e-6.
+The cross-entropy of bf16 logits has the fp32 loss's tolerance and a gradient within one
+bf16 rounding (rtol=2**-8) of the fp32 gradient.
 tp=1 runs in-process on a SoloTransport and must reduce to the plain ops.
 """
 
@@ -25,6 +27,7 @@ from stageserver.transport import SoloTransport
 
 LAYER_TOL = dict(rtol=1e-5, atol=1e-6)
 GRAD_TOL = dict(rtol=1e-4, atol=1e-6)
+BF16_GRAD_TOL = dict(rtol=2**-8, atol=1e-6)  # one bf16 rounding of the fp32 gradient
 IN, OUT, VOCAB, DIM = 8, 12, 20, 6
 GPT = GPTConfig(n_layers=2, d_model=32, n_heads=4, seq_len=8, vocab_size=64)
 
@@ -81,6 +84,11 @@ def _run_layers(rank: int, tp, case: dict) -> dict:
     # A non-unit upstream gradient checks that backward scales by it.
     (3.0 * loss).backward()
     out["ce"] = dict(loss=loss.detach(), logits=logits.grad)
+
+    logits = tp_shard(case["ce.logits"], -1, tp).to(torch.bfloat16).requires_grad_()
+    loss = vocab_parallel_cross_entropy(logits, case["ce.targets"], tp)
+    (3.0 * loss).backward()
+    out["ce_bf16"] = dict(loss=loss.detach(), logits=logits.grad)
     return out
 
 
@@ -149,6 +157,22 @@ def test_vocab_parallel_cross_entropy(sharded):
     for rank, got in enumerate(r["ce"] for r in results):
         torch.testing.assert_close(got["loss"], loss.detach(), **LAYER_TOL)
         torch.testing.assert_close(got["logits"], _chunk(logits.grad, -1, tp, rank), **LAYER_TOL)
+
+
+def test_vocab_parallel_cross_entropy_bf16(sharded):
+    """bf16 logits: softmax and loss in fp32 (DESIGN.md, Precision), so the loss is the
+    fp32 loss of the same (bf16-rounded) values; the gradient comes back in bf16."""
+    tp, case, results = sharded
+    logits = case["ce.logits"].to(torch.bfloat16).float().requires_grad_()
+    loss = F.cross_entropy(logits.view(-1, VOCAB), case["ce.targets"].view(-1))
+    (3.0 * loss).backward()
+    for rank, got in enumerate(r["ce_bf16"] for r in results):
+        assert got["loss"].dtype == torch.float32
+        assert got["logits"].dtype == torch.bfloat16
+        torch.testing.assert_close(got["loss"], loss.detach(), **LAYER_TOL)
+        torch.testing.assert_close(
+            got["logits"].float(), _chunk(logits.grad, -1, tp, rank), **BF16_GRAD_TOL
+        )
 
 
 def _run_gpt(rank: int, tp, config: GPTConfig, seed: int, ids, targets) -> dict:

@@ -3,7 +3,9 @@
 Timing follows the executor's semantics (see `lowering.py`): compute and reductions
 occupy their rank, sends are non-blocking and their message lands latency +
 bytes/bandwidth later, a receive blocks until its message has landed, and the tie
-reduction completes when both of its ranks have reached it.
+reduction completes when both of its ranks have reached it. A parameter gather runs in
+the background: the compute that first needs the chunk starts when it has landed, and
+the rank's step ends when its last gather has.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from protos.actions import COMPUTE, RECVS, SENDS, Action, Kind
+from protos.actions import COMPUTE, RECVS, REDUCTIONS, SENDS, Action, Kind
 
 
 @dataclass(frozen=True)
@@ -28,13 +30,17 @@ class CostModel:
     message_bytes: int = 0
     """Size of one activation or gradient message."""
     reduce_s: float = 0.0
-    """Seconds for one REDUCE_GRADS, or for REDUCE_TIED_GRADS once both ranks are in."""
+    """Seconds for one REDUCE_GRADS or REDUCE_SCATTER_GRADS, or for REDUCE_TIED_GRADS
+    once both ranks are in."""
+    gather_s: float = 0.0
+    """Seconds from issuing a GATHER_PARAMS until the chunk's parameters are there; the
+    rank goes on meanwhile, and a compute that needs them waits for the rest."""
     optimizer_s: float = 0.0
     """Seconds for the optimizer step."""
 
     def __post_init__(self) -> None:
         for name in ("forward_s", "backward_s", "latency_s", "message_bytes", "reduce_s",
-                     "optimizer_s"):
+                     "gather_s", "optimizer_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"CostModel.{name}={getattr(self, name)} must be >= 0")
         if self.bandwidth_bytes_per_s <= 0:
@@ -89,13 +95,21 @@ def simulate(programs: list[list[Action]], cost: CostModel = CostModel()) -> Sim
     landed: dict[tuple, float] = {}  # (message_key, src, dst) -> arrival time
     tie_arrivals: list[list[float]] = [[] for _ in range(pp)]
     ties_done = [0] * pp
+    gathers: list[dict[int, float]] = [{} for _ in range(pp)]  # chunk -> landing time
 
     def step(rank: int) -> bool:
         """Runs `rank`'s next action if it can start now; says whether it did."""
         action = programs[rank][position[rank]]
         start = clock[rank]
         if action.kind in COMPUTE:
+            start = max(start, gathers[rank].get(action.chunk, start))
             end = start + (cost.forward_s if action.kind is Kind.FORWARD else cost.backward_s)
+        elif action.kind is Kind.GATHER_PARAMS:
+            gathers[rank][action.chunk] = start + cost.gather_s
+            end = start
+        elif action.kind is Kind.RELEASE_PARAMS:
+            gathers[rank].pop(action.chunk, None)
+            end = start
         elif action.kind in SENDS:
             landed[(action.message_key(), rank, action.peer)] = start + cost.transfer_s()
             end = start
@@ -110,7 +124,7 @@ def simulate(programs: list[list[Action]], cost: CostModel = CostModel()) -> Sim
             if end is None:
                 return False
             ties_done[rank] += 1
-        elif action.kind is Kind.REDUCE_GRADS:
+        elif action.kind in REDUCTIONS:
             # Every DP replica runs this same program, so the collective's members reach
             # it together and it costs the same as a local step.
             end = start + cost.reduce_s
@@ -127,6 +141,8 @@ def simulate(programs: list[list[Action]], cost: CostModel = CostModel()) -> Sim
         for rank in range(pp):
             while position[rank] < len(programs[rank]) and step(rank):
                 progressed = True
+    for rank in range(pp):
+        clock[rank] = max([clock[rank], *gathers[rank].values()])
     blocked = [r for r in range(pp) if position[r] < len(programs[r])]
     if blocked:
         raise DeadlockError("deadlock: " + "; ".join(

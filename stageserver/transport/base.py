@@ -27,11 +27,12 @@ class Transport(Protocol):
 
     def all_reduce(self, tensor: torch.Tensor, async_op: bool = False) -> Work | None: ...
 
-    def all_gather(self, output: torch.Tensor, tensor: torch.Tensor) -> None:
+    def all_gather(self, output: torch.Tensor, tensor: torch.Tensor, async_op: bool = False) -> Work | None:
         """Concatenates every member's `tensor` along dim 0 into `output`."""
 
-    def reduce_scatter(self, output: torch.Tensor, tensor: torch.Tensor) -> None:
-        """Sums `tensor` over members; member r keeps slice r (along dim 0) in `output`."""
+    def reduce_scatter(self, output: torch.Tensor, tensor: torch.Tensor, async_op: bool = False) -> Work | None:
+        """Sums `tensor` over members; member r keeps slice r (along dim 0) in `output`.
+        Only `output` (1/size of `tensor`) is written: no full-size result exists."""
 
     def broadcast(self, tensor: torch.Tensor, root: int) -> None: ...
 

@@ -25,20 +25,13 @@ class GlooTransport:
         return self._group.recv([tensor], peer, tag)
 
     def all_reduce(self, tensor: torch.Tensor, async_op: bool = False):
-        work = self._group.allreduce([tensor])
-        if async_op:
-            return work
-        work.wait()
-        return None
+        return _maybe_wait(self._group.allreduce([tensor]), async_op)
 
-    def all_gather(self, output: torch.Tensor, tensor: torch.Tensor) -> None:
-        self._group._allgather_base(output, tensor).wait()
+    def all_gather(self, output: torch.Tensor, tensor: torch.Tensor, async_op: bool = False):
+        return _maybe_wait(self._group._allgather_base(output, tensor), async_op)
 
-    def reduce_scatter(self, output: torch.Tensor, tensor: torch.Tensor) -> None:
-        # Gloo has no flat reduce-scatter: all-reduce, then keep this member's slice.
-        reduced = tensor.clone()
-        self._group.allreduce([reduced]).wait()
-        output.copy_(reduced.chunk(self.size)[self.rank])
+    def reduce_scatter(self, output: torch.Tensor, tensor: torch.Tensor, async_op: bool = False):
+        return _maybe_wait(self._group._reduce_scatter_base(output, tensor), async_op)
 
     def broadcast(self, tensor: torch.Tensor, root: int) -> None:
         opts = dist.BroadcastOptions()
@@ -47,6 +40,13 @@ class GlooTransport:
 
     def close(self) -> None:
         self._group.shutdown()
+
+
+def _maybe_wait(work, async_op: bool):
+    if async_op:
+        return work
+    work.wait()
+    return None
 
 
 def connect_gloo(

@@ -27,11 +27,13 @@ class SoloTransport:
     def all_reduce(self, tensor: torch.Tensor, async_op: bool = False) -> _Done | None:
         return _Done() if async_op else None
 
-    def all_gather(self, output: torch.Tensor, tensor: torch.Tensor) -> None:
+    def all_gather(self, output: torch.Tensor, tensor: torch.Tensor, async_op: bool = False) -> _Done | None:
         output.copy_(tensor)
+        return _Done() if async_op else None
 
-    def reduce_scatter(self, output: torch.Tensor, tensor: torch.Tensor) -> None:
+    def reduce_scatter(self, output: torch.Tensor, tensor: torch.Tensor, async_op: bool = False) -> _Done | None:
         output.copy_(tensor)
+        return _Done() if async_op else None
 
     def broadcast(self, tensor: torch.Tensor, root: int) -> None:
         return None

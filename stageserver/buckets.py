@@ -1,0 +1,71 @@
+"""Where each parameter sits in a flat buffer and which slice a data-parallel rank owns.
+
+A chunk's parameters live in flat buffers ("buckets"), padded with zeros to a multiple
+of the data-parallel size dp so that every rank owns an equal shard: rank r owns
+[r*S, (r+1)*S) with S = padded/dp. ZeRO shards exactly these ranges (DESIGN.md, "ZeRO").
+
+The tied embedding gets a bucket of its own: its two copies (first and last chunk)
+then have the same padded size, so data-parallel rank r owns the same rows of both,
+and their gradient shards can be summed directly after a reduce-scatter.
+
+Per-parameter properties the optimizer and the norm need (weight decay, whether an
+element counts toward the global norm) are kept as [start, end) segments of the flat
+buffer, never as per-element masks: no extra bytes per parameter.
+
+Worked example: parameters a (6 elements) and b (3), dp=4 -> padded 12, S=3;
+rank 1 owns [3, 6), all of a; rank 2 owns [6, 9), all of b; rank 3 owns padding only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+Segments = list[tuple[int, int]]
+
+
+@dataclass(frozen=True)
+class BucketLayout:
+    names: tuple[str, ...]
+    offsets: dict[str, tuple[int, int]]
+    """name -> (start, numel) in the flat buffer."""
+    numel: int
+    """Elements of real parameters; the rest of `padded` is zeros."""
+    padded: int
+    dp: int
+    dp_rank: int
+
+    @classmethod
+    def build(cls, sizes: list[tuple[str, int]], dp: int, dp_rank: int) -> "BucketLayout":
+        offsets, start = {}, 0
+        for name, n in sizes:
+            offsets[name] = (start, n)
+            start += n
+        padded = -(-start // dp) * dp
+        return cls(tuple(name for name, _ in sizes), offsets, start, padded, dp, dp_rank)
+
+    @property
+    def shard_size(self) -> int:
+        return self.padded // self.dp
+
+    @property
+    def shard(self) -> tuple[int, int]:
+        """[start, end) of the flat buffer this data-parallel rank owns."""
+        return self.dp_rank * self.shard_size, (self.dp_rank + 1) * self.shard_size
+
+    def segments(self, names) -> Segments:
+        """The [start, end) ranges of the given parameters, neighbours merged."""
+        ranges = sorted(self.offsets[name] for name in names)
+        merged: Segments = []
+        for start, n in ranges:
+            if merged and merged[-1][1] == start:
+                merged[-1] = (merged[-1][0], start + n)
+            else:
+                merged.append((start, start + n))
+        return merged
+
+
+def clip_segments(segments: Segments, window: tuple[int, int]) -> Segments:
+    """`segments` cut to `window` and shifted so the window starts at 0: the same
+    selection in the coordinates of a buffer that holds only that window (a shard)."""
+    lo, hi = window
+    return [(max(s, lo) - lo, min(e, hi) - lo) for s, e in segments if s < hi and e > lo]
