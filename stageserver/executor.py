@@ -146,16 +146,12 @@ class Executor:
         self._wait(state.gathers, a.chunk, state)
         # Token ids feed the first chunk, targets the last; one read serves a chunk with both.
         tokens = self.model.microbatch(state.step, a.microbatch) if chunk.has_embedding or chunk.has_head else None
-        exclude = parameter_storages(chunk)
         if chunk.has_embedding:
             x = tokens[0]
         else:
             x = self._take(state, state.activations, (a.chunk, a.microbatch)).requires_grad_()
-            if self.model.holds(a.chunk - 1):
-                # Handed over locally: the previous chunk's output, already counted there.
-                exclude |= {x.untyped_storage().data_ptr()}
         targets = tokens[1] if chunk.has_head else None
-        meter = ActivationMeter(exclude)
+        meter = ActivationMeter(self._not_activations(chunk, a.chunk, x))
         t0 = time.perf_counter()
         out, kept = (meter.forward_no_grad if self.recompute else meter.forward)(chunk, x, targets)
         state.compute_s += time.perf_counter() - t0
@@ -171,6 +167,15 @@ class Executor:
         elif self.recompute:
             state.outputs[(a.chunk, a.microbatch)] = out  # for the send that follows
 
+    def _not_activations(self, chunk, index: int, x: torch.Tensor) -> frozenset[int]:
+        """Storages a chunk's activation count leaves out: its parameters, and an input
+        handed over locally by the previous chunk, which counts it as its output
+        (recompute keeps no outputs, so there the input counts here)."""
+        exclude = parameter_storages(chunk)
+        if not chunk.has_embedding and self.model.holds(index - 1) and not self.recompute:
+            exclude |= {x.untyped_storage().data_ptr()}
+        return exclude
+
     def _backward(self, a: Action, state: _StepState) -> None:
         x, out = state.saved.pop((a.chunk, a.microbatch))
         chunk = self.model.chunks[a.chunk]
@@ -182,10 +187,8 @@ class Executor:
         if out is None:  # recompute: rerun the forward with the graph this time
             if chunk.has_head:
                 targets = self.model.microbatch(state.step, a.microbatch)[1]
-            exclude = parameter_storages(chunk)
-            if not chunk.has_embedding and self.model.holds(a.chunk - 1):
-                exclude |= {x.untyped_storage().data_ptr()}
-            out, rerun = ActivationMeter(exclude).forward(chunk, x, targets if chunk.has_head else None)
+            meter = ActivationMeter(self._not_activations(chunk, a.chunk, x))
+            out, rerun = meter.forward(chunk, x, targets if chunk.has_head else None)
             # The rerun's count includes the kept input: only the rest is new.
             self.ledger.add("activations", rerun - state.kept[(a.chunk, a.microbatch)])
             state.kept[(a.chunk, a.microbatch)] = rerun
