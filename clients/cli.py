@@ -46,6 +46,8 @@ def cmd_run(args) -> int:
     servers = args.local if args.local is not None else world
     if not remote and servers != world:
         raise UsageError(f"--local {servers} must equal parallel.dp*parallel.tp*parallel.pp={world}")
+    if not remote:
+        _admit_locally(config, servers)
     metrics = MetricsOut(args.metrics_out)
     try:
         if remote:
@@ -63,6 +65,21 @@ def cmd_run(args) -> int:
         return 130
     finally:
         metrics.close()
+
+
+def _admit_locally(config, servers: int) -> None:
+    """The coordinator's admission check, made before any local process starts: each
+    local server would offer its share of this machine's memory."""
+    from coordinator.admission import AdmissionError, check_fits, needed_bytes
+    from coordinator.plan import plan_programs
+    from stageserver.main import physical_memory_bytes
+
+    programs, _ = plan_programs(config)
+    share = physical_memory_bytes() // servers
+    try:
+        check_fits(needed_bytes(config, programs), [(f"local-{i}", share) for i in range(servers)])
+    except AdmissionError as err:
+        raise UsageError(str(err)) from None
 
 
 def cmd_reference(args) -> int:
@@ -87,7 +104,9 @@ def cmd_schedule(args) -> int:
     from coordinator.grid import RankGrid
     from coordinator.partition import describe, partition
     from coordinator.plan import plan_programs
+    from coordinator.memory_model import memory_table, predict
     from coordinator.schedule import CostModel, simulate, timeline_table, write_png
+    from protos.actions import format_program
 
     _, config = _load(args)
     p = config.parallel
@@ -96,6 +115,10 @@ def cmd_schedule(args) -> int:
     print(describe(partition(config.model.n_layers, p.pp, p.vpp), p.pp))
     print(RankGrid(p.dp, p.pp, p.tp).describe())
     print(timeline_table(programs, result))
+    print("programs (every action, in order):")
+    for rank, program in enumerate(programs):
+        print(f"rank {rank:<2} {format_program(program)}")
+    print(memory_table(config, predict(config, programs)))
     if args.png:
         write_png(args.png, programs, result)
         print(f"timeline written to {args.png}")
@@ -260,7 +283,8 @@ def main(argv: list[str] | None = None) -> int:
 
         if isinstance(err, grpc.RpcError):
             print(f"error: {err.code().name}: {err.details()}", file=sys.stderr)
-            return 1
+            # A refused config or job is the caller's to fix, as locally (exit 2).
+            return 2 if err.code() == grpc.StatusCode.INVALID_ARGUMENT else 1
         raise
 
 

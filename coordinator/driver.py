@@ -22,7 +22,8 @@ from functools import partial
 import grpc
 
 from coordinator.jobs import JobRecord
-from coordinator.plan import JobPlan, place_servers, plan_job, setup_requests
+from coordinator.admission import needed_bytes
+from coordinator.plan import JobPlan, place_servers, plan_job, plan_programs, setup_requests
 from coordinator.registry import Registry
 from protos import interleaf_pb2 as pb
 from protos import interleaf_pb2_grpc as rpc
@@ -92,9 +93,12 @@ class JobDriver(threading.Thread):
 
     def _claim_and_plan(self) -> JobPlan | None:
         job = self.job
+        programs, _ = plan_programs(job.config)
+        need = max(needed_bytes(job.config, programs))
         slots = None
         while slots is None and not job.cancel_requested.is_set():
-            slots = self.registry.claim(job.job_id, partial(place_servers, job.config), timeout_s=1.0)
+            slots = self.registry.claim(job.job_id, partial(place_servers, job.config, need_bytes=need),
+                                        timeout_s=1.0)
         if slots is None:
             return None
         plan = plan_job(job.config, slots)

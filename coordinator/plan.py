@@ -17,6 +17,7 @@ class ServerSlot:
     server_id: str
     address: str
     host: str
+    memory_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -65,11 +66,13 @@ def plan_programs(config: JobConfig) -> tuple[list[list[Action]], float]:
     return programs, result.bubble_fraction
 
 
-def place_servers(config: JobConfig, idle: list[ServerSlot]) -> list[ServerSlot] | None:
-    """The servers for each rank, TP groups kept on one host where possible; None
-    while there are too few idle servers."""
+def place_servers(config: JobConfig, idle: list[ServerSlot], need_bytes: int = 0) -> list[ServerSlot] | None:
+    """The servers for each rank, TP groups kept on one host where possible, among
+    those offering at least `need_bytes` (the most any rank needs); None while there
+    are too few such idle servers."""
     p = config.parallel
     grid = RankGrid(p.dp, p.pp, p.tp)
+    idle = [s for s in idle if s.memory_bytes >= need_bytes]
     if len(idle) < grid.world_size:
         return None
     by_id = {s.server_id: s for s in idle}

@@ -6,7 +6,9 @@ import grpc
 
 from coordinator.config import ConfigError, load_config
 from coordinator.driver import JobDriver
+from coordinator.admission import check_fits, needed_bytes
 from coordinator.jobs import JobTable
+from coordinator.plan import plan_programs
 from coordinator.registry import HEARTBEAT_INTERVAL_S, Registry
 from protos import interleaf_pb2 as pb
 from protos import interleaf_pb2_grpc as rpc
@@ -44,6 +46,7 @@ class CoordinatorService(rpc.CoordinatorServicer):
     def SubmitJob(self, request: pb.SubmitJobRequest, context):
         try:
             config = load_config(request.config_toml, list(request.overrides))
+            self._admit(config)
         except ConfigError as err:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
         record = self.jobs.create(config)
@@ -51,6 +54,15 @@ class CoordinatorService(rpc.CoordinatorServicer):
         self.drivers[record.job_id] = driver
         driver.start()
         return record.status()
+
+    def _admit(self, config) -> None:
+        """Refuses a job the registered servers cannot hold (AdmissionError). With too
+        few servers registered yet, the job waits and the driver places it on servers
+        with memory enough."""
+        alive = [(e.address, e.memory_bytes) for e in self.registry.servers() if e.alive]
+        if len(alive) >= config.parallel.world_size:
+            programs, _ = plan_programs(config)
+            check_fits(needed_bytes(config, programs), alive)
 
     def _job(self, job_id: str, context):
         record = self.jobs.get(job_id)
