@@ -1,8 +1,16 @@
 """The equivalence contract (DESIGN.md): every layout trains exactly like the
 single-process reference. Each case is a real job on the shared local cluster.
 
-Tolerances, fp32 on CPU: per-step loss within 1e-5 relative; final parameters within
-1e-4 (absolute, on values of order 0.02-1)."""
+Tolerances, fp32 on CPU: per-step loss and per-step gradient norm within 1e-5 relative;
+every final parameter tensor within 1e-4 relative, in the 2-norm: |p - ref| <= 1e-4 |ref|.
+Relative per tensor, not per element: an element near zero (a bias that started at 0,
+a weight crossing 0) has no meaningful relative error of its own, and Adam turns the
+last-bit differences of a split batch into update differences of up to ~lr*1e-3 on the
+few elements whose gradient is as small as Adam's eps (measured on dp=2, lr 1e-3: the
+largest element difference is 3e-6 on a tensor of scale 0.016, the tensor-wise
+relative error 1e-6 or less).
+
+ZeRO layouts are in test_zero_equivalence.py; both use `check_equivalent`."""
 
 from __future__ import annotations
 
@@ -16,54 +24,65 @@ from stageserver.model import GPTConfig, full_model
 from tests.conftest import TINY, layout_free, load_parameters, reference, run_job
 
 LOSS_RTOL = 1e-5
-PARAM_ATOL = 1e-4
+PARAM_RTOL = 1e-4
 
 
-def _layout(dp=1, tp=1, pp=1, vpp=1, schedule="interleaved-1f1b"):
+def layout(dp=1, tp=1, pp=1, vpp=1, schedule="interleaved-1f1b"):
     return [f"parallel.dp={dp}", f"parallel.tp={tp}", f"parallel.pp={pp}",
             f"parallel.vpp={vpp}", f"parallel.schedule={schedule}"]
 
 
 PIPELINE_LAYOUTS = {
-    "gpipe-pp2": _layout(pp=2, schedule="gpipe"),
-    "gpipe-pp4": _layout(pp=4, schedule="gpipe"),
-    "1f1b-pp2": _layout(pp=2, schedule="1f1b"),
-    "1f1b-pp4": _layout(pp=4, schedule="1f1b"),
-    "interleaved-pp2-v1": _layout(pp=2, vpp=1),
-    "interleaved-pp2-v2": _layout(pp=2, vpp=2),
-    "interleaved-pp4-v1": _layout(pp=4, vpp=1),
-    "interleaved-pp4-v2": _layout(pp=4, vpp=2),
-    "interleaved-pp1-v2": _layout(pp=1, vpp=2),
+    "gpipe-pp2": layout(pp=2, schedule="gpipe"),
+    "gpipe-pp4": layout(pp=4, schedule="gpipe"),
+    "1f1b-pp2": layout(pp=2, schedule="1f1b"),
+    "1f1b-pp4": layout(pp=4, schedule="1f1b"),
+    "interleaved-pp2-v1": layout(pp=2, vpp=1),
+    "interleaved-pp2-v2": layout(pp=2, vpp=2),
+    "interleaved-pp4-v1": layout(pp=4, vpp=1),
+    "interleaved-pp4-v2": layout(pp=4, vpp=2),
+    "interleaved-pp1-v2": layout(pp=1, vpp=2),
 }
 
 PTD_LAYOUTS = {
-    "dp2": _layout(dp=2, schedule="1f1b"),
-    "tp2": _layout(tp=2, schedule="1f1b"),
-    "tp4": _layout(tp=4, schedule="1f1b"),
-    "dp2-tp2": _layout(dp=2, tp=2, schedule="1f1b"),
-    "tp2-pp2-v2": _layout(tp=2, pp=2, vpp=2),
-    "dp2-pp2-v2": _layout(dp=2, pp=2, vpp=2),
-    "dp2-tp2-pp2-v2": _layout(dp=2, tp=2, pp=2, vpp=2),
+    "dp2": layout(dp=2, schedule="1f1b"),
+    "tp2": layout(tp=2, schedule="1f1b"),
+    "tp4": layout(tp=4, schedule="1f1b"),
+    "dp2-tp2": layout(dp=2, tp=2, schedule="1f1b"),
+    "tp2-pp2-v2": layout(tp=2, pp=2, vpp=2),
+    "dp2-pp2-v2": layout(dp=2, pp=2, vpp=2),
+    "dp2-tp2-pp2-v2": layout(dp=2, tp=2, pp=2, vpp=2),
 }
 
 
-def _check_equivalent(client, layout, tmp_path):
-    overrides = TINY + layout + [f"checkpoint.dir={tmp_path}"]
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.double() - want.double()).norm() / want.double().norm()).item()
+
+
+def check_equivalent(client, layout, tmp_path, setup=(), loss_rtol=LOSS_RTOL,
+                     param_rtol=PARAM_RTOL):
+    """Runs TINY + setup + layout and holds it to the reference of TINY + setup."""
+    overrides = TINY + list(setup) + layout + [f"checkpoint.dir={tmp_path}"]
     final, steps = run_job(client, overrides)
     assert final.state == "SUCCEEDED", final.error
-    history, expected = reference(layout_free(TINY))
+    history, expected = reference(layout_free(TINY + list(setup)))
 
     assert [s.step for s in steps] == list(range(len(history)))
     for got, want in zip(steps, history):
-        assert abs(got.loss - want.loss) <= LOSS_RTOL * abs(want.loss), (got.step, got.loss, want.loss)
+        assert abs(got.loss - want.loss) <= loss_rtol * abs(want.loss), (got.step, got.loss, want.loss)
+        assert abs(got.grad_norm - want.grad_norm) <= loss_rtol * abs(want.grad_norm), \
+            (got.step, got.grad_norm, want.grad_norm)
 
     params = load_parameters(final.checkpoint)
     assert sorted(params) == sorted(expected)
     for name, want in expected.items():
-        torch.testing.assert_close(params[name], want, rtol=0, atol=PARAM_ATOL, msg=name)
+        assert params[name].dtype == want.dtype, name
+        assert relative_error(params[name], want) <= param_rtol, (name, relative_error(params[name], want))
     # Training moved the weights: equal-to-reference is not equal-to-initial.
-    moved = max((expected[n] - reference_initial()[n]).abs().max().item() for n in expected)
-    assert moved > 10 * PARAM_ATOL
+    initial = reference_initial()
+    moved = min(relative_error(expected[n].float(), initial[n]) for n in expected if initial[n].any())
+    assert moved > 10 * param_rtol
+    return steps
 
 
 @functools.lru_cache(maxsize=1)
@@ -76,9 +95,9 @@ def reference_initial():
 
 @pytest.mark.parametrize("name", PIPELINE_LAYOUTS)
 def test_pipeline_layouts_match_reference(client, tmp_path, name):
-    _check_equivalent(client, PIPELINE_LAYOUTS[name], tmp_path)
+    check_equivalent(client, PIPELINE_LAYOUTS[name], tmp_path)
 
 
 @pytest.mark.parametrize("name", PTD_LAYOUTS)
 def test_data_and_tensor_parallel_layouts_match_reference(client, tmp_path, name):
-    _check_equivalent(client, PTD_LAYOUTS[name], tmp_path)
+    check_equivalent(client, PTD_LAYOUTS[name], tmp_path)

@@ -56,8 +56,17 @@ def test_run_trains_writes_metrics_and_cleans_up(tmp_path):
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [r["step"] for r in records] == [0, 1, 2]
     for r in records:
-        assert {"step", "loss", "tokens", "step_seconds"} <= set(r)
+        assert {"step", "loss", "tokens", "step_seconds", "grad_norm", "ranks"} <= set(r)
         assert r["tokens"] == 8 * 16 and r["step_seconds"] > 0 and 0 < r["loss"] < 10
+        assert [m["rank"] for m in r["ranks"]] == [0, 1]
+        for m in r["ranks"]:
+            assert {"parameters_bytes", "gradients_bytes", "optimizer_bytes", "activations_peak_bytes",
+                    "peak_bytes"} <= set(m)
+            assert m["parameters_bytes"] > 0 and m["activations_peak_bytes"] > 0
+            assert m["peak_bytes"] >= m["parameters_bytes"] + m["gradients_bytes"] + m["optimizer_bytes"]
+    # Steps 0-2 are one RunSteps block: its last step carries the block's control time.
+    assert "block_control_seconds" not in records[0] and records[-1]["block_steps"] == 3
+    assert records[-1]["block_control_seconds"] > 0
     _assert_no_orphans(marker)
 
 

@@ -1,39 +1,49 @@
-"""AdamW over flat buffers, the learning-rate schedule, clipping, and FlatParams.
+"""AdamW over flat buffers with weight decay on [start, end) segments, the learning-rate
+schedule, clipping and the float64 squared norm.
 
 Tolerances: AdamW parameters and both moments match torch.optim.AdamW to atol=1e-7,
 rtol=0 after every step (the arithmetic is the same, so in practice they are bitwise
-equal); schedule values to rel_tol=1e-12; the clipping factor to rtol=1e-6; flat
-gradients equal ordinary autograd accumulation to rtol=1e-6, atol=1e-7.
+equal); schedule values to rel_tol=1e-12; the clipping factor to rtol=1e-6; the squared
+norm to rel_tol=1e-12 of a float64 reference.
 """
 
 from __future__ import annotations
 
-import copy
 import math
 
 import pytest
 import torch
-from torch import nn
 
-from stageserver.flat import FlatParams
-from stageserver.optim import AdamW, Schedule, clip_coefficient
+from stageserver.optim import SLICE, AdamW, Schedule, clip_coefficient, squared_norm
 
 STATE_TOL = dict(atol=1e-7, rtol=0.0)
-GRAD_TOL = dict(atol=1e-7, rtol=1e-6)
 
 # --- AdamW --------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("foreach", [False, True])
-def test_adamw_matches_torch_with_a_decay_mask(foreach):
-    g = torch.Generator().manual_seed(0)
-    n, wd = 97, 0.5
-    start = torch.randn(n, generator=g)
-    mask = (torch.rand(n, generator=g) < 0.6).float()
-    decayed, plain = mask.bool(), ~mask.bool()
-    assert decayed.any() and plain.any()
+def _mask(n: int, segments: list[tuple[int, int]]) -> torch.Tensor:
+    mask = torch.zeros(n, dtype=torch.bool)
+    for start, end in segments:
+        mask[start:end] = True
+    return mask
 
-    ours = AdamW(start.clone(), mask, wd)
+
+# A buffer of more than one SLICE, with segments that start at 0, cross the first slice
+# boundary, touch each other without merging, and end at the buffer's end.
+N = SLICE + 1000
+SEGMENTS = [(0, 37), (500, 900), (SLICE - 300, SLICE + 200), (SLICE + 200, SLICE + 260), (N - 11, N)]
+
+
+@pytest.mark.parametrize("foreach", [False, True])
+def test_adamw_with_decay_segments_matches_torch_with_two_param_groups(foreach):
+    g = torch.Generator().manual_seed(0)
+    wd = 0.5
+    start = torch.randn(N, generator=g)
+    decayed = _mask(N, SEGMENTS)
+    plain = ~decayed
+    assert decayed[SLICE - 1] and decayed[SLICE] and plain.any()
+
+    ours = AdamW(start.clone(), SEGMENTS, wd)
     a = start[decayed].clone().requires_grad_()
     b = start[plain].clone().requires_grad_()
     ref = torch.optim.AdamW(
@@ -42,7 +52,7 @@ def test_adamw_matches_torch_with_a_decay_mask(foreach):
     )
     # A warmup-like lr sequence, large enough that decay and bias correction both show.
     for lr in (1e-3, 5e-3, 2e-2, 1e-2, 3e-3, 1e-4):
-        grad = torch.randn(n, generator=g) * 0.1
+        grad = torch.randn(N, generator=g) * 0.1
         ours.step(grad, lr)
         for group in ref.param_groups:
             group["lr"] = lr
@@ -55,18 +65,49 @@ def test_adamw_matches_torch_with_a_decay_mask(foreach):
             torch.testing.assert_close(mine[decayed], ref.state[a][key], **STATE_TOL)
             torch.testing.assert_close(mine[plain], ref.state[b][key], **STATE_TOL)
     assert ours.steps == 6
-    # The parameters moved by far more than the tolerance, and decay mattered.
+    # The parameters moved by far more than the tolerance; decay (wd*lr up to 1e-2 of
+    # each value) is far above it too, so decaying any element outside the segments, or
+    # missing one inside (the slice boundary), fails the comparison above.
     assert (ours.params - start).abs().max() > 1e-2
 
 
 def test_adamw_updates_the_buffer_it_was_given_in_place():
     params = torch.ones(4)
-    opt = AdamW(params, torch.ones(4), weight_decay=0.1)
+    opt = AdamW(params, [(0, 4)], weight_decay=0.1)
     opt.step(torch.tensor([1.0, -1.0, 0.0, 2.0]), lr=0.1)
     assert opt.params is params
     # Step 1 of Adam moves each element by lr*sign(g) (bias-corrected), after decay.
     expected = torch.ones(4) * (1 - 0.1 * 0.1) - 0.1 * torch.tensor([1.0, -1.0, 0.0, 1.0])
     torch.testing.assert_close(params, expected, atol=1e-6, rtol=0)
+
+
+def test_adamw_decays_only_inside_its_segments():
+    # Zero gradients: Adam's update is 0/(0+eps) = 0, so only the decay moves anything.
+    params = torch.full((10,), 2.0, dtype=torch.float64)
+    opt = AdamW(params, [(1, 3), (7, 8)], weight_decay=0.25)
+    opt.step(torch.zeros(10, dtype=torch.float64), lr=0.2)
+    expected = torch.full((10,), 2.0, dtype=torch.float64)
+    expected[[1, 2, 7]] = 2.0 * (1 - 0.2 * 0.25)
+    assert torch.equal(params, expected)
+
+
+def test_adamw_state_bytes_are_two_moments_of_the_buffer():
+    assert AdamW(torch.zeros(7, dtype=torch.float64), [], 0.1).state_bytes == 2 * 7 * 8
+    assert AdamW(torch.zeros(5), [], 0.1).state_bytes == 2 * 5 * 4
+    # The moments have the buffer's dtype (fp32 master weights keep fp32 moments).
+    opt = AdamW(torch.zeros(3, dtype=torch.float64), [], 0.1)
+    assert opt.exp_avg.dtype == opt.exp_avg_sq.dtype == torch.float64
+
+
+def test_squared_norm_sums_slices_in_float64():
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2 * SLICE + 17, generator=g) * 1e3
+    expected = float((x.double() ** 2).sum())
+    assert math.isclose(squared_norm(x), expected, rel_tol=1e-12)
+    # Squares that overflow float32 (2**132 > 2**128) are exact here.
+    big = torch.full((SLICE + 1,), 2.0**66)
+    assert squared_norm(big) == (SLICE + 1) * 2.0**132
+    assert squared_norm(torch.zeros(0)) == 0.0
 
 
 # --- Schedule -------------------------------------------------------------------------------
@@ -141,96 +182,3 @@ def test_clip_coefficient_is_one_when_disabled(max_norm):
 def test_clip_coefficient_values():
     assert clip_coefficient(0.5, 1.0) == 1.0
     assert math.isclose(clip_coefficient(4.0, 1.0), 1.0 / (4.0 + 1e-6), rel_tol=1e-12)
-
-
-# --- FlatParams ------------------------------------------------------------------------------
-
-
-def _module() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(4, 6), nn.LayerNorm(6), nn.GELU(), nn.Linear(6, 3))
-
-
-def _decays(module: nn.Module) -> dict[str, bool]:
-    return {name: p.dim() >= 2 for name, p in module.named_parameters()}
-
-
-def _loss(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    return module(x).pow(2).mean()
-
-
-def test_flat_params_are_views_of_the_flat_buffers():
-    module = _module()
-    original = {name: p.detach().clone() for name, p in module.named_parameters()}
-    flat = FlatParams(module, _decays(module))
-
-    total = sum(p.numel() for p in original.values())
-    assert flat.data.shape == flat.grad.shape == flat.decay_mask.shape == (total,)
-    assert flat.names == list(original)
-    offset = 0
-    for name, param in module.named_parameters():
-        start, n = flat.offsets[name]
-        assert (start, n) == (offset, param.numel())
-        offset += n
-        assert torch.equal(param.detach(), original[name])
-        assert param.data_ptr() == flat.data[start:].data_ptr()
-        assert param.grad.data_ptr() == flat.grad[start:].data_ptr()
-        assert torch.equal(flat.view(name), original[name])
-        assert flat.view(name, flat.grad).data_ptr() == param.grad.data_ptr()
-        assert torch.equal(flat.decay_mask[start : start + n], torch.full((n,), float(param.dim() >= 2)))
-    assert not flat.grad.any()
-
-    # Writing the flat buffer (what the optimizer does) changes the module.
-    x = torch.randn(2, 4)
-    before = module(x)
-    flat.data.mul_(0.5)
-    assert torch.equal(module[0].weight.detach(), original["0.weight"] * 0.5)
-    assert not torch.allclose(module(x), before)
-
-
-def test_flat_grads_accumulate_microbatches_in_place():
-    module = _module()
-    ref = copy.deepcopy(module)
-    flat = FlatParams(module, _decays(module))
-    g = torch.Generator().manual_seed(2)
-    micro = [torch.randn(5, 4, generator=g) for _ in range(2)]
-
-    for x in micro:
-        _loss(module, x).backward()
-        flat.check_grads_in_place()
-    for x in micro:
-        _loss(ref, x).backward()
-
-    expected = torch.cat([p.grad.reshape(-1) for p in ref.parameters()])
-    assert expected.abs().max() > 1e-3
-    torch.testing.assert_close(flat.grad, expected, **GRAD_TOL)
-    # Still views after accumulation, and zero_grad clears through them.
-    for name, param in module.named_parameters():
-        assert param.grad.data_ptr() == flat.grad[flat.offsets[name][0]:].data_ptr()
-    flat.zero_grad()
-    assert all(not p.grad.any() for p in module.parameters())
-    _loss(module, micro[0]).backward()
-    flat.check_grads_in_place()
-    single = copy.deepcopy(ref)
-    single.zero_grad()
-    _loss(single, micro[0]).backward()
-    torch.testing.assert_close(flat.grad, torch.cat([p.grad.reshape(-1) for p in single.parameters()]), **GRAD_TOL)
-
-
-def test_check_grads_in_place_rejects_a_replaced_grad():
-    module = _module()
-    flat = FlatParams(module, _decays(module))
-    _loss(module, torch.randn(3, 4)).backward()
-    flat.check_grads_in_place()
-    module[3].bias.grad = module[3].bias.grad.clone()
-    with pytest.raises(RuntimeError, match="gradient of 3.bias left the flat buffer"):
-        flat.check_grads_in_place()
-
-
-def test_check_grads_in_place_rejects_grads_set_to_none():
-    # torch's own zero_grad() defaults to set_to_none=True, which detaches .grad.
-    module = _module()
-    flat = FlatParams(module, _decays(module))
-    module.zero_grad()
-    with pytest.raises(RuntimeError, match="gradient of 0.weight left the flat buffer"):
-        flat.check_grads_in_place()

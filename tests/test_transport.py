@@ -2,7 +2,8 @@
 
 Each world size spawns its processes once: every rank runs all the verbs in one function
 and returns what it saw; the tests compare that with the expected values computed here.
-Inputs are small integers in float32, so sums are exact and comparisons are equality.
+Inputs are small integers (in float32, bfloat16 and float64 alike), so sums are exact
+and comparisons are equality.
 """
 
 from __future__ import annotations
@@ -15,6 +16,9 @@ from stageserver.transport import SoloTransport, connect_gloo
 
 TAGS = (0, 1, 5, 9)
 ROOT = {2: 1, 3: 2}  # a non-zero broadcast root for each world size
+DTYPES = (torch.float32, torch.bfloat16, torch.float64)
+SHARD = 5
+"""Elements per rank in the flat-buffer collectives (a ZeRO bucket's shard)."""
 
 
 def _message(src: int, tag: int) -> torch.Tensor:
@@ -24,6 +28,37 @@ def _message(src: int, tag: int) -> torch.Tensor:
 
 def _reduce_input(rank: int, size: int) -> torch.Tensor:
     return (torch.arange(size * 2 * 3, dtype=torch.float32) * (rank + 1)).view(size * 2, 3)
+
+
+def _flat_input(rank: int, size: int, dtype: torch.dtype) -> torch.Tensor:
+    """A flat buffer of size*SHARD elements, different on every rank; the sums stay below
+    256, so bfloat16 holds them exactly."""
+    return ((torch.arange(size * SHARD) % 7) * (rank + 1) + rank).to(dtype)
+
+
+def _shard(rank: int, dtype: torch.dtype) -> torch.Tensor:
+    return (torch.arange(SHARD) * 3 - rank).to(dtype)
+
+
+def _flat_collectives(rank: int, t, size: int) -> dict:
+    """ZeRO's collectives on flat buffers, asynchronous as the buckets issue them: a
+    reduce-scatter whose output is 1/size of its input, and an all-gather of shards."""
+    out = {}
+    for dtype in DTYPES:
+        source = _flat_input(rank, size, dtype)
+        scattered = torch.full((SHARD,), -1.0, dtype=dtype)
+        gathered = torch.full((size * SHARD,), -1.0, dtype=dtype)
+        reduce_work = t.reduce_scatter(scattered, source, async_op=True)
+        gather_work = t.all_gather(gathered, _shard(rank, dtype), async_op=True)
+        reduce_work.wait()
+        gather_work.wait()
+        out[dtype] = {"source": source, "reduce_scatter": scattered, "all_gather": gathered}
+    try:  # a full-size output would be an all-reduce in disguise: refused
+        t.reduce_scatter(torch.zeros(size * SHARD), _flat_input(rank, size, torch.float32))
+        out["full_size_output"] = "accepted"
+    except RuntimeError:
+        out["full_size_output"] = "refused"
+    return out
 
 
 def _verbs(rank: int, t, size: int) -> dict:
@@ -62,6 +97,8 @@ def _verbs(rank: int, t, size: int) -> dict:
     b = torch.arange(4, dtype=torch.float32) * 7 if rank == ROOT[size] else torch.zeros(4)
     t.broadcast(b, ROOT[size])
     out["broadcast"] = b
+
+    out["flat"] = _flat_collectives(rank, t, size)  # last: it ends with a refused call
     return out
 
 
@@ -106,6 +143,35 @@ def test_reduce_scatter_gives_rank_r_the_rth_slice_of_the_sum(world):
     for rank, r in enumerate(results):
         assert torch.equal(r["reduce_scatter"], total[2 * rank : 2 * rank + 2])
         assert torch.equal(r["reduce_scatter_input"], _reduce_input(rank, size))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_async_reduce_scatter_keeps_1_over_size_of_the_sum(world, dtype):
+    size, results = world
+    total = sum(_flat_input(r, size, torch.float64) for r in range(size))
+    assert total.max() < 256
+    for rank, r in enumerate(results):
+        flat = r["flat"][dtype]
+        scattered = flat["reduce_scatter"]
+        assert scattered.dtype == dtype
+        assert scattered.numel() * size == flat["source"].numel()
+        assert torch.equal(scattered, total[rank * SHARD:(rank + 1) * SHARD].to(dtype))
+        assert torch.equal(flat["source"], _flat_input(rank, size, dtype))  # input untouched
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_async_all_gather_concatenates_shards(world, dtype):
+    size, results = world
+    expected = torch.cat([_shard(r, dtype) for r in range(size)])
+    for r in results:
+        gathered = r["flat"][dtype]["all_gather"]
+        assert gathered.dtype == dtype
+        assert torch.equal(gathered, expected)
+
+
+def test_reduce_scatter_refuses_a_full_size_output(world):
+    _, results = world
+    assert [r["flat"]["full_size_output"] for r in results] == ["refused"] * len(results)
 
 
 def test_broadcast_from_a_non_zero_root(world):

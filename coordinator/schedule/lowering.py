@@ -136,6 +136,8 @@ def build_programs(schedule: str, pp: int, vpp: int, microbatches: int,
     GPT's input and output embeddings are always tied (DESIGN.md, "Model and tensor
     parallelism"), so the tie reduction is added whenever the model has several chunks.
     """
+    if zero not in (0, 1, 2, 3):
+        raise ValueError(f"zero={zero} must be 0, 1, 2 or 3")
     programs = add_p2p(compute_order(schedule, pp, vpp, microbatches), pp, vpp)
     programs = [
         add_gradient_sync(program, rank, pp, vpp, dp, tied_embedding_pipeline=True, zero=zero)

@@ -48,9 +48,12 @@ def add_param_gathers(program: list[Action], prefetch: int) -> list[Action]:
     """Inserts GATHER_PARAMS(c) `prefetch` runs ahead of each run of chunk c and
     RELEASE_PARAMS(c) right after the run's last compute.
 
-    Example, prefetch 1, rank 0 of interleaved pp=2 vpp=2 (receives left out):
-        F0.0 F0.1 F2.0 ...  becomes  AG0 AG2 F0.0 F0.1 RP0 AG0 F2.0 ...
-    (AG0 before F2.0 is the gather for the run after F2.0's, which is chunk 0 again.)
+    Example, rank 0 of interleaved pp=2 vpp=4, m=4 (sends and receives left out):
+        F0.0 F0.1 F2.0 F2.1 F4.0 ...
+    prefetch 0:  AG0 F0.0 F0.1 RP0 AG2 F2.0 F2.1 RP2 AG4 F4.0 ...
+    prefetch 1:  AG0 AG2 F0.0 F0.1 RP0 AG4 F2.0 F2.1 RP2 AG6 F4.0 ...
+    With vpp=2 and prefetch 1 a chunk would be gathered again right after its release
+    (runs alternate 0, 2, 0, 2), so both chunks stay gathered throughout.
     """
     if prefetch < 0:
         raise ValueError(f"prefetch={prefetch} must be >= 0")

@@ -17,6 +17,8 @@ from .errors import ProgramError
 
 
 def check_zero(program: list[Action], rank: int, pp: int, vpp: int, zero: int) -> None:
+    if zero not in (0, 1, 2, 3):
+        raise ValueError(f"zero={zero} must be 0, 1, 2 or 3")
     def fail(i: int | None, reason: str):
         raise ProgramError(rank, i, program[i] if i is not None else None, reason)
 

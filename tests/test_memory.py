@@ -1,0 +1,137 @@
+"""Memory: what the stage servers' ledgers report against the coordinator's memory
+model and the ZeRO accounting, and admission of jobs that would not fit. Real jobs on
+the shared cluster.
+
+The state kinds (parameters, gradients, optimizer) and the activation peak are exact
+(bytes of tensors this system allocates, predicted from the same buffer plan); the
+communication peak depends on when the network takes a send, so the total peak is held
+to 10%.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import grpc
+import pytest
+
+from coordinator.config import load_config
+from coordinator.grid import RankGrid
+from coordinator.memory_model import bucket_sizes, predict
+from coordinator.partition import chunks_of, partition
+from coordinator.plan import plan_programs
+from tests.conftest import TINY, run_job
+
+EXACT = ("parameters_bytes", "gradients_bytes", "optimizer_bytes", "parameters_peak_bytes",
+         "gradients_peak_bytes", "activations_peak_bytes")
+PEAK_RTOL = 0.10
+
+LAYOUTS = {
+    "zero0-dp2-pp2-v2": ["parallel.dp=2", "parallel.pp=2", "parallel.vpp=2"],
+    "zero1-dp2-pp2-v2": ["parallel.dp=2", "parallel.pp=2", "parallel.vpp=2", "parallel.zero=1"],
+    "zero2-dp4-bf16": ["parallel.dp=4", "parallel.pp=1", "parallel.vpp=1", "parallel.schedule=1f1b",
+                       "parallel.zero=2", "train.global_batch=16", "train.precision=bf16"],
+    "zero3-dp2-tp2-pp2-v2": ["parallel.dp=2", "parallel.tp=2", "parallel.pp=2", "parallel.vpp=2",
+                             "parallel.zero=3"],
+    "zero3-pp2-v4-recompute": ["parallel.dp=2", "parallel.pp=2", "parallel.vpp=4", "parallel.zero=3",
+                               "train.recompute=full"],
+}
+
+
+def _measured_and_predicted(client, sets):
+    config = load_config("", TINY + sets)
+    final, steps = run_job(client, TINY + sets)
+    assert final.state == "SUCCEEDED", final.error
+    programs, _ = plan_programs(config)
+    predictions = predict(config, programs)
+    p = config.parallel
+    grid = RankGrid(p.dp, p.pp, p.tp)
+    last = steps[-1].ranks  # a steady step: after the first, the state exists at its start
+    assert [r.rank for r in last] == list(range(grid.world_size))
+    assert final.last.ranks == last  # status carries the same figures
+    return config, [(r, predictions[grid.coord(r.rank).pp]) for r in last]
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_reported_memory_matches_the_model(client, name):
+    _, pairs = _measured_and_predicted(client, LAYOUTS[name])
+    for measured, predicted in pairs:
+        for key in EXACT:
+            assert getattr(measured, key) == predicted[key], (measured.rank, key)
+        assert abs(measured.peak_bytes - predicted["peak_bytes"]) <= PEAK_RTOL * predicted["peak_bytes"]
+        assert measured.rss_peak_bytes > measured.peak_bytes  # the process holds more than tensors
+
+
+def _zero_state(config, pipeline_rank: int) -> tuple[int, int, int]:
+    """(parameters, gradients, optimizer) bytes at a step's end by the ZeRO paper's
+    accounting, written out independently of the memory model: Ψ per bucket padded to a
+    multiple of dp, fp32 (a = m = 4), Adam's two moments."""
+    p = config.parallel
+    psi = sum(-(-n // p.dp) * p.dp for chunk in chunks_of(partition(config.model.n_layers, p.pp, p.vpp),
+                                                         pipeline_rank)
+              for n in bucket_sizes(config, chunk))
+    shard = psi // p.dp
+    return {0: (4 * psi, 4 * psi, 8 * psi), 1: (4 * psi, 4 * psi + 4 * shard, 8 * shard),
+            2: (4 * psi, 4 * shard, 8 * shard), 3: (4 * shard, 4 * shard, 8 * shard)}[p.zero]
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+def test_state_per_rank_follows_the_zero_accounting(client, zero):
+    sets = ["parallel.dp=4", "parallel.pp=2", "parallel.vpp=1", "parallel.schedule=1f1b",
+            f"parallel.zero={zero}", "train.global_batch=16"]
+    config, pairs = _measured_and_predicted(client, sets)
+    grid = RankGrid(4, 2, 1)
+    for measured, _ in pairs:
+        expected = _zero_state(config, grid.coord(measured.rank).pp)
+        assert (measured.parameters_bytes, measured.gradients_bytes, measured.optimizer_bytes) == expected
+
+
+def test_zero3_working_set_is_bounded_by_the_prefetch(client):
+    """vpp=4: each rank holds 4 chunks. With prefetch 0 at most one is gathered at a
+    time besides the rank's own shards, with prefetch 1 two (which at dp=2 can exceed
+    ZeRO-2's full copy: the shards are half of it already)."""
+    base = ["parallel.dp=2", "parallel.pp=2", "parallel.vpp=4"]
+    peaks = {}
+    for name, extra in (("p0", ["parallel.zero=3", "parallel.zero_prefetch=0"]),
+                        ("p1", ["parallel.zero=3", "parallel.zero_prefetch=1"]), ("zero2", ["parallel.zero=2"])):
+        _, pairs = _measured_and_predicted(client, base + extra)
+        peaks[name] = pairs[0][0].parameters_peak_bytes
+        owned = pairs[0][0].parameters_bytes
+    config = load_config("", TINY + base)
+    chunk_bytes = sorted(4 * sum(bucket_sizes(config, c)) for c in chunks_of(partition(8, 2, 4), 0))
+    assert peaks["p0"] <= owned + chunk_bytes[-1] + 64
+    assert peaks["p1"] <= owned + chunk_bytes[-1] + chunk_bytes[-2] + 64
+    assert peaks["p0"] < peaks["p1"] and peaks["p0"] < peaks["zero2"]
+
+
+def test_recompute_lowers_the_activation_peak_by_the_predicted_amount(client):
+    base = ["parallel.dp=2", "parallel.pp=2", "parallel.vpp=2", "parallel.zero=1"]
+    _, plain = _measured_and_predicted(client, base)
+    _, recomputed = _measured_and_predicted(client, base + ["train.recompute=full"])
+    for (m0, p0), (m1, p1) in zip(plain, recomputed):
+        saved = m0.activations_peak_bytes - m1.activations_peak_bytes
+        assert saved == p0["activations_peak_bytes"] - p1["activations_peak_bytes"]
+        assert saved > 0.5 * m0.activations_peak_bytes
+
+
+TOO_BIG = ["model.n_layers=48", "model.d_model=4096", "model.n_heads=32", "train.steps=1"]
+
+
+def test_a_job_too_big_for_the_servers_is_refused_before_anything_runs(client):
+    with pytest.raises(grpc.RpcError) as caught:
+        client.submit("", TOO_BIG)
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    message = caught.value.details()
+    assert message.startswith("rank ") and " needs " in message and " bytes " in message
+    assert "offers" in message
+    assert all(s.state == "IDLE" for s in client.servers())
+
+
+def test_cli_refuses_a_job_too_big_for_this_machine():
+    result = subprocess.run([sys.executable, "-m", "clients.cli", "run",
+                             *[a for o in TOO_BIG for a in ("--set", o)]],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert result.stderr.startswith("error: rank 0 needs ") and "offers" in result.stderr
+    assert "starting" not in result.stderr

@@ -1,0 +1,245 @@
+"""The memory ledger (stageserver/memory.py) and the coordinator's memory model
+(coordinator/memory_model.py): bucket sizes against real GPTChunk parameters, the ZeRO
+state per stage against the table in memory_model.py's docstring, and that prediction
+against the ledger of real buckets. All figures are integers of bytes: compared exactly.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from coordinator.config import load_config
+from coordinator.memory_model import bucket_sizes, memory_table, predict, predict_rank
+from coordinator.partition import chunks_of, partition
+from coordinator.plan import plan_programs
+from stageserver.buckets import BucketLayout
+from stageserver.memory import KINDS, MemoryLedger, reset_rss_peak, rss_peak_bytes
+from stageserver.model import GPTChunk, GPTConfig
+from stageserver.model.gpt import TIED
+from stageserver.sharded_bucket import ShardedBucket
+from stageserver.transport import SoloTransport
+
+# --- MemoryLedger -----------------------------------------------------------------------------
+
+
+def test_ledger_tracks_current_and_peaks_by_kind_and_in_total():
+    ledger = MemoryLedger()
+    assert ledger.current == dict.fromkeys(KINDS, 0) == ledger.peak
+    ledger.add("parameters", 100)
+    ledger.add("gradients", 50)
+    ledger.free("parameters", 60)
+    ledger.add("activations", 30)
+    ledger.add("parameters", 10)
+    assert ledger.current == {**dict.fromkeys(KINDS, 0), "parameters": 50, "gradients": 50, "activations": 30}
+    assert ledger.peak == {**dict.fromkeys(KINDS, 0), "parameters": 100, "gradients": 50, "activations": 30}
+    # The total peak is the most held at once (150), not the sum of the kinds' peaks (180).
+    assert ledger.total_peak == 150
+
+
+def test_reset_peaks_starts_from_what_is_held_now():
+    ledger = MemoryLedger()
+    ledger.add("optimizer", 80)
+    ledger.add("communication", 40)
+    ledger.free("communication", 40)
+    ledger.reset_peaks()
+    assert ledger.peak == {**dict.fromkeys(KINDS, 0), "optimizer": 80}
+    assert ledger.total_peak == 80
+    ledger.add("communication", 10)
+    assert ledger.peak["communication"] == 10 and ledger.total_peak == 90
+
+
+def test_ledger_refuses_to_go_negative_naming_the_kind():
+    ledger = MemoryLedger()
+    ledger.add("gradients", 8)
+    with pytest.raises(RuntimeError, match=r"memory ledger: gradients went negative \(-4 bytes\)"):
+        ledger.free("gradients", 12)
+    with pytest.raises(KeyError):
+        ledger.add("weights", 1)
+
+
+def _vm_rss() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+
+def test_rss_peak_sees_a_touched_allocation_and_reset_forgets_it():
+    size = 64 << 20
+    reset_rss_peak()
+    before = _vm_rss()
+    block = torch.ones(size // 4)  # written, so resident
+    peak = rss_peak_bytes()
+    assert peak >= before + size * 0.9
+    del block
+    reset_rss_peak()
+    assert rss_peak_bytes() < peak - size * 0.5
+
+
+# --- bucket sizes -----------------------------------------------------------------------------
+
+MODEL = ["model.d_model=16", "model.n_heads=2", "model.seq_len=8", "model.vocab_size=64"]
+LAYOUTS = {
+    "one chunk (embedding and head)": (3, 1, 1),
+    "embedding / middle / middle / head": (4, 2, 2),
+    "uneven layers": (5, 2, 2),
+}
+
+
+def _config(n_layers: int, pp: int, vpp: int, *extra: str):
+    schedule = "interleaved-1f1b" if vpp > 1 else "1f1b"
+    return load_config("", MODEL + [f"model.n_layers={n_layers}", f"parallel.pp={pp}", f"parallel.vpp={vpp}",
+                                    f"parallel.schedule={schedule}", "parallel.microbatches=2",
+                                    "train.global_batch=12", *extra])
+
+
+def _gpt(config) -> GPTConfig:
+    m = config.model
+    return GPTConfig(m.n_layers, m.d_model, m.n_heads, m.seq_len, m.vocab_size)
+
+
+def _split(names_numels) -> list[int]:
+    """stageserver/model_state.py's buckets: the tied embedding alone, then the rest."""
+    tied = [n for name, n in names_numels if name == TIED]
+    return tied + [sum(n for name, n in names_numels if name != TIED)]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS.values(), ids=LAYOUTS.keys())
+def test_bucket_sizes_are_the_chunks_parameter_counts(layout):
+    config = _config(*layout)
+    chunks = partition(config.model.n_layers, config.parallel.pp, config.parallel.vpp)
+    assert any(c.has_embedding and not c.has_head for c in chunks) or len(chunks) == 1
+    for chunk in chunks:
+        gpt = GPTChunk(_gpt(config), chunk.layers, chunk.has_embedding, chunk.has_head, SoloTransport(), seed=0)
+        expected = _split([(name, p.numel()) for name, p in gpt.named_parameters()])
+        assert bucket_sizes(config, chunk) == expected, chunk
+        assert len(expected) == (2 if chunk.has_embedding or chunk.has_head else 1)
+
+        # tp=2: every split parameter holds half of its full tensor along tp_dim.
+        halves = []
+        for name, spec in gpt.param_specs().items():
+            shape = list(spec.full_shape)
+            if spec.tp_dim is not None:
+                assert shape[spec.tp_dim] % 2 == 0
+                shape[spec.tp_dim] //= 2
+            halves.append((name, math.prod(shape)))
+        tp2 = _config(*layout, "parallel.tp=2")
+        assert bucket_sizes(tp2, chunk) == _split(halves), chunk
+        assert _split(halves) != expected
+
+
+# --- ZeRO state and peaks ---------------------------------------------------------------------
+
+BYTES = {"fp32": (4, 4), "bf16": (2, 4), "fp64": (8, 8)}
+"""precision -> (a, m): compute and master dtype bytes."""
+
+
+def _padded(config, chunk, dp: int) -> list[int]:
+    return [-(-n // dp) * dp for n in bucket_sizes(config, chunk)]
+
+
+@pytest.mark.parametrize("precision", BYTES)
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+@pytest.mark.parametrize("dp", [1, 3])
+def test_predicted_state_follows_the_zero_table(dp, zero, precision):
+    # Two chunks per pipeline rank; dp=3 divides none of the buckets, so padding shows.
+    config = _config(4, 2, 2, f"parallel.dp={dp}", f"parallel.zero={zero}", f"train.precision={precision}")
+    a, m = BYTES[precision]
+    programs, _ = plan_programs(config)
+    predictions = predict(config, programs)
+    chunks = partition(4, 2, 2)
+    for rank, prediction in enumerate(predictions):
+        assert prediction == predict_rank(config, programs[rank], rank)
+        padded = [n for c in chunks_of(chunks, rank) for n in _padded(config, c, dp)]
+        assert dp == 1 or sum(padded) > sum(n for c in chunks_of(chunks, rank) for n in bucket_sizes(config, c))
+        psi = sum(padded)
+        s = psi // dp
+        expected = {
+            0: (a * psi, a * psi, 2 * m * psi + (m * psi if a != m else 0)),
+            1: (a * psi, a * psi + m * s, 2 * m * s + (m * s if a != m else 0)),
+            2: (a * psi, m * s, 2 * m * s + (m * s if a != m else 0)),
+            3: (a * s, m * s, 2 * m * s + (m * s if a != m else 0)),
+        }[zero]
+        got = (prediction["parameters_bytes"], prediction["gradients_bytes"], prediction["optimizer_bytes"])
+        assert got == expected, f"pipeline rank {rank}"
+    # The mixed-precision line of the ZeRO paper: (2+2+K)Ψ with K=12 at stage 0,
+    # (2+2+K)Ψ/N_d at stage 3 plus 2Ψ/N_d: the gradient shard is kept in fp32 here.
+    if precision == "bf16" and zero in (0, 3):
+        p = predictions[0]
+        state = p["parameters_bytes"] + p["gradients_bytes"] + p["optimizer_bytes"]
+        psi = sum(n for c in chunks_of(chunks, 0) for n in _padded(config, c, dp))
+        assert state == ((2 + 2 + 12) * psi if zero == 0 else (2 + 2 + 12 + 2) * psi // dp)
+
+
+def grads_and_params_peaks(zero: int, a: int, m: int, psi: int, dp: int) -> tuple[int, int]:
+    """One bucket's gradient and parameter peaks during a step: the full-size gradient
+    (and at stage 0 in mixed precision its master-dtype copy for the optimizer) beside
+    the state; at stage 3 one gathered copy of the parameters beside the shard."""
+    s = psi // dp
+    grads = a * psi + (m * psi if a != m else 0) if zero == 0 else a * psi + m * s
+    params = a * s + a * psi if zero == 3 else a * psi
+    return grads, params
+
+
+@pytest.mark.parametrize("precision", BYTES)
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+def test_predicted_peaks_of_one_chunk_per_rank(zero, precision):
+    config = _config(4, 2, 1, "parallel.dp=3", f"parallel.zero={zero}", f"train.precision={precision}")
+    a, m = BYTES[precision]
+    programs, _ = plan_programs(config)
+    for rank, prediction in enumerate(predict(config, programs)):
+        (chunk,) = chunks_of(partition(4, 2, 1), rank)
+        padded = _padded(config, chunk, 3)
+        # Both buckets of the chunk are held and released together.
+        grads, params = grads_and_params_peaks(zero, a, m, sum(padded), 3)
+        assert prediction["gradients_peak_bytes"] == grads, f"pipeline rank {rank}"
+        assert prediction["parameters_peak_bytes"] == params, f"pipeline rank {rank}"
+
+
+@pytest.mark.parametrize("precision", BYTES)
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+def test_prediction_equals_the_ledger_of_real_buckets(zero, precision):
+    """dp=1: every pipeline rank's chunks built and bucketed as a stage server does."""
+    config = _config(4, 2, 2, f"parallel.zero={zero}", f"train.precision={precision}")
+    dtype, master = {"fp32": (torch.float32, torch.float32), "bf16": (torch.bfloat16, torch.float32),
+                     "fp64": (torch.float64, torch.float64)}[precision]
+    programs, _ = plan_programs(config)
+    for rank in range(2):
+        ledger = MemoryLedger()
+        for chunk in chunks_of(partition(4, 2, 2), rank):
+            gpt = GPTChunk(_gpt(config), chunk.layers, chunk.has_embedding, chunk.has_head, SoloTransport(), 0)
+            named = list(gpt.named_parameters())
+            for params in ([(n, p) for n, p in named if n == TIED], [(n, p) for n, p in named if n != TIED]):
+                if params:
+                    layout = BucketLayout.build([(n, p.numel()) for n, p in params], 1, 0)
+                    ShardedBucket(params, layout, zero, dtype, master, SoloTransport(), ledger, set(), 0.1)
+        prediction = predict_rank(config, programs[rank], rank)
+        assert ledger.current == {**dict.fromkeys(KINDS, 0),
+                                  "parameters": prediction["parameters_bytes"],
+                                  "gradients": prediction["gradients_bytes"],
+                                  "optimizer": prediction["optimizer_bytes"]}
+
+
+# --- the table --------------------------------------------------------------------------------
+
+
+def test_memory_table_prints_each_rank_in_mib():
+    config = _config(4, 2, 2, "parallel.dp=3", "parallel.zero=3", "train.precision=bf16",
+                     "model.d_model=256", "model.n_heads=4")
+    programs, _ = plan_programs(config)
+    predictions = predict(config, programs)
+    lines = memory_table(config, predictions).splitlines()
+    assert lines[0] == ("predicted memory per rank, MiB (ZeRO stage 3, bf16, recompute none; "
+                        "state at the end of a step, peaks during it):")
+    assert lines[1].split("  ")[0].strip() == "pipeline rank"
+    keys = ["parameters_bytes", "gradients_bytes", "optimizer_bytes", "parameters_peak_bytes",
+            "gradients_peak_bytes", "activations_peak_bytes", "communication_peak_bytes", "peak_bytes"]
+    assert len(lines) == 2 + len(predictions)
+    for rank, (line, prediction) in enumerate(zip(lines[2:], predictions)):
+        cells = line.split()
+        assert cells[0] == str(rank)
+        assert cells[1:] == [f"{prediction[k] / (1 << 20):.2f}" for k in keys]
+        assert float(cells[-1]) > 0.5  # a figure the MiB rounding does not hide
+    # Right-aligned columns: every line of the table is as wide as the header.
+    assert len({len(line) for line in lines[1:]}) == 1
