@@ -53,16 +53,16 @@ def test_zero12_one_reduce_scatter_per_chunk_and_gathers_after_the_step(schedule
     for zero in (1, 2):
         for dp in DPS:
             for rank, program in enumerate(built(schedule, pp, vpp, m, dp, zero, 1)):
-                owned = owned(rank, pp, vpp)
+                chunks = owned(rank, pp, vpp)
                 assert not [a for a in program if a.kind in (DP, RP)]
                 scatters = kinds(program, RS)
-                assert sorted(c for _, c in scatters) == owned  # once each, dp=1 too
+                assert sorted(c for _, c in scatters) == chunks  # once each, dp=1 too
                 for i, chunk in scatters:
                     last = last_backward(program, chunk)
                     between = [a.kind for a in program[last + 1:i]]
                     assert between in ([], [SG]), (rank, program[i], between)
                 step = program.index(Action(OPT))
-                assert list(program[step + 1:]) == [Action(AG, c) for c in owned]
+                assert list(program[step + 1:]) == [Action(AG, c) for c in chunks]
 
 
 @pytest.mark.parametrize("schedule, pp, vpp, m", LAYOUTS)

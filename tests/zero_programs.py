@@ -1,11 +1,11 @@
 """Helpers shared by the ZeRO schedule tests: the grid of layouts and a reference
 walk of a ZeRO-3 program."""
+
 from __future__ import annotations
 
 import functools
 
-
-from coordinator.schedule import (build_programs)
+from coordinator.schedule import build_programs
 from protos.actions import Kind
 
 F, B = Kind.FORWARD, Kind.BACKWARD
