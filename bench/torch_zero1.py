@@ -29,8 +29,12 @@ import torch_training
 
 
 def zero_redundancy_adamw(chunks: list[GPTChunk], weight_decay: float) -> ZeroRedundancyOptimizer:
+    # parameters_as_bucket_view: each rank's partition lives in one flat bucket, so the
+    # post-step broadcast is one collective per rank, not one per parameter (torch's
+    # default): the faster of torch's two ways, so the stronger baseline.
     return ZeroRedundancyOptimizer(torch_training.param_groups(chunks, weight_decay),
-                                   optimizer_class=torch.optim.AdamW, lr=0.0, betas=BETAS, eps=EPS)
+                                   optimizer_class=torch.optim.AdamW, parameters_as_bucket_view=True,
+                                   lr=0.0, betas=BETAS, eps=EPS)
 
 
 def train(rank: int, config: JobConfig) -> dict:

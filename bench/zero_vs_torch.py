@@ -14,8 +14,9 @@ the same way), Interleaf's byte ledger by kind and the peers' state bytes, loss
 agreement, and the coordinator's control time per RunSteps block. It exits non-zero
 when the two sides' losses differ beyond measure.LOSS_TOLERANCE.
 
-dp=2 runs on a 2-server cluster and 2 peer processes, then dp=4 on 4 and 4: on a
-2-core machine dp=4 puts two one-thread processes on each core, on both sides alike.
+Each Interleaf job runs on a fresh cluster of dp stage servers and each peer run on a
+fresh world of dp processes, one after the other: on a 2-core machine dp=4 puts two
+one-thread processes on each core, on both sides alike.
 
     python bench/zero_vs_torch.py [--steps 8] [--warmup 2] [--steps-per-call 2] [--out PATH]
                                   [--dp 2 4] [--zero 0 1 2 3]
@@ -74,33 +75,33 @@ def memory(ours: dict, per_rank: list[dict], warmup: int) -> dict:
             "rss_ratio": max(r["interleaf_rss_peak_bytes"] for r in ranks) / max(r["peer_rss_peak_bytes"] for r in ranks)}
 
 
-def run_dp(dp: int, args) -> list[tuple[str, dict]]:
-    """Every ZeRO stage at `dp` on a fresh cluster and peer world of dp processes, each
-    Interleaf job followed at once by its peer runs."""
-    labelled = []
-    cluster, peers = LocalCluster(dp, threads_per_server=1, steps_per_call=args.steps_per_call), PeerWorld(dp)
+def run_stage(dp: int, zero: int, args) -> list[tuple[str, dict]]:
+    """One ZeRO stage at `dp`: the Interleaf job on a fresh cluster of dp servers, then
+    each peer on a fresh world of dp processes. Fresh processes on both sides, because
+    a process's resident set carries the heap its earlier runs grew (a server or peer
+    reused across runs reads higher each run), which would make the rss figures say
+    more about the order of the runs than about the stage."""
+    sets = overrides(dp, zero, args.steps)
+    cluster = LocalCluster(dp, threads_per_server=1, steps_per_call=args.steps_per_call)
     try:
         cluster.start()
-        peers.start()
         client = Client(cluster.address)
         try:
-            for zero in args.zero:
-                sets = overrides(dp, zero, args.steps)
-                ours = run_job(client, sets)
-                for name, fn, extra in PEERS[zero]:
-                    per_rank = peers.run(fn, load_config("", sets), *extra)
-                    # Replicas hold equal rows, so the step's loss is the mean of theirs.
-                    losses = [sum(step) / len(step) for step in zip(*(r["losses"] for r in per_rank))]
-                    result = compare(ours, slowest_rank([r["step_seconds"] for r in per_rank]), losses,
-                                     args.warmup, (dp, dp))
-                    labelled.append((f"zero={zero} dp={dp} vs {name}", {
-                        "zero": zero, "dp": dp, "peer_name": name, "overrides": sets,
-                        "memory": memory(ours, per_rank, args.warmup), **result}))
+            ours = run_job(client, sets)
         finally:
             client.close()
     finally:
-        peers.close()
         cluster.stop()
+    labelled = []
+    for name, fn, extra in PEERS[zero]:
+        with PeerWorld(dp) as peers:
+            per_rank = peers.run(fn, load_config("", sets), *extra)
+        # Replicas hold equal rows, so the step's loss is the mean of theirs.
+        losses = [sum(step) / len(step) for step in zip(*(r["losses"] for r in per_rank))]
+        result = compare(ours, slowest_rank([r["step_seconds"] for r in per_rank]), losses, args.warmup, (dp, dp))
+        labelled.append((f"zero={zero} dp={dp} vs {name}", {
+            "zero": zero, "dp": dp, "peer_name": name, "overrides": sets,
+            "memory": memory(ours, per_rank, args.warmup), **result}))
     return labelled
 
 
@@ -131,7 +132,7 @@ def _options(parser) -> None:
 def main() -> None:
     args = arguments(__doc__.splitlines()[0], "zero_vs_torch", _options)
     before = machine()
-    labelled = [pair for dp in args.dp for pair in run_dp(dp, args)]
+    labelled = [pair for dp in args.dp for zero in args.zero for pair in run_stage(dp, zero, args)]
     after = machine()
 
     print(comparison_table("torch", labelled))

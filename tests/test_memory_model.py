@@ -172,7 +172,7 @@ def test_predicted_state_follows_the_zero_table(dp, zero, precision):
         assert state == ((2 + 2 + 12) * psi if zero == 0 else (2 + 2 + 12 + 2) * psi // dp)
 
 
-def grads_and_params_peaks(zero: int, a: int, m: int, psi: int, dp: int) -> tuple[int, int]:
+def _peaks(zero: int, a: int, m: int, psi: int, dp: int) -> tuple[int, int]:
     """One bucket's gradient and parameter peaks during a step: the full-size gradient
     (and at stage 0 in mixed precision its master-dtype copy for the optimizer) beside
     the state; at stage 3 one gathered copy of the parameters beside the shard."""
@@ -192,7 +192,7 @@ def test_predicted_peaks_of_one_chunk_per_rank(zero, precision):
         (chunk,) = chunks_of(partition(4, 2, 1), rank)
         padded = _padded(config, chunk, 3)
         # Both buckets of the chunk are held and released together.
-        grads, params = grads_and_params_peaks(zero, a, m, sum(padded), 3)
+        grads, params = _peaks(zero, a, m, sum(padded), 3)
         assert prediction["gradients_peak_bytes"] == grads, f"pipeline rank {rank}"
         assert prediction["parameters_peak_bytes"] == params, f"pipeline rank {rank}"
 

@@ -28,10 +28,11 @@ def _mask(n: int, segments: list[tuple[int, int]]) -> torch.Tensor:
     return mask
 
 
-# A buffer of more than one SLICE, with segments that start at 0, cross the first slice
-# boundary, touch each other without merging, and end at the buffer's end.
-N = SLICE + 1000
-SEGMENTS = [(0, 37), (500, 900), (SLICE - 300, SLICE + 200), (SLICE + 200, SLICE + 260), (N - 11, N)]
+# A buffer of more than two SLICEs, with segments that start at 0, are longer than a
+# slice, cross slice boundaries, touch each other without merging, and end at the end.
+N = 2 * SLICE + 1000
+SEGMENTS = [(0, 37), (500, 900), (1000, SLICE + 2000), (SLICE + 2000, SLICE + 2060),
+            (2 * SLICE - 300, 2 * SLICE + 200), (N - 11, N)]
 
 
 @pytest.mark.parametrize("foreach", [False, True])
@@ -41,7 +42,7 @@ def test_adamw_with_decay_segments_matches_torch_with_two_param_groups(foreach):
     start = torch.randn(N, generator=g)
     decayed = _mask(N, SEGMENTS)
     plain = ~decayed
-    assert decayed[SLICE - 1] and decayed[SLICE] and plain.any()
+    assert decayed[SLICE - 1] and decayed[SLICE] and decayed[2 * SLICE] and plain.any()
 
     ours = AdamW(start.clone(), SEGMENTS, wd)
     a = start[decayed].clone().requires_grad_()
