@@ -20,7 +20,7 @@ from stageserver import safetensors
 from stageserver.data import Sampler, resolve_source
 from stageserver.executor import Executor, StepStats
 from stageserver.model import GPTConfig
-from stageserver.model_state import ChunkPlan, ModelState, TrainPlan
+from stageserver.model_state import DTYPES, ChunkPlan, ModelState, TrainPlan
 from stageserver.transport import connect_gloo
 
 
@@ -48,6 +48,9 @@ class StageJob:
         if not self.chunks:
             raise JobRejected(f"rank {self.rank} was given no model chunks")
         dp = request.grid.dp
+        if request.zero > 3 or (t.precision or "fp32") not in DTYPES or (t.recompute or "none") not in ("none", "full"):
+            raise JobRejected(f"zero={request.zero}, precision={t.precision!r}, recompute={t.recompute!r}: "
+                              f"zero must be 0-3, precision one of {', '.join(DTYPES)}, recompute none or full")
         self.train = TrainPlan(
             microbatches=t.microbatches,
             rows=t.global_batch // (dp * t.microbatches),
