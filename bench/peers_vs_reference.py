@@ -1,6 +1,8 @@
 """The data-parallel peers checked on their own against Interleaf's single-process
-reference (clients/reference.py): DDP, DDP + ZeroRedundancyOptimizer and FSDP2, at dp=2
-and dp=4, must give the reference's loss at every step within measure.LOSS_TOLERANCE.
+reference (clients/reference.py): DDP, DDP + ZeroRedundancyOptimizer and FSDP2 (both
+ways of cutting it into units), at dp=2 and dp=4, must give the reference's loss at
+every step within measure.LOSS_TOLERANCE. Gradient clipping is active in these steps
+(the global norm starts above train.grad_clip), so the sharded norm is checked too.
 
 A peer that trained a different run (other samples, weights or optimizer arithmetic)
 would make every ratio zero_vs_torch.py reports meaningless; this shows each peer is
@@ -24,8 +26,8 @@ from measure import LOSS_TOLERANCE, max_relative_difference, table
 from peer_world import PeerWorld
 from workload import MODEL
 
-PEERS = [("DDP", torch_ddp.train), ("ZeRO-1 (ZeroRedundancyOptimizer)", torch_zero1.train),
-         ("FSDP2 (fully_shard)", torch_fsdp.train)]
+PEERS = [("DDP", torch_ddp.train, ()), ("ZeRO-1 (ZeroRedundancyOptimizer)", torch_zero1.train, ()),
+         ("FSDP2 per block", torch_fsdp.train, (True,)), ("FSDP2 whole model", torch_fsdp.train, (False,))]
 
 
 def overrides(dp: int, steps: int) -> list[str]:
@@ -47,8 +49,8 @@ def main() -> None:
     rows, failed = [], []
     for dp in (2, 4):
         with PeerWorld(dp) as world:
-            for name, train in PEERS:
-                per_rank = world.run(train, load_config("", overrides(dp, args.steps)))
+            for name, train, extra in PEERS:
+                per_rank = world.run(train, load_config("", overrides(dp, args.steps)), *extra)
                 losses = [sum(step) / len(step) for step in zip(*(r["losses"] for r in per_rank))]
                 difference = max_relative_difference(losses, reference)
                 rows.append([f"{name}, dp={dp}", " ".join(f"{x:.6f}" for x in losses), f"{difference:.1e}"])

@@ -28,10 +28,10 @@ from coordinator.activation_bytes import chunk_activation_bytes, chunk_input_byt
 from coordinator.config import JobConfig
 from coordinator.partition import Chunk, chunks_of, partition
 from protos.actions import Action, Kind
+from protos.memory import KINDS, memory_report
 
 BYTES = {"fp32": 4, "bf16": 2, "fp64": 8}
 MASTER_BYTES = {"fp32": 4, "bf16": 4, "fp64": 8}
-KINDS = ("parameters", "gradients", "optimizer", "activations", "communication")
 
 
 def bucket_sizes(config: JobConfig, chunk: Chunk) -> list[int]:
@@ -162,16 +162,7 @@ def predict_rank(config: JobConfig, program: list[Action], pipeline_rank: int) -
                 ledger.add("gradients", -mb * sum(full.values()))
     if zero in (1, 2):
         ledger.add("communication", -a * sum(shard.values()))
-    return {
-        "parameters_bytes": ledger.current["parameters"],
-        "gradients_bytes": ledger.current["gradients"],
-        "optimizer_bytes": ledger.current["optimizer"],
-        "parameters_peak_bytes": ledger.peak["parameters"],
-        "gradients_peak_bytes": ledger.peak["gradients"],
-        "activations_peak_bytes": ledger.peak["activations"],
-        "communication_peak_bytes": ledger.peak["communication"],
-        "peak_bytes": ledger.total_peak,
-    }
+    return memory_report(ledger.current, ledger.peak, ledger.total_peak)
 
 
 def predict(config: JobConfig, programs: list[list[Action]]) -> list[dict[str, int]]:

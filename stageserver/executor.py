@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from protos.actions import Action, Kind
+from protos.memory import memory_report
 from stageserver.activation_meter import ActivationMeter, parameter_storages
 from stageserver.memory import nbytes, reset_rss_peak, rss_peak_bytes
 from stageserver.model_state import ModelState
@@ -118,17 +119,8 @@ class Executor:
 
     def _memory_report(self) -> dict:
         ledger = self.ledger
-        return {
-            "parameters_bytes": ledger.current["parameters"],
-            "gradients_bytes": ledger.current["gradients"],
-            "optimizer_bytes": ledger.current["optimizer"],
-            "parameters_peak_bytes": ledger.peak["parameters"],
-            "gradients_peak_bytes": ledger.peak["gradients"],
-            "activations_peak_bytes": ledger.peak["activations"],
-            "communication_peak_bytes": ledger.peak["communication"],
-            "peak_bytes": ledger.total_peak,
-            "rss_peak_bytes": rss_peak_bytes(),
-        }
+        return dict(memory_report(ledger.current, ledger.peak, ledger.total_peak),
+                    rss_peak_bytes=rss_peak_bytes())
 
     def _wait(self, started: dict, chunk: int, state: _StepState) -> None:
         """Waits for the chunk's started collectives and runs what follows each."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 
-KINDS = ("parameters", "gradients", "optimizer", "activations", "communication")
+from protos.memory import KINDS
 
 
 class MemoryLedger:
