@@ -56,7 +56,7 @@ def _flat_collectives(rank: int, t, size: int) -> dict:
     try:  # a full-size output would be an all-reduce in disguise: refused
         t.reduce_scatter(torch.zeros(size * SHARD), _flat_input(rank, size, torch.float32))
         out["full_size_output"] = "accepted"
-    except RuntimeError:
+    except ValueError:
         out["full_size_output"] = "refused"
     return out
 
