@@ -11,7 +11,7 @@ sharded (their norm then sums the shards' squares over the ranks).
 from __future__ import annotations
 
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist

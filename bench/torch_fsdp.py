@@ -6,7 +6,9 @@ mesh over gloo. Parameters, gradients and Adam moments are sharded over the repl
     final norm; the head is the tied embedding) one more, as torchtitan wraps a model.
     A block's parameters are all-gathered before its forward and again before its
     backward, and freed after each: at most a block or two gathered at once, 2 x
-    microbatches x blocks all-gathers a step. What a torch user would run.
+    microbatches x blocks all-gathers a step, none overlapping compute on CPU (FSDP2's
+    implicit prefetch overlaps through CUDA streams, which a CPU lacks; README.md).
+    What a torch user would run.
   per_block=False: the whole model one unit, gathered before the first forward of the
     step and kept until the last backward (reshard after forward and after backward off
     until then): one all-gather a step, the whole model gathered through the step. What

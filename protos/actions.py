@@ -14,7 +14,7 @@ Every action has a compact string form that round-trips through `parse`:
     RG3.1<2     receive the gradient of chunk 3's output, microbatch 1, from pipeline rank 2
     DP3         all-reduce chunk 3's gradients over the data-parallel group (ZeRO-0)
     RS3         reduce-scatter chunk 3's gradients: each data-parallel rank keeps the sum
-                of its shard (ZeRO-1/2 once per step, ZeRO-3 after each run of backwards)
+                of its shard (ZeRO-1/2/3, once per chunk and step)
     AG3         all-gather chunk 3's parameters from the data-parallel shards (ZeRO-3
                 before the chunk's compute; ZeRO-1/2 after the optimizer step)
     RP3         release chunk 3's gathered parameters (ZeRO-3)

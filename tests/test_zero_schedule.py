@@ -50,19 +50,19 @@ def test_zero3_prefetch0_interleaved_gathers_each_run_just_before_it():
         F0.0 F0.1 | F2.0 F2.1 | F0.2 | B2.0 | F0.3 | B2.1 F2.2 | B0.0 | F2.3 | B0.1 |
         B2.2 B2.3 | B0.2 B0.3
     Each run gets AG in front of its receives and RP right after its last compute (the
-    send of the result needs no parameters); a run with backwards gets RS after its last
-    backward's send, so the full-size gradient lives only for the run."""
+    send of the result needs no parameters); each chunk gets one RS, after its last
+    backward's send, as under ZeRO-1/2."""
     program = build_programs("interleaved-1f1b", 2, 2, 4, dp=2, zero=3, prefetch=0)[0]
     assert format_program(program) == (
         "AG0 F0.0 SA0.0>1 F0.1 RP0 SA0.1>1 "
         "AG2 RA2.0<1 F2.0 SA2.0>1 RA2.1<1 F2.1 RP2 SA2.1>1 "
         "AG0 F0.2 RP0 SA0.2>1 "
-        "AG2 RG2.0<1 B2.0 RP2 SG2.0>1 RS2 "
+        "AG2 RG2.0<1 B2.0 RP2 SG2.0>1 "
         "AG0 F0.3 RP0 SA0.3>1 "
-        "AG2 RG2.1<1 B2.1 SG2.1>1 RS2 RA2.2<1 F2.2 RP2 SA2.2>1 "
-        "AG0 RG0.0<1 B0.0 RP0 RS0 "
+        "AG2 RG2.1<1 B2.1 SG2.1>1 RA2.2<1 F2.2 RP2 SA2.2>1 "
+        "AG0 RG0.0<1 B0.0 RP0 "
         "AG2 RA2.3<1 F2.3 RP2 SA2.3>1 "
-        "AG0 RG0.1<1 B0.1 RP0 RS0 "
+        "AG0 RG0.1<1 B0.1 RP0 "
         "AG2 RG2.2<1 B2.2 SG2.2>1 RG2.3<1 B2.3 RP2 SG2.3>1 RS2 "
         "AG0 RG0.2<1 B0.2 RG0.3<1 B0.3 RP0 RS0 TIE OPT")
     assert max_gathered(program) == 1
@@ -77,8 +77,8 @@ def test_zero3_prefetch1_interleaved_with_two_chunks_keeps_both_gathered():
     program = build_programs("interleaved-1f1b", 2, 2, 4, dp=2, zero=3, prefetch=1)[0]
     assert format_program(program) == (
         "AG0 AG2 F0.0 SA0.0>1 F0.1 SA0.1>1 RA2.0<1 F2.0 SA2.0>1 RA2.1<1 F2.1 SA2.1>1 "
-        "F0.2 SA0.2>1 RG2.0<1 B2.0 SG2.0>1 RS2 F0.3 SA0.3>1 RG2.1<1 B2.1 SG2.1>1 RS2 "
-        "RA2.2<1 F2.2 SA2.2>1 RG0.0<1 B0.0 RS0 RA2.3<1 F2.3 SA2.3>1 RG0.1<1 B0.1 RS0 "
+        "F0.2 SA0.2>1 RG2.0<1 B2.0 SG2.0>1 F0.3 SA0.3>1 RG2.1<1 B2.1 SG2.1>1 "
+        "RA2.2<1 F2.2 SA2.2>1 RG0.0<1 B0.0 RA2.3<1 F2.3 SA2.3>1 RG0.1<1 B0.1 "
         "RG2.2<1 B2.2 SG2.2>1 RG2.3<1 B2.3 RP2 SG2.3>1 RS2 "
         "RG0.2<1 B0.2 RG0.3<1 B0.3 RP0 RS0 TIE OPT")
     assert max_gathered(program) == 2
@@ -184,7 +184,7 @@ ZERO_BREAKAGES = [
      "uses chunk 0's parameters, which are not gathered"),
     (3, lambda p: _insert_after(p[0], "AG0", "AG0"), 0, "AG0", "chunk 0 is already gathered"),
     (3, lambda p: p[1].insert(0, parse("RP3")), 1, "RP3", "chunk 3 is not gathered"),
-    (3, lambda p: _remove(p[0], "RS0", last=True), 0, "B0.2",
+    (3, lambda p: _remove(p[0], "RS0", last=True), 0, "B0.0",
      "chunk 0's gradient is never reduce-scattered after this backward"),
     (3, lambda p: _insert_after(p[1], "RS3", "RS3"), 1, "RS3",
      "no backward of chunk 3 since its last reduction"),

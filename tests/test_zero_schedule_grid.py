@@ -90,7 +90,7 @@ def test_zero3_computes_only_on_gathered_chunks_within_the_prefetch_bound(schedu
 
 
 @pytest.mark.parametrize("schedule, pp, vpp, m", LAYOUTS)
-def test_zero3_reduce_scatters_every_run_of_backwards(schedule, pp, vpp, m):
+def test_zero3_reduce_scatters_each_chunk_once_after_its_last_backward(schedule, pp, vpp, m):
     for prefetch in range(5):
         for program in built(schedule, pp, vpp, m, 2, 3, prefetch):
             pending = {}  # chunk -> first backward not yet covered by an RS
@@ -101,15 +101,12 @@ def test_zero3_reduce_scatters_every_run_of_backwards(schedule, pp, vpp, m):
                     assert a.chunk in pending, f"{i} {a}: no backward since the last RS"
                     del pending[a.chunk]
             assert pending == {}
-            # One RS per run with backwards, right behind its last backward (only that
-            # backward's release and send between).
-            runs = [r for r in compute_runs(program)
-                    if any(program[i].kind is B for i in r.indices)]
+            # One RS per chunk, right behind its last backward (only that backward's
+            # release and send between): as much traffic as plain data parallelism.
             scatters = kinds(program, RS)
-            assert len(scatters) == len(runs)
-            for run, (i, chunk) in zip(runs, scatters):
-                last = max(j for j in run.indices if program[j].kind is B)
-                assert chunk == run.chunk
+            assert len(scatters) == len({a.chunk for a in program if a.kind is B})
+            for i, chunk in scatters:
+                last = last_backward(program, chunk)
                 assert {a.kind for a in program[last + 1:i]} <= {RP, SG}
 
 
@@ -122,13 +119,13 @@ def _gathers(program):
 def test_gathers_and_reductions_are_charged_on_one_rank():
     """One rank (interleaved pp=1, vpp=3, m=2, prefetch 0): nothing to wait for but the
     gathers, so each of the 9 runs waits one full gather_s before its first compute, and
-    the 6 runs with backwards plus the local TIE each cost reduce_s:
-        6 F (1 s) + 6 B (2 s) + 9 * 0.5 + 7 * 0.25 = 18 + 4.5 + 1.75 = 24.25 s."""
+    the 3 chunks' reductions plus the local TIE each cost reduce_s:
+        6 F (1 s) + 6 B (2 s) + 9 * 0.5 + 4 * 0.25 = 18 + 4.5 + 1.0 = 23.5 s."""
     (program,) = build_programs("interleaved-1f1b", 1, 3, 2, dp=2, zero=3, prefetch=0)
-    assert (_gathers(program), len(kinds(program, RS))) == (9, 6)
+    assert (_gathers(program), len(kinds(program, RS))) == (9, 3)
     result = simulate([program], CostModel(forward_s=1.0, backward_s=2.0, gather_s=0.5,
                                            reduce_s=0.25))
-    assert result.makespan_s == 24.25
+    assert result.makespan_s == 23.5
     assert result.busy_s == [18.0]
 
 

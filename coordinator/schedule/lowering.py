@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from protos.actions import Action, Kind
 from .compute_order import compute_order
-from .zero import add_param_gathers, compute_runs
+from .zero import add_param_gathers
 
 
 def add_p2p(orders: list[list[Action]], pp: int, vpp: int) -> list[list[Action]]:
@@ -56,13 +56,14 @@ def add_gradient_sync(program: list[Action], rank: int, pp: int, vpp: int, dp: i
       of chunk c on this rank (and after that backward's SEND_GRAD), so the chunk's
       reduction overlaps the backwards still to run. Every chunk the rank owns (rank,
       rank+pp, ... below pp*vpp) must have a backward.
-    - ZeRO-1/2: REDUCE_SCATTER_GRADS(c) at the same point: each data-parallel rank keeps
-      the sum of its shard (stage 2 then frees the full-size gradient). After the
-      optimizer step, GATHER_PARAMS(c) for every owned chunk all-gathers the updated
-      shards into the full working parameters.
-    - ZeRO-3: REDUCE_SCATTER_GRADS(c) after the last backward of every run (see
-      `zero.compute_runs`) of chunk c that has backwards, so the full-size gradient lives
-      only while its run does; the parameters are gathered by `zero.add_param_gathers`.
+    - ZeRO-1/2/3: REDUCE_SCATTER_GRADS(c) at the same point: each data-parallel rank
+      keeps the sum of its shard (stages 2 and 3 then free the full-size gradient). One
+      reduction per chunk per step, as plain data parallelism: reducing after every run
+      of backwards instead would hold less gradient for a few runs at the price of a
+      reduce-scatter per run (with interleaving, several per chunk and step). After the
+      optimizer step, ZeRO-1/2 gather the updated shards into the full working
+      parameters (GATHER_PARAMS(c) per owned chunk); ZeRO-3's parameters are gathered
+      where they are used, by `zero.add_param_gathers`.
     - `tied_embedding_pipeline` (the model ties its input and output embeddings) and
       more than one chunk: the embedding's two copies live with chunk 0 on rank 0 and
       with the last chunk on rank pp-1, so those ranks append REDUCE_TIED_GRADS after
@@ -79,9 +80,7 @@ def add_gradient_sync(program: list[Action], rank: int, pp: int, vpp: int, dp: i
     program, so their order matches. REDUCE_TIED_GRADS is the only collective of the
     two-member tie group (ranks 0 and pp-1), and each of them issues it once.
     """
-    if zero == 3:
-        reduce_after = _run_reduction_points(program)
-    elif zero or dp > 1:
+    if zero or dp > 1:
         reduce_after = _reduction_points(program, rank, pp, vpp)
     else:
         reduce_after = {}
@@ -116,16 +115,6 @@ def _reduction_points(program: list[Action], rank: int, pp: int, vpp: int) -> di
             raise ValueError(f"rank {rank} owns chunk {chunk} but its program has no "
                              f"backward for it, so its gradients would never be reduced")
         points[_after_send_grad(program, last_backward[chunk])] = chunk
-    return points
-
-
-def _run_reduction_points(program: list[Action]) -> dict[int, int]:
-    """ZeRO-3: one reduction after the last backward of each run that has backwards."""
-    points = {}
-    for run in compute_runs(program):
-        backwards = [i for i in run.indices if program[i].kind is Kind.BACKWARD]
-        if backwards:
-            points[_after_send_grad(program, backwards[-1])] = run.chunk
     return points
 
 

@@ -4,10 +4,10 @@ Which reductions and gathers each stage uses:
     stage 0   DP c (all-reduce) once per chunk after its backwards, when dp > 1;
     stage 1/2 RS c (reduce-scatter) once per chunk after its backwards, and AG c once per
               chunk after OPT (the updated shards gathered into the full parameters);
-    stage 3   RS c after backwards (every backward covered by a later RS of its
-              chunk), AG c / RP c around the compute: no forward or backward of a chunk
-              that is not gathered, no gather of a gathered chunk, no release of one
-              that is not, nothing left gathered at the end.
+    stage 3   RS c as stages 1/2 (any RS covers the backwards since the chunk's last
+              one, and every backward must be covered), AG c / RP c around the compute:
+              no forward or backward of a chunk that is not gathered, no gather of a
+              gathered chunk, no release of one that is not, nothing left gathered.
 """
 
 from __future__ import annotations
