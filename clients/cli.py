@@ -106,6 +106,7 @@ def cmd_schedule(args) -> int:
     from coordinator.plan import plan_programs
     from coordinator.memory_model import memory_table, predict
     from coordinator.schedule import CostModel, simulate, timeline_table, write_png
+    from coordinator.schedule.zero import max_gathered
     from protos.actions import format_program
 
     _, config = _load(args)
@@ -119,6 +120,9 @@ def cmd_schedule(args) -> int:
     for rank, program in enumerate(programs):
         print(f"rank {rank:<2} {format_program(program)}")
     print(memory_table(config, predict(config, programs)))
+    if p.zero == 3:
+        print(f"ZeRO-3: at most {max(max_gathered(program) for program in programs)} chunks gathered "
+              f"at once on a rank (parallel.zero_prefetch={p.zero_prefetch})")
     if args.png:
         write_png(args.png, programs, result)
         print(f"timeline written to {args.png}")

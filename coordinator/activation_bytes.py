@@ -20,7 +20,8 @@ mask). Parameters are excluded (the memory model counts them as parameters).
 
 from __future__ import annotations
 
-_BYTES = {"fp32": 4, "bf16": 2, "fp64": 8}
+from coordinator.config import PRECISION_BYTES as _BYTES
+
 _INT64 = 8
 _BOOL = 1
 

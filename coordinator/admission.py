@@ -32,17 +32,20 @@ def _gib(n: int) -> str:
 
 
 def check_fits(needs: list[int], offers: list[tuple[str, int]]) -> None:
-    """Raises AdmissionError unless the servers `offers` ((address, memory bytes)) can
-    host every rank: the most demanding ranks are matched with the largest servers."""
+    """Raises AdmissionError unless enough of the servers `offers` ((address, memory
+    bytes)) can host any rank: placement (plan.place_servers) gives every rank a server
+    offering the most any rank needs."""
     if len(offers) < len(needs):
         raise ValueError(f"{len(offers)} servers for {len(needs)} ranks")
-    ranks = sorted(range(len(needs)), key=lambda r: -needs[r])
-    servers = sorted(offers, key=lambda s: -s[1])
-    for rank, (address, memory) in zip(ranks, servers):
-        if needs[rank] > memory:
-            raise AdmissionError(
-                f"rank {rank} needs {needs[rank]} bytes ({_gib(needs[rank])}: its predicted peak "
-                f"plus {_gib(RUNTIME_RESERVE_BYTES)} for the process) but server {address} offers "
-                f"{memory} bytes ({_gib(memory)}); a higher parallel.zero, more parallelism or a "
-                f"smaller model would need less (see `interleaf schedule`)"
-            )
+    rank = max(range(len(needs)), key=needs.__getitem__)
+    need = needs[rank]
+    fitting = sum(memory >= need for _, memory in offers)
+    if fitting < len(needs):
+        address, memory = max((o for o in offers if o[1] < need), key=lambda o: o[1])
+        raise AdmissionError(
+            f"rank {rank} needs {need} bytes ({_gib(need)}: its predicted peak plus "
+            f"{_gib(RUNTIME_RESERVE_BYTES)} for the process) but server {address} offers {memory} "
+            f"bytes ({_gib(memory)}), and only {fitting} of {len(offers)} servers offer that much "
+            f"for {len(needs)} ranks; more parallelism, a ZeRO stage or a smaller model would need "
+            f"less (`interleaf schedule` shows the prediction)"
+        )

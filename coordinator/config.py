@@ -13,7 +13,11 @@ import tomllib
 from dataclasses import dataclass, field
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
-PRECISIONS = ("fp32", "bf16", "fp64")
+PRECISION_BYTES = {"fp32": 4, "bf16": 2, "fp64": 8}
+"""Bytes per element of the compute dtype of each train.precision."""
+MASTER_BYTES = {"fp32": 4, "bf16": 4, "fp64": 8}
+"""Bytes per element of the master weights, Adam moments and gradient reductions."""
+PRECISIONS = tuple(PRECISION_BYTES)
 RECOMPUTE = ("none", "full")
 MAX_ZERO_PREFETCH = 4
 MAX_TOKEN_ID = 2**32 - 1

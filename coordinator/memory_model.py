@@ -22,16 +22,11 @@ staging buffers of reductions and gathers until they are waited.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 from coordinator.activation_bytes import chunk_activation_bytes, chunk_input_bytes
-from coordinator.config import JobConfig
+from coordinator.config import MASTER_BYTES, PRECISION_BYTES, JobConfig
 from coordinator.partition import Chunk, chunks_of, partition
 from protos.actions import Action, Kind
-from protos.memory import KINDS, memory_report
-
-BYTES = {"fp32": 4, "bf16": 2, "fp64": 8}
-MASTER_BYTES = {"fp32": 4, "bf16": 4, "fp64": 8}
+from protos.memory import MemoryLedger
 
 
 def bucket_sizes(config: JobConfig, chunk: Chunk) -> list[int]:
@@ -48,121 +43,146 @@ def bucket_sizes(config: JobConfig, chunk: Chunk) -> list[int]:
     return tied + [rest]
 
 
-@dataclass
-class _Ledger:
-    current: dict = field(default_factory=lambda: dict.fromkeys(KINDS, 0))
-    peak: dict = field(default_factory=lambda: dict.fromkeys(KINDS, 0))
-    total_peak: int = 0
+class _ProgramWalk:
+    """One rank's program walked in the executor's order (stageserver/executor.py), with
+    the allocations and releases it makes entered in a ledger: one handler per action
+    kind, as the executor has."""
 
-    def add(self, kind: str, n: int) -> None:
-        self.current[kind] += n
-        self.peak[kind] = max(self.peak[kind], self.current[kind])
-        self.total_peak = max(self.total_peak, sum(self.current.values()))
+    def __init__(self, config: JobConfig, pipeline_rank: int):
+        p, t, m = config.parallel, config.train, config.model
+        self.a, self.m = PRECISION_BYTES[t.precision], MASTER_BYTES[t.precision]
+        self.zero, self.dp, self.tp, self.model, self.precision = p.zero, p.dp, p.tp, m, t.precision
+        self.recompute = t.recompute == "full"
+        self.chunks = {c.index: c for c in chunks_of(partition(m.n_layers, p.pp, p.vpp), pipeline_rank)}
+        self.full = {c: sum(-(-n // p.dp) * p.dp for n in bucket_sizes(config, chunk))
+                     for c, chunk in self.chunks.items()}  # padded elements, all buckets
+        self.shard = {c: n // p.dp for c, n in self.full.items()}
+        self.rows = t.global_batch // (p.dp * p.microbatches)
+        self.hidden = self.rows * m.seq_len * m.d_model * self.a  # one activation message
+        self.ledger = MemoryLedger()
+        self.grads_held = {c: p.zero < 2 for c in self.chunks}
+        self.pending: list[tuple[int, int, bool]] = []  # (chunk, staged bytes, frees grads)
+        self.handlers = {
+            Kind.FORWARD: self._forward, Kind.BACKWARD: self._backward,
+            Kind.RECV_ACT: self._receive, Kind.RECV_GRAD: self._receive,
+            Kind.SEND_ACT: self._send_act, Kind.SEND_GRAD: self._send_grad,
+            Kind.REDUCE_GRADS: self._reduce, Kind.REDUCE_SCATTER_GRADS: self._reduce,
+            Kind.GATHER_PARAMS: self._gather, Kind.RELEASE_PARAMS: self._release,
+            Kind.REDUCE_TIED_GRADS: self._finish_all, Kind.OPTIMIZER_STEP: self._optimizer_step,
+        }
 
-    def reset_peaks(self) -> None:
-        self.peak, self.total_peak = dict(self.current), sum(self.current.values())
+    @property
+    def separate(self) -> bool:
+        return self.a != self.m  # bf16: master weights and reductions in fp32
+
+    def run(self, program: list[Action]) -> dict[str, int]:
+        a, m, zero = self.a, self.m, self.zero
+        for c in self.chunks:  # what a step after the first starts with
+            owned = self.full[c] if zero == 0 else self.shard[c]
+            self.ledger.add("parameters", a * (self.shard[c] if zero == 3 else self.full[c]))
+            self.ledger.add("gradients", (a * self.full[c] if zero < 2 else 0) + (m * self.shard[c] if zero else 0))
+            self.ledger.add("optimizer", 2 * m * owned + (m * owned if self.separate else 0))
+        self.ledger.reset_peaks()
+        for action in program:
+            self.handlers[action.kind](action)
+        if zero in (1, 2):  # the updated shards' gathers, waited at the step's end
+            self.ledger.free("communication", a * sum(self.shard.values()))
+        return self.ledger.report()
+
+    def _activations(self, c: int) -> tuple[int, int]:
+        """(kept from the forward to the backward, held during the backward)."""
+        chunk = self.chunks[c]
+        full = chunk_activation_bytes(self.model.d_model, self.model.n_heads, self.model.seq_len,
+                                      self.model.vocab_size, len(chunk.layers), chunk.has_embedding,
+                                      chunk.has_head, self.rows, self.tp, self.precision)
+        if self.recompute:
+            return chunk_input_bytes(self.model.d_model, self.model.seq_len, chunk.has_embedding,
+                                     self.rows, self.precision), full
+        if c - 1 in self.chunks:
+            full -= self.hidden  # the input is the previous chunk's output, counted there
+        return full, full
+
+    def _forward(self, action: Action) -> None:
+        c = action.chunk
+        if not self.chunks[c].has_embedding and c - 1 not in self.chunks:
+            self.ledger.free("communication", self.hidden)  # the received input, now in use
+        self.ledger.add("activations", self._activations(c)[0])
+
+    def _backward(self, action: Action) -> None:
+        c = action.chunk
+        self._finish(c)
+        if not self.grads_held[c]:
+            self.ledger.add("gradients", self.a * self.full[c])
+            self.grads_held[c] = True
+        kept, held = self._activations(c)
+        self.ledger.add("activations", held - kept)  # recompute's rerun
+        if not self.chunks[c].has_head:
+            self.ledger.free("communication", self.hidden)  # the output's gradient
+        self.ledger.free("activations", held)
+        if not self.chunks[c].has_embedding and c - 1 in self.chunks:
+            self.ledger.add("communication", self.hidden)  # the input's gradient, handed over
+
+    def _receive(self, action: Action) -> None:
+        self.ledger.add("communication", self.hidden)
+
+    def _send_act(self, action: Action) -> None:
+        if self.recompute:  # otherwise the output is counted among the activations
+            self._send_grad(action)
+
+    def _send_grad(self, action: Action) -> None:
+        # On the ledger until the network has it: at once, as far as a model can know.
+        self.ledger.add("communication", self.hidden)
+        self.ledger.free("communication", self.hidden)
+
+    def _reduce(self, action: Action) -> None:
+        c, a, m = action.chunk, self.a, self.m
+        self._finish_all(action)  # the executor waits the previous reduction first
+        staged = m * self.full[c] if self.separate else 0
+        if self.zero:
+            staged += m * self.shard[c]  # the reduce-scatter's output
+        self.ledger.add("communication", staged)
+        if self.separate and self.zero >= 2:  # the fp32 copy travels; the bf16 one goes
+            self.ledger.free("gradients", a * self.full[c])
+            self.grads_held[c] = False
+        self.pending.append((c, staged, self.zero >= 2 and self.grads_held[c]))
+
+    def _finish(self, c: int) -> None:
+        for entry in [e for e in self.pending if e[0] == c]:
+            self.pending.remove(entry)
+            _, staged, frees_grads = entry
+            self.ledger.free("communication", staged)
+            if self.zero == 0 and self.separate:
+                self.ledger.add("gradients", staged)  # the fp32 sum, kept for the step
+            if frees_grads:
+                self.ledger.free("gradients", self.a * self.full[c])
+                self.grads_held[c] = False
+
+    def _finish_all(self, action: Action) -> None:
+        for c in {e[0] for e in self.pending}:
+            self._finish(c)
+
+    def _gather(self, action: Action) -> None:
+        if self.zero == 3:
+            self.ledger.add("parameters", self.a * self.full[action.chunk])
+        else:  # the updated shard, staged for the all-gather
+            self.ledger.add("communication", self.a * self.shard[action.chunk])
+
+    def _release(self, action: Action) -> None:
+        self.ledger.free("parameters", self.a * self.full[action.chunk])
+
+    def _optimizer_step(self, action: Action) -> None:
+        self._finish_all(action)
+        if self.zero == 0 and self.separate:
+            total = self.m * sum(self.full.values())
+            if self.dp == 1:  # never reduced: the fp32 copy is made for the step
+                self.ledger.add("gradients", total)
+            self.ledger.free("gradients", total)
 
 
 def predict_rank(config: JobConfig, program: list[Action], pipeline_rank: int) -> dict[str, int]:
     """The ledger figures of any rank at this pipeline rank (dp and tp replicas hold
     equal shards), for a step after the first."""
-    p, t, m = config.parallel, config.train, config.model
-    a, mb, dp, zero = BYTES[t.precision], MASTER_BYTES[t.precision], p.dp, p.zero
-    separate = a != mb
-    chunks = {c.index: c for c in chunks_of(partition(m.n_layers, p.pp, p.vpp), pipeline_rank)}
-    padded = {c: [-(-n // dp) * dp for n in bucket_sizes(config, chunk)] for c, chunk in chunks.items()}
-    full = {c: sum(sizes) for c, sizes in padded.items()}  # elements over the chunk's buckets
-    shard = {c: n // dp for c, n in full.items()}
-    ledger = _Ledger()
-    for c in chunks:  # what the step starts with
-        ledger.add("parameters", a * (shard[c] if zero == 3 else full[c]))
-        ledger.add("gradients", (a * full[c] if zero < 2 else 0) + (mb * shard[c] if zero else 0))
-        owned = full[c] if zero == 0 else shard[c]
-        ledger.add("optimizer", 2 * mb * owned + (mb * owned if separate else 0))
-    ledger.reset_peaks()
-
-    rows = t.global_batch // (dp * p.microbatches)
-    hidden = rows * m.seq_len * m.d_model * a
-    local = {c for c in chunks if c - 1 in chunks}  # input handed over on this rank
-    recompute = t.recompute == "full"
-
-    def kept(c: int) -> int:
-        ch = chunks[c]
-        full_acts = chunk_activation_bytes(m.d_model, m.n_heads, m.seq_len, m.vocab_size, len(ch.layers),
-                                           ch.has_embedding, ch.has_head, rows, p.tp, t.precision)
-        inputs = chunk_input_bytes(m.d_model, m.seq_len, ch.has_embedding, rows, t.precision)
-        if c in local and not recompute:
-            full_acts -= hidden  # counted as the previous chunk's output
-        return (inputs, full_acts) if recompute else (full_acts, full_acts)
-
-    grads_held = {c: zero < 2 for c in chunks}
-    pending: dict[int, list[tuple[str, int, str, int]]] = {}  # chunk -> frees on completion
-    gathers: dict[int, int] = {}
-    inbox = 0
-
-    def finish(c: int) -> None:
-        for kind, n, then_kind, then_n in pending.pop(c, []):
-            ledger.add(kind, -n)
-            ledger.add(then_kind, then_n)
-            if then_kind == "gradients" and then_n < 0:
-                grads_held[c] = False
-
-    for action in program:
-        c = action.chunk
-        if action.kind in (Kind.RECV_ACT, Kind.RECV_GRAD):
-            ledger.add("communication", hidden)
-            inbox += 1
-        elif action.kind is Kind.FORWARD:
-            gathers.pop(c, None)
-            if not chunks[c].has_embedding and c not in local:
-                ledger.add("communication", -hidden)
-            ledger.add("activations", kept(c)[0])
-        elif action.kind is Kind.BACKWARD:
-            gathers.pop(c, None)
-            finish(c)
-            if not grads_held[c]:
-                ledger.add("gradients", a * full[c])
-                grads_held[c] = True
-            held, rerun = kept(c)
-            ledger.add("activations", rerun - held)
-            if not chunks[c].has_head and c + 1 not in chunks:
-                ledger.add("communication", -hidden)
-            ledger.add("activations", -rerun)
-        elif action.kind is Kind.SEND_GRAD:
-            # Sent as soon as written: on the ledger for a moment only (see _send).
-            ledger.add("communication", hidden)
-            ledger.add("communication", -hidden)
-        elif action.kind is Kind.SEND_ACT and recompute:
-            ledger.add("communication", hidden)
-            ledger.add("communication", -hidden)
-        elif action.kind in (Kind.REDUCE_GRADS, Kind.REDUCE_SCATTER_GRADS):
-            staged = mb * full[c] if separate else 0
-            if zero == 0:
-                ledger.add("communication", staged)
-                pending.setdefault(c, []).append(("communication", staged, "gradients", staged))
-            else:
-                ledger.add("communication", staged + mb * shard[c])
-                release = -a * full[c] if zero >= 2 else 0
-                pending.setdefault(c, []).append(("communication", staged + mb * shard[c],
-                                                   "gradients", release))
-        elif action.kind is Kind.GATHER_PARAMS:
-            if zero == 3:
-                ledger.add("parameters", a * full[c])
-                gathers[c] = 1
-            else:
-                ledger.add("communication", a * shard[c])
-        elif action.kind is Kind.RELEASE_PARAMS:
-            ledger.add("parameters", -a * full[c])
-        elif action.kind in (Kind.REDUCE_TIED_GRADS, Kind.OPTIMIZER_STEP):
-            for chunk in list(pending):
-                finish(chunk)
-            if action.kind is Kind.OPTIMIZER_STEP and zero == 0 and separate:
-                copies = sum(full[ch] for ch in chunks if p.dp == 1)  # cast at the step
-                ledger.add("gradients", mb * copies)
-                ledger.add("gradients", -mb * sum(full.values()))
-    if zero in (1, 2):
-        ledger.add("communication", -a * sum(shard.values()))
-    return memory_report(ledger.current, ledger.peak, ledger.total_peak)
+    return _ProgramWalk(config, pipeline_rank).run(program)
 
 
 def predict(config: JobConfig, programs: list[list[Action]]) -> list[dict[str, int]]:

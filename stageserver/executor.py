@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 import torch
 
 from protos.actions import Action, Kind
-from protos.memory import memory_report
 from stageserver.activation_meter import ActivationMeter, parameter_storages
 from stageserver.memory import nbytes, reset_rss_peak, rss_peak_bytes
 from stageserver.model_state import ModelState
@@ -43,16 +42,16 @@ class _StepState:
     step: int
     # (chunk, microbatch) -> the chunk's input (requires grad unless tokens) and output.
     saved: dict = field(default_factory=dict)
-    # (chunk, microbatch) -> input activation that arrived for that chunk.
+    # (chunk, microbatch) -> (input activation that arrived for that chunk, the bytes it
+    # holds on the ledger's communication account until used: 0 for a local hand-over,
+    # which the previous chunk counts as its output).
     activations: dict = field(default_factory=dict)
-    # (chunk, microbatch) -> gradient of that chunk's output.
+    # (chunk, microbatch) -> (gradient of that chunk's output, its ledger bytes).
     output_grads: dict = field(default_factory=dict)
     # (chunk, microbatch) -> gradient of that chunk's input, waiting to be sent.
     input_grads: dict = field(default_factory=dict)
     # (chunk, microbatch) -> activation bytes its forward left for its backward.
     kept: dict = field(default_factory=dict)
-    # (id of activations or output_grads, key) -> bytes of a received tensor not yet used.
-    inbox: dict = field(default_factory=dict)
     # (chunk, microbatch) -> output kept only for its send (recompute keeps no graph).
     outputs: dict = field(default_factory=dict)
     # Sends in flight, (work, tensor, ledger bytes): the tensor must stay alive until
@@ -118,9 +117,7 @@ class Executor:
         )
 
     def _memory_report(self) -> dict:
-        ledger = self.ledger
-        return dict(memory_report(ledger.current, ledger.peak, ledger.total_peak),
-                    rss_peak_bytes=rss_peak_bytes())
+        return dict(self.ledger.report(), rss_peak_bytes=rss_peak_bytes())
 
     def _wait(self, started: dict, chunk: int, state: _StepState) -> None:
         """Waits for the chunk's started collectives and runs what follows each."""
@@ -133,15 +130,23 @@ class Executor:
 
     # -- compute ---------------------------------------------------------------
 
+    def _ready(self, chunk: int, state: _StepState) -> None:
+        """Waits for the chunk's gather; refuses to compute on released parameters (their
+        storage holds no bytes: touching it would read freed memory)."""
+        self._wait(state.gathers, chunk, state)
+        if not self.model.gathered(chunk):
+            raise RuntimeError(f"chunk {chunk}'s parameters are not gathered: the program "
+                               f"lacks AG{chunk} before this compute")
+
     def _forward(self, a: Action, state: _StepState) -> None:
         chunk = self.model.chunks[a.chunk]
-        self._wait(state.gathers, a.chunk, state)
+        self._ready(a.chunk, state)
         # Token ids feed the first chunk, targets the last; one read serves a chunk with both.
         tokens = self.model.microbatch(state.step, a.microbatch) if chunk.has_embedding or chunk.has_head else None
         if chunk.has_embedding:
             x = tokens[0]
         else:
-            x = self._take(state, state.activations, (a.chunk, a.microbatch)).requires_grad_()
+            x = self._take(state.activations, (a.chunk, a.microbatch)).requires_grad_()
         targets = tokens[1] if chunk.has_head else None
         meter = ActivationMeter(self._not_activations(chunk, a.chunk, x))
         t0 = time.perf_counter()
@@ -155,7 +160,7 @@ class Executor:
         elif self.model.holds(a.chunk + 1):
             # Next chunk on this rank (pp=1): hand over locally, cut the graph as the
             # network would so each chunk's backward stays its own action.
-            state.activations[(a.chunk + 1, a.microbatch)] = out.detach()
+            self._deliver(state.activations, (a.chunk + 1, a.microbatch), out.detach(), counted=0)
         elif self.recompute:
             state.outputs[(a.chunk, a.microbatch)] = out  # for the send that follows
 
@@ -171,16 +176,15 @@ class Executor:
     def _backward(self, a: Action, state: _StepState) -> None:
         x, out = state.saved.pop((a.chunk, a.microbatch))
         chunk = self.model.chunks[a.chunk]
-        self._wait(state.gathers, a.chunk, state)
+        self._ready(a.chunk, state)
         # The gradient buffer may still be read by this chunk's last reduction.
         self._wait(state.reductions, a.chunk, state)
         self.model.hold_grads(a.chunk)
         t0 = time.perf_counter()
         if out is None:  # recompute: rerun the forward with the graph this time
-            if chunk.has_head:
-                targets = self.model.microbatch(state.step, a.microbatch)[1]
+            targets = self.model.microbatch(state.step, a.microbatch)[1] if chunk.has_head else None
             meter = ActivationMeter(self._not_activations(chunk, a.chunk, x))
-            out, rerun = meter.forward(chunk, x, targets if chunk.has_head else None)
+            out, rerun = meter.forward(chunk, x, targets)
             # The rerun's count includes the kept input: only the rest is new.
             self.ledger.add("activations", rerun - state.kept[(a.chunk, a.microbatch)])
             state.kept[(a.chunk, a.microbatch)] = rerun
@@ -188,13 +192,13 @@ class Executor:
             # The step's loss is the mean over microbatches: scale each one's share.
             (out / self.model.microbatches).backward()
         else:
-            grad = self._take(state, state.output_grads, (a.chunk, a.microbatch))
+            grad = self._take(state.output_grads, (a.chunk, a.microbatch))
             out.backward(grad)
         state.compute_s += time.perf_counter() - t0
         self.ledger.free("activations", state.kept.pop((a.chunk, a.microbatch)))
         if not chunk.has_embedding:
             if self.model.holds(a.chunk - 1):
-                state.output_grads[(a.chunk - 1, a.microbatch)] = x.grad
+                self._deliver(state.output_grads, (a.chunk - 1, a.microbatch), x.grad)
             else:
                 state.input_grads[(a.chunk, a.microbatch)] = x.grad
 
@@ -226,37 +230,43 @@ class Executor:
 
     def _receive(self, a: Action, state: _StepState) -> torch.Tensor:
         buffer = self.model.activation_buffer()
-        self.ledger.add("communication", nbytes(buffer))
         t0 = time.perf_counter()
         self.model.pp.recv(buffer, a.peer, self.model.tag(a)).wait()
         state.wait_s += time.perf_counter() - t0
         return buffer
 
-    def _take(self, state: _StepState, store: dict, key: tuple[int, int]) -> torch.Tensor:
-        """An input for a compute; one that came over the network leaves the
-        communication buffers (a local hand-over from a neighbouring chunk never
-        entered them)."""
-        tensor = store.pop(key)
-        self.ledger.free("communication", state.inbox.pop((id(store), key), 0))
+    def _deliver(self, store: dict, key: tuple[int, int], tensor: torch.Tensor,
+                 counted: int | None = None) -> None:
+        """Leaves an input for a compute, on the communication account until it is used."""
+        counted = nbytes(tensor) if counted is None else counted
+        self.ledger.add("communication", counted)
+        store[key] = (tensor, counted)
+
+    def _take(self, store: dict, key: tuple[int, int]) -> torch.Tensor:
+        tensor, counted = store.pop(key)
+        self.ledger.free("communication", counted)
         return tensor
 
     def _recv_act(self, a: Action, state: _StepState) -> None:
-        self._deliver(state, state.activations, (a.chunk, a.microbatch), self._receive(a, state))
+        self._deliver(state.activations, (a.chunk, a.microbatch), self._receive(a, state))
 
     def _recv_grad(self, a: Action, state: _StepState) -> None:
-        self._deliver(state, state.output_grads, (a.chunk, a.microbatch), self._receive(a, state))
-
-    def _deliver(self, state: _StepState, store: dict, key: tuple[int, int], tensor: torch.Tensor) -> None:
-        store[key] = tensor
-        state.inbox[(id(store), key)] = nbytes(tensor)
+        self._deliver(state.output_grads, (a.chunk, a.microbatch), self._receive(a, state))
 
     # -- ZeRO: gradient reductions and parameter gathers ------------------------------
 
     def _reduce_grads(self, a: Action, state: _StepState) -> None:
-        # Started now, waited when next needed: overlaps the remaining backwards.
+        if (a.kind is Kind.REDUCE_GRADS) != (self.model.zero == 0):
+            raise RuntimeError(f"{a} does not belong in a ZeRO stage {self.model.zero} program")
+        # The previous reduction has had the backwards since it started to overlap with:
+        # waiting for it here, not at the step's end, frees its staging buffers (and at
+        # stages 2/3 the full-size gradient) before the next chunk's are taken.
+        self._finish_reductions(state)
         state.reductions.setdefault(a.chunk, []).extend(self.model.start_reduction(a.chunk))
 
     def _gather(self, a: Action, state: _StepState) -> None:
+        if self.model.zero == 0:
+            raise RuntimeError(f"{a} does not belong in a ZeRO stage 0 program")
         state.gathers.setdefault(a.chunk, []).extend(self.model.start_gather(a.chunk))
 
     def _release(self, a: Action, state: _StepState) -> None:

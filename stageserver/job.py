@@ -48,9 +48,12 @@ class StageJob:
         if not self.chunks:
             raise JobRejected(f"rank {self.rank} was given no model chunks")
         dp = request.grid.dp
-        if request.zero > 3 or (t.precision or "fp32") not in DTYPES or (t.recompute or "none") not in ("none", "full"):
-            raise JobRejected(f"zero={request.zero}, precision={t.precision!r}, recompute={t.recompute!r}: "
-                              f"zero must be 0-3, precision one of {', '.join(DTYPES)}, recompute none or full")
+        if request.zero > 3:
+            raise JobRejected(f"zero={request.zero} must be 0, 1, 2 or 3")
+        if (t.precision or "fp32") not in DTYPES:
+            raise JobRejected(f"train.precision={t.precision!r} must be one of {', '.join(DTYPES)}")
+        if (t.recompute or "none") not in ("none", "full"):
+            raise JobRejected(f"train.recompute={t.recompute!r} must be none or full")
         self.train = TrainPlan(
             microbatches=t.microbatches,
             rows=t.global_batch // (dp * t.microbatches),

@@ -1,43 +1,17 @@
 """The bytes a stage server holds for its job, by kind, current and peak.
 
-Every place that allocates or frees a tensor the job keeps tells the ledger; the
-coordinator's memory model (coordinator/memory_model.py) walks the same program and
-predicts the same figures, and the tests hold one against the other. The resident-set
-high-water mark is the operating system's view of the same process, for comparison
-with peers that have no ledger (bench/).
+Every place that allocates or frees a tensor the job keeps tells the ledger
+(protos/memory.py); the coordinator's memory model (coordinator/memory_model.py) walks
+the same program with a ledger of its own and predicts the same figures, and the tests
+hold one against the other. The resident-set high-water mark is the operating system's
+view of the same process, for comparison with peers that have no ledger (bench/).
 """
 
 from __future__ import annotations
 
-import threading
+from protos.memory import KINDS, MemoryLedger
 
-from protos.memory import KINDS
-
-
-class MemoryLedger:
-    def __init__(self):
-        self._lock = threading.Lock()  # async collectives finish on other threads
-        self.current = dict.fromkeys(KINDS, 0)
-        self.peak = dict.fromkeys(KINDS, 0)
-        self.total_peak = 0
-
-    def add(self, kind: str, nbytes: int) -> None:
-        with self._lock:
-            self.current[kind] += nbytes
-            self.peak[kind] = max(self.peak[kind], self.current[kind])
-            self.total_peak = max(self.total_peak, sum(self.current.values()))
-
-    def free(self, kind: str, nbytes: int) -> None:
-        with self._lock:
-            self.current[kind] -= nbytes
-            if self.current[kind] < 0:
-                raise RuntimeError(f"memory ledger: {kind} went negative ({self.current[kind]} bytes)")
-
-    def reset_peaks(self) -> None:
-        """Peaks from now on start at what is held now (called at each step's start)."""
-        with self._lock:
-            self.peak = dict(self.current)
-            self.total_peak = sum(self.current.values())
+__all__ = ["KINDS", "MemoryLedger", "nbytes", "reset_rss_peak", "rss_peak_bytes"]
 
 
 def nbytes(tensor) -> int:

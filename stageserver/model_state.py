@@ -73,6 +73,7 @@ class ModelState:
         self.ledger = MemoryLedger()
         self.chunks: dict[int, GPTChunk] = {}
         self.buckets: dict[int, list[ShardedBucket]] = {}
+        self.tied: dict[int, ShardedBucket] = {}  # chunk -> its tied-embedding bucket
         self.norm_segments: dict[tuple[int, int], list[tuple[int, int]]] = {}
         for plan in chunks:
             chunk = GPTChunk(config, plan.layers, plan.has_embedding, plan.has_head, self.tp, train.seed)
@@ -92,6 +93,8 @@ class ModelState:
                 n for n, _ in params if self._counts_toward_norm(plan, specs[n]))
             buckets.append(ShardedBucket(params, layout, self.zero, self.dtype, MASTER_DTYPES[self.dtype],
                                          self.dp, self.ledger, decayed, self.train.weight_decay))
+            if params[0][0] == TIED:
+                self.tied[plan.index] = buckets[-1]
         return buckets
 
     def _counts_toward_norm(self, plan: ChunkPlan, spec) -> bool:
@@ -133,6 +136,9 @@ class ModelState:
     def start_gather(self, chunk: int) -> list[Pending]:
         return [bucket.gather() for bucket in self.buckets[chunk]]
 
+    def gathered(self, chunk: int) -> bool:
+        return all(bucket.gathered for bucket in self.buckets[chunk])
+
     def release(self, chunk: int) -> None:
         for bucket in self.buckets[chunk]:
             bucket.release()
@@ -140,7 +146,7 @@ class ModelState:
     def reduce_tied_grads(self) -> None:
         """Sums the tied embedding's gradient over its copies (first and last chunk):
         whatever the optimizer will read, the full gradient or this rank's shard."""
-        copies = [self.buckets[c][0].optimizer_grad() for c in (0, self.last_chunk) if c in self.buckets]
+        copies = [self.tied[c].optimizer_grad() for c in (0, self.last_chunk) if c in self.tied]
         if len(copies) == 2:
             copies[0].add_(copies[1])
             copies[1].copy_(copies[0])

@@ -72,7 +72,6 @@ class ShardedBucket:
             start, n = layout.offsets[name]
             param.data = self.params[start:start + n].view(param.shape)
             param.grad = self.grads[start:start + n].view(param.shape)
-        self._params = dict(params)
         separate = compute_dtype != master_dtype
         # The slice of the flat buffer the optimizer updates: all of it at stage 0.
         self.window = (0, layout.padded) if zero == 0 else (lo, hi)
@@ -97,10 +96,6 @@ class ShardedBucket:
         ledger.add("gradients", (nbytes(self.grads) if zero < 2 else 0)
                    + (nbytes(self.grad_shard) if zero else 0))
         ledger.add("optimizer", self.optimizer.state_bytes + (nbytes(self.master) if separate else 0))
-
-    def view(self, name: str, buffer: torch.Tensor) -> torch.Tensor:
-        start, n = self.layout.offsets[name]
-        return buffer[start:start + n].view_as(self._params[name])
 
     # -- parameters ----------------------------------------------------------------
 
@@ -147,11 +142,16 @@ class ShardedBucket:
 
     def reduce(self) -> Pending:
         """Stage 0: all-reduces the full gradient. Stages 1-3: reduce-scatters it and adds
-        this rank's shard of the sum to grad_shard; stages 2/3 then drop the full one."""
+        this rank's shard of the sum to grad_shard; stages 2/3 then drop the full one (in
+        bf16 at once: the master-dtype copy is what travels)."""
         source = self.grads if self.cd == self.md else self.grads.to(self.md)
         staged = 0 if source is self.grads else nbytes(source)
+        out = torch.empty(self.layout.shard_size, dtype=self.md) if self.zero else None
+        staged += nbytes(out) if self.zero else 0
+        self.ledger.add("communication", staged)
+        if source is not self.grads and self.zero >= 2:
+            self._drop_grads()
         if self.zero == 0:
-            self.ledger.add("communication", staged)
             self._optimizer_grad = source
 
             def done_all_reduce():
@@ -159,17 +159,18 @@ class ShardedBucket:
                 if staged:
                     self.ledger.add("gradients", staged)  # kept for the optimizer step
             return Pending(self.dp.all_reduce(source, async_op=True), done_all_reduce)
-        out = torch.empty(self.layout.shard_size, dtype=self.md)
-        self.ledger.add("communication", staged + nbytes(out))
 
         def done_reduce_scatter():
             self.grad_shard.add_(out)
-            self.ledger.free("communication", staged + nbytes(out))
-            if self.zero >= 2:
-                _release(self.grads)
-                self.ledger.free("gradients", nbytes(self.grads))
-                self.grads_held = False
+            self.ledger.free("communication", staged)
+            if self.zero >= 2 and self.grads_held:
+                self._drop_grads()
         return Pending(self.dp.reduce_scatter(out, source, async_op=True), done_reduce_scatter)
+
+    def _drop_grads(self) -> None:
+        _release(self.grads)
+        self.ledger.free("gradients", nbytes(self.grads))
+        self.grads_held = False
 
     def optimizer_grad(self) -> torch.Tensor:
         """The gradient the optimizer reads, over `window`: the shard at stages 1-3; at

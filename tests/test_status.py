@@ -40,5 +40,9 @@ def test_schedule_command_prints_grid_programs_and_bubble(tmp_path):
     assert "tp/d1/p0     [4, 5]" in out and "dp/p0/t1     [1, 5]" in out
     # p=2, v=2, m=4: (p-1)/(v*m+p-1) = 1/9
     assert "bubble fraction 0.1111" in out
-    assert out.count("F0.") == 4 and out.count("B3.") == 4
+    timeline, programs = out.split("programs (every action, in order):")
+    assert timeline.count("F0.") == 4 and timeline.count("B3.") == 4
+    program_lines = programs.strip().splitlines()[:2]
+    assert program_lines[0].startswith("rank 0  F0.0 SA0.0>1") and program_lines[0].endswith("DP0 TIE OPT")
+    assert "predicted memory per rank" in programs and "activations peak" in programs
     assert png.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
