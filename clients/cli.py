@@ -115,6 +115,7 @@ def cmd_schedule(args) -> int:
     result = simulate(programs, CostModel(forward_s=1.0, backward_s=1.0))
     print(describe(partition(config.model.n_layers, p.pp, p.vpp), p.pp))
     print(RankGrid(p.dp, p.pp, p.tp).describe())
+    print(describe_state(config))
     print(timeline_table(programs, result))
     print("programs (every action, in order):")
     for rank, program in enumerate(programs):

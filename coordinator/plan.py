@@ -27,6 +27,7 @@ class JobPlan:
     programs: list[list[Action]]  # by pipeline rank
     servers: list[ServerSlot]  # by rank
     predicted_bubble: float
+    state: str = ""  # how training state is held: ZeRO stage, precision, recompute
 
     def layout(self) -> str:
         pp = self.grid.pp
@@ -34,6 +35,7 @@ class JobPlan:
             [
                 partitioning.describe(self.chunks, pp),
                 self.grid.describe(),
+                self.state,
                 f"simulated bubble fraction (uniform costs): {self.predicted_bubble:.3f}",
             ]
         )
@@ -89,7 +91,14 @@ def plan_job(config: JobConfig, servers: list[ServerSlot]) -> JobPlan:
         programs=programs,
         servers=list(servers),
         predicted_bubble=bubble,
+        state=describe_state(config),
     )
+
+
+def describe_state(config: JobConfig) -> str:
+    p, t = config.parallel, config.train
+    zero = f"ZeRO stage {p.zero} over dp={p.dp}" + (f" (prefetch {p.zero_prefetch})" if p.zero == 3 else "")
+    return f"{zero}, {t.precision}, recompute {t.recompute}"
 
 
 def setup_requests(
