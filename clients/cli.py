@@ -103,7 +103,7 @@ def cmd_reference(args) -> int:
 def cmd_schedule(args) -> int:
     from coordinator.grid import RankGrid
     from coordinator.partition import describe, partition
-    from coordinator.plan import plan_programs
+    from coordinator.plan import describe_state, plan_programs
     from coordinator.memory_model import memory_table, predict
     from coordinator.schedule import CostModel, simulate, timeline_table, write_png
     from coordinator.schedule.zero import max_gathered
