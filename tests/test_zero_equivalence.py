@@ -49,7 +49,8 @@ LONG = ["train.steps=50", "train.warmup_steps=5", "train.lr=0.003", "train.preci
 def test_fp64_long_run_of_ptd_zero3_matches_reference_to_1e9(client, tmp_path):
     """50 steps of dp2·tp2·pp2·vpp2 with ZeRO-3 at the default learning rate, in fp64:
     with no rounding noise to hide behind, every step's loss and gradient norm agree
-    to 1e-9 relative (measured: about 1e-15)."""
+    to 1e-9 relative (measured: 1.1e-14 on losses, 6.5e-13 on gradient norms, 3.4e-13
+    tensor-wise on the final parameters)."""
     check_equivalent(client, layout(dp=2, tp=2, pp=2, vpp=2) + ["parallel.zero=3"], tmp_path, LONG,
                      loss_rtol=1e-9, param_rtol=1e-9)
 
