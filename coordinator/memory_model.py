@@ -85,8 +85,6 @@ class _ProgramWalk:
         self.ledger.reset_peaks()
         for action in program:
             self.handlers[action.kind](action)
-        if zero in (1, 2):  # the updated shards' gathers, waited at the step's end
-            self.ledger.free("communication", a * sum(self.shard.values()))
         return self.ledger.report()
 
     def _activations(self, c: int) -> tuple[int, int]:
@@ -162,10 +160,8 @@ class _ProgramWalk:
             self._finish(c)
 
     def _gather(self, action: Action) -> None:
-        if self.zero == 3:
+        if self.zero == 3:  # stages 1/2 gather into the parameters they hold
             self.ledger.add("parameters", self.a * self.full[action.chunk])
-        else:  # the updated shard, staged for the all-gather
-            self.ledger.add("communication", self.a * self.shard[action.chunk])
 
     def _release(self, action: Action) -> None:
         self.ledger.free("parameters", self.a * self.full[action.chunk])

@@ -109,12 +109,12 @@ class ShardedBucket:
             self.ledger.add("parameters", nbytes(self.params))
             self.gathered = True
             return Pending(self.dp.all_gather(self.params, self.param_shard, async_op=True))
-        # Stages 1/2: a separate input (never a view into the output being written).
+        # Stages 1/2: this rank's slice of the working parameters is the updated shard
+        # (cast from the master weights in bf16); the gather fills in the others'.
         lo, hi = self.window
-        shard = self.master.to(self.cd) if self.cd != self.md else self.params[lo:hi].clone()
-        self.ledger.add("communication", nbytes(shard))
-        return Pending(self.dp.all_gather(self.params, shard, async_op=True),
-                       lambda: self.ledger.free("communication", nbytes(shard)))
+        if self.cd != self.md:
+            self.params[lo:hi].copy_(self.master)
+        return Pending(self.dp.all_gather(self.params, self.params[lo:hi], async_op=True))
 
     def release(self) -> None:
         if not self.gathered or self.zero != 3:

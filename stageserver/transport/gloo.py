@@ -28,10 +28,22 @@ class GlooTransport:
         return _maybe_wait(self._group.allreduce([tensor]), async_op)
 
     def all_gather(self, output: torch.Tensor, tensor: torch.Tensor, async_op: bool = False):
-        # Gloo stages the gathered result in a full-size buffer of its own before copying
-        # it out (measured: +output bytes of resident memory per call), a transient the
-        # memory ledger does not see; NCCL writes in place.
-        return _maybe_wait(self._group._allgather_base(output, tensor), async_op)
+        # One broadcast per member, each writing its slice of `output` in place. Gloo's
+        # own allgather stages the whole result in a buffer of its own first (measured:
+        # +output bytes of resident memory per call), which would cost ZeRO-3 a second
+        # copy of every gathered chunk; on loopback the broadcasts were faster too
+        # (24 MiB: 17 against 27 ms over 2 ranks, 45 against 72 ms over 4).
+        if output.numel() != tensor.numel() * self.size:
+            raise ValueError(f"all_gather of {tensor.numel()} elements into {output.numel()} "
+                             f"over {self.size} ranks")
+        slices = output.chunk(self.size)
+        slices[self.rank].copy_(tensor)  # a no-op when `tensor` is that slice
+        works = []
+        for root, view in enumerate(slices):
+            options = dist.BroadcastOptions()
+            options.rootRank = root
+            works.append(self._group.broadcast([view], options))
+        return _maybe_wait(_AllOf(works), async_op)
 
     def reduce_scatter(self, output: torch.Tensor, tensor: torch.Tensor, async_op: bool = False):
         # The list form: gloo's flat _reduce_scatter_base stages a full-size copy of the
@@ -49,6 +61,21 @@ class GlooTransport:
 
     def close(self) -> None:
         self._group.shutdown()
+
+
+class _AllOf:
+    """Several works waited as one."""
+
+    def __init__(self, works: list):
+        self.works = works
+
+    def wait(self) -> bool:
+        for work in self.works:
+            work.wait()
+        return True
+
+    def is_completed(self) -> bool:
+        return all(work.is_completed() for work in self.works)
 
 
 def _maybe_wait(work, async_op: bool):
