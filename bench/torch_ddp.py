@@ -21,12 +21,18 @@ import torch_training
 
 
 def train(rank: int, config: JobConfig) -> dict:
+    return train_with(rank, config, "DDP", torch_training.adamw, lambda optimizer: optimizer.state)
+
+
+def train_with(rank: int, config: JobConfig, name: str, make_optimizer, optimizer_state) -> dict:
+    """DDP with `make_optimizer(chunks, weight_decay)`; `optimizer_state(optimizer)` is
+    the state this rank holds (ZeRO-1's peer passes its sharded optimizer)."""
     m, p, t = config.model, config.parallel, config.train
-    data_parallel.check_layout(config, "DDP")
+    data_parallel.check_layout(config, name)
     model = full_model(GPTConfig(m.n_layers, m.d_model, m.n_heads, m.seq_len, m.vocab_size), t.seed)
     ddp = DistributedDataParallel(model)
     params = list(model.parameters())
-    optimizer, lr_schedule, sampler = torch_training.training_setup(config, [model])
+    optimizer, lr_schedule, sampler = torch_training.training_setup(config, [model], make_optimizer)
 
     def microbatch(inputs, targets, last):
         # no_sync until the last microbatch: one all-reduce per step, as Interleaf's
@@ -40,4 +46,4 @@ def train(rank: int, config: JobConfig) -> dict:
     # norm is the local one.
     result = data_parallel.train_steps(rank, config, microbatch, lambda: [q.grad for q in params], False,
                                        optimizer, lr_schedule, sampler)
-    return {**result, "state_bytes": memory.state_bytes(params, optimizer.state)}
+    return {**result, "state_bytes": memory.state_bytes(params, optimizer_state(optimizer))}

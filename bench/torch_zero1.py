@@ -13,18 +13,14 @@ training state this rank holds (its optimizer state is its partition's).
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 from torch.distributed.optim import ZeroRedundancyOptimizer
-from torch.nn.parallel import DistributedDataParallel
 
 from coordinator.config import JobConfig
-from stageserver.model import GPTChunk, GPTConfig, full_model
+from stageserver.model import GPTChunk
 from stageserver.optim import BETAS, EPS
 
-import data_parallel  # siblings in bench/
-import memory
+import torch_ddp  # siblings in bench/
 import torch_training
 
 
@@ -38,21 +34,7 @@ def zero_redundancy_adamw(chunks: list[GPTChunk], weight_decay: float) -> ZeroRe
 
 
 def train(rank: int, config: JobConfig) -> dict:
-    m, p, t = config.model, config.parallel, config.train
-    data_parallel.check_layout(config, "ZeRO-1")
-    model = full_model(GPTConfig(m.n_layers, m.d_model, m.n_heads, m.seq_len, m.vocab_size), t.seed)
-    ddp = DistributedDataParallel(model)
-    params = list(model.parameters())
-    optimizer, lr_schedule, sampler = torch_training.training_setup(config, [model], zero_redundancy_adamw)
-
-    def microbatch(inputs, targets, last):
-        with contextlib.nullcontext() if last else ddp.no_sync():
-            loss = ddp(inputs, targets)
-            (loss / p.microbatches).backward()
-        return loss
-
-    # Gradients are whole on every rank after the all-reduce: the norm is local, and
+    # Gradients are whole on every rank after DDP's all-reduce: the norm is local, and
     # every rank scales all of them (only its partition's are used).
-    result = data_parallel.train_steps(rank, config, microbatch, lambda: [q.grad for q in params], False,
-                                       optimizer, lr_schedule, sampler)
-    return {**result, "state_bytes": memory.state_bytes(params, optimizer.optim.state)}
+    return torch_ddp.train_with(rank, config, "ZeRO-1", zero_redundancy_adamw,
+                                lambda optimizer: optimizer.optim.state)
