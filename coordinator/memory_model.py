@@ -8,12 +8,13 @@ fp32 and bf16, 8 for fp64):
 
     stage  parameters        gradients              optimizer
     0      aΨ                aΨ                     2mΨ  (+ mΨ master, bf16 only)
-    1      aΨ                aΨ + mS                2mS  (+ mS)
+    1      aΨ                aΨ (+ mS, bf16)        2mS  (+ mS)
     2      aΨ                mS (aΨ while reducing) 2mS  (+ mS)
     3      aS (aΨ gathered)  mS (aΨ while reducing) 2mS  (+ mS)
 
 (in mixed precision, a = 2 and m = 4: the paper's (2+2+K)Ψ with K = 12, plus the
-master-dtype gradient shard that the optimizer reads). Peaks come from walking the
+fp32 gradient shard that the optimizer reads; in fp32 stage 1 writes that shard back
+into its slice of the full gradient). Peaks come from walking the
 rank's program in the order the executor runs it: activations per (chunk, microbatch)
 from `activation_bytes`, received tensors until consumed, full-size gradients from a
 chunk's first backward to its reduction, gathered parameters from AG to RP, and the
@@ -80,7 +81,8 @@ class _ProgramWalk:
         for c in self.chunks:  # what a step after the first starts with
             owned = self.full[c] if zero == 0 else self.shard[c]
             self.ledger.add("parameters", a * (self.shard[c] if zero == 3 else self.full[c]))
-            self.ledger.add("gradients", (a * self.full[c] if zero < 2 else 0) + (m * self.shard[c] if zero else 0))
+            shard_apart = zero >= 2 or zero == 1 and self.separate  # stage 1 fp32: in the full one
+            self.ledger.add("gradients", (a * self.full[c] if zero < 2 else 0) + (m * self.shard[c] if shard_apart else 0))
             self.ledger.add("optimizer", 2 * m * owned + (m * owned if self.separate else 0))
         self.ledger.reset_peaks()
         for action in program:

@@ -5,7 +5,7 @@ dtype and md the master dtype (fp32 for fp32 and bf16 jobs, fp64 for fp64 ones):
 
     stage  working params (cd)      gradients                     optimizer (md)
     0      N                        N (cd)                        master N*, moments 2N
-    1      N                        N (cd) + shard S (md)         master S*, moments 2S
+    1      N                        N (cd) (+ shard S (md), bf16) master S*, moments 2S
     2      N                        N (cd) while backwards run,   master S*, moments 2S
                                     shard S (md)
     3      shard S*; N while        N (cd) while a run of         master S*, moments 2S
@@ -86,7 +86,13 @@ class ShardedBucket:
         del initial
         if zero >= 2:
             _release(self.grads)
-        self.grad_shard = torch.zeros(hi - lo, dtype=master_dtype) if zero else None
+        # Stage 1 keeps the full gradient anyway: without mixed precision the reduced shard
+        # goes back into this rank's slice of it, and takes no bytes of its own.
+        self.shard_in_grads = zero == 1 and not separate
+        if self.shard_in_grads:
+            self.grad_shard = self.grads[lo:hi]
+        else:
+            self.grad_shard = torch.zeros(hi - lo, dtype=master_dtype) if zero else None
         self.optimizer = AdamW(self.master, clip_segments(layout.segments(decay_names), self.window),
                                weight_decay)
         self.gathered = zero != 3
@@ -94,7 +100,7 @@ class ShardedBucket:
         self._optimizer_grad: torch.Tensor | None = None
         ledger.add("parameters", nbytes(self.param_shard if zero == 3 else self.params))
         ledger.add("gradients", (nbytes(self.grads) if zero < 2 else 0)
-                   + (nbytes(self.grad_shard) if zero else 0))
+                   + (nbytes(self.grad_shard) if zero and not self.shard_in_grads else 0))
         ledger.add("optimizer", self.optimizer.state_bytes + (nbytes(self.master) if separate else 0))
 
     # -- parameters ----------------------------------------------------------------
@@ -161,7 +167,10 @@ class ShardedBucket:
             return Pending(self.dp.all_reduce(source, async_op=True), done_all_reduce)
 
         def done_reduce_scatter():
-            self.grad_shard.add_(out)
+            if self.shard_in_grads:
+                self.grad_shard.copy_(out)  # the sum replaces this rank's own part
+            else:
+                self.grad_shard.add_(out)
             self.ledger.free("communication", staged)
             if self.zero >= 2 and self.grads_held:
                 self._drop_grads()

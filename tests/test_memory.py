@@ -72,7 +72,7 @@ def _zero_state(config, pipeline_rank: int) -> tuple[int, int, int]:
                                                          pipeline_rank)
               for n in bucket_sizes(config, chunk))
     shard = psi // p.dp
-    return {0: (4 * psi, 4 * psi, 8 * psi), 1: (4 * psi, 4 * psi + 4 * shard, 8 * shard),
+    return {0: (4 * psi, 4 * psi, 8 * psi), 1: (4 * psi, 4 * psi, 8 * shard),
             2: (4 * psi, 4 * shard, 8 * shard), 3: (4 * shard, 4 * shard, 8 * shard)}[p.zero]
 
 

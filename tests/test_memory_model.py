@@ -157,7 +157,7 @@ def test_predicted_state_follows_the_zero_table(dp, zero, precision):
         s = psi // dp
         expected = {
             0: (a * psi, a * psi, 2 * m * psi + (m * psi if a != m else 0)),
-            1: (a * psi, a * psi + m * s, 2 * m * s + (m * s if a != m else 0)),
+            1: (a * psi, a * psi + (m * s if a != m else 0), 2 * m * s + (m * s if a != m else 0)),
             2: (a * psi, m * s, 2 * m * s + (m * s if a != m else 0)),
             3: (a * s, m * s, 2 * m * s + (m * s if a != m else 0)),
         }[zero]
@@ -174,10 +174,13 @@ def test_predicted_state_follows_the_zero_table(dp, zero, precision):
 
 def _peaks(zero: int, a: int, m: int, psi: int, dp: int) -> tuple[int, int]:
     """One bucket's gradient and parameter peaks during a step: the full-size gradient
-    (and at stage 0 in mixed precision its master-dtype copy for the optimizer) beside
-    the state; at stage 3 one gathered copy of the parameters beside the shard."""
+    (and at stage 0 in mixed precision its master-dtype copy for the optimizer, at
+    stages 1-3 the reduced shard) beside the state; at stage 3 one gathered copy of the parameters beside the shard."""
     s = psi // dp
-    grads = a * psi + (m * psi if a != m else 0) if zero == 0 else a * psi + m * s
+    if zero == 0:
+        grads = a * psi + (m * psi if a != m else 0)
+    else:  # fp32 stage 1 writes the reduced shard into the full gradient
+        grads = a * psi + (0 if zero == 1 and a == m else m * s)
     params = a * s + a * psi if zero == 3 else a * psi
     return grads, params
 

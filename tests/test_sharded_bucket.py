@@ -84,7 +84,8 @@ def _state(zero: int, precision: str, padded: int, dp: int) -> dict[str, int]:
     owned = padded if zero == 0 else shard
     state = dict.fromkeys(KINDS, 0)
     state["parameters"] = a * (shard if zero == 3 else padded)
-    state["gradients"] = (a * padded if zero < 2 else 0) + (m * shard if zero else 0)
+    shard_apart = zero >= 2 or zero == 1 and a != m  # fp32 stage 1 writes it into the full one
+    state["gradients"] = (a * padded if zero < 2 else 0) + (m * shard if shard_apart else 0)
     state["optimizer"] = 2 * m * owned + (m * owned if a != m else 0)
     return state
 
@@ -483,7 +484,7 @@ def test_ledger_holds_the_memory_model_table(replicas, dp, zero, precision):
         # the reduce-scatter's 1/dp output.
         staged = m * padded if a != m else 0
         peak = {"parameters": a * padded + (a * shard if zero == 3 else 0),
-                "gradients": a * padded + (staged if zero == 0 else m * shard),
+                "gradients": a * padded + (staged if zero == 0 else m * shard if zero >= 2 or a != m else 0),
                 "optimizer": state["optimizer"], "activations": 0,
                 "communication": staged + (m * shard if zero else 0)}
         assert out["peak"] == peak
