@@ -93,15 +93,15 @@ class JobDriver(threading.Thread):
 
     def _claim_and_plan(self) -> JobPlan | None:
         job = self.job
-        programs, _ = plan_programs(job.config)
-        need = max(needed_bytes(job.config, programs))
+        planned = plan_programs(job.config)
+        need = max(needed_bytes(job.config, planned[0]))
         slots = None
         while slots is None and not job.cancel_requested.is_set():
             slots = self.registry.claim(job.job_id, partial(place_servers, job.config, need_bytes=need),
                                         timeout_s=1.0)
         if slots is None:
             return None
-        plan = plan_job(job.config, slots)
+        plan = plan_job(job.config, slots, planned)
         job.layout, job.ranks, job.groups = plan.layout(), plan.rank_infos(), plan.groups()
         self.addresses = [s.address for s in plan.servers]
         self.stubs = [rpc.StageServerStub(wire.channel(a)) for a in self.addresses]

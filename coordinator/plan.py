@@ -81,10 +81,12 @@ def place_servers(config: JobConfig, idle: list[ServerSlot], need_bytes: int = 0
     return [by_id[sid] for sid in place([(s.server_id, s.host) for s in idle], grid)]
 
 
-def plan_job(config: JobConfig, servers: list[ServerSlot]) -> JobPlan:
-    """`servers` are already placed: servers[r] runs rank r."""
+def plan_job(config: JobConfig, servers: list[ServerSlot],
+             planned: tuple[list[list[Action]], float] | None = None) -> JobPlan:
+    """`servers` are already placed: servers[r] runs rank r. `planned` is what
+    plan_programs(config) returned, when the caller already has it."""
     p = config.parallel
-    programs, bubble = plan_programs(config)
+    programs, bubble = planned or plan_programs(config)
     return JobPlan(
         grid=RankGrid(p.dp, p.pp, p.tp),
         chunks=partitioning.partition(config.model.n_layers, p.pp, p.vpp),

@@ -91,6 +91,32 @@ class ActivationMeter:
         return out, storage_bytes([x], self.exclude)
 
 
+class ChunkActivations:
+    """Runs chunks' forwards with their activation bytes. A chunk's count is the same for
+    every microbatch and step (the same shapes), so the meter, whose hooks cost a Python
+    call per saved tensor and turn off autograd's check for in-place writes to saved
+    tensors, runs on each chunk's first forward of each kind only; later ones reuse its
+    figure."""
+
+    def __init__(self):
+        self._bytes: dict[tuple[int, bool], int] = {}  # (chunk, with graph) -> bytes
+
+    def forward(self, chunk: nn.Module, index: int, x: torch.Tensor, targets: torch.Tensor | None,
+                keep_graph: bool, local_input: bool) -> tuple[torch.Tensor, int]:
+        """(out, bytes kept); `local_input`: x is the previous chunk's output, counted there."""
+        key = (index, keep_graph)
+        if key in self._bytes:
+            with torch.enable_grad() if keep_graph else torch.no_grad():
+                return _call(chunk, x, targets), self._bytes[key]
+        exclude = parameter_storages(chunk)
+        if local_input:
+            exclude |= {x.untyped_storage().data_ptr()}
+        meter = ActivationMeter(exclude)
+        out, kept = (meter.forward if keep_graph else meter.forward_no_grad)(chunk, x, targets)
+        self._bytes[key] = kept
+        return out, kept
+
+
 def _unpack(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from protos.actions import Action, Kind
-from stageserver.activation_meter import ActivationMeter, parameter_storages
+from stageserver.activation_meter import ChunkActivations
 from stageserver.memory import nbytes, reset_rss_peak, rss_peak_bytes
 from stageserver.model_state import ModelState
 
@@ -74,6 +74,7 @@ class Executor:
         self.program = program
         self.rank = rank
         self.recompute = model.train.recompute == "full"
+        self.activations = ChunkActivations()
         self.handlers = {
             Kind.FORWARD: self._forward,
             Kind.BACKWARD: self._backward,
@@ -148,9 +149,8 @@ class Executor:
         else:
             x = self._take(state.activations, (a.chunk, a.microbatch)).requires_grad_()
         targets = tokens[1] if chunk.has_head else None
-        meter = ActivationMeter(self._not_activations(chunk, a.chunk, x))
         t0 = time.perf_counter()
-        out, kept = (meter.forward_no_grad if self.recompute else meter.forward)(chunk, x, targets)
+        out, kept = self._run_forward(chunk, a.chunk, x, targets, keep_graph=not self.recompute)
         state.compute_s += time.perf_counter() - t0
         self.ledger.add("activations", kept)
         state.kept[(a.chunk, a.microbatch)] = kept
@@ -164,14 +164,12 @@ class Executor:
         elif self.recompute:
             state.outputs[(a.chunk, a.microbatch)] = out  # for the send that follows
 
-    def _not_activations(self, chunk, index: int, x: torch.Tensor) -> frozenset[int]:
-        """Storages a chunk's activation count leaves out: its parameters, and an input
-        handed over locally by the previous chunk, which counts it as its output
-        (recompute keeps no outputs, so there the input counts here)."""
-        exclude = parameter_storages(chunk)
-        if not chunk.has_embedding and self.model.holds(index - 1) and not self.recompute:
-            exclude |= {x.untyped_storage().data_ptr()}
-        return exclude
+    def _run_forward(self, chunk, index: int, x: torch.Tensor, targets, keep_graph: bool):
+        """(output, activation bytes kept for the backward). An input handed over locally
+        by the previous chunk is that chunk's output and counted there (recompute keeps
+        no outputs, so there the input counts here)."""
+        local_input = not chunk.has_embedding and self.model.holds(index - 1) and not self.recompute
+        return self.activations.forward(chunk, index, x, targets, keep_graph, local_input)
 
     def _backward(self, a: Action, state: _StepState) -> None:
         x, out = state.saved.pop((a.chunk, a.microbatch))
@@ -183,8 +181,7 @@ class Executor:
         t0 = time.perf_counter()
         if out is None:  # recompute: rerun the forward with the graph this time
             targets = self.model.microbatch(state.step, a.microbatch)[1] if chunk.has_head else None
-            meter = ActivationMeter(self._not_activations(chunk, a.chunk, x))
-            out, rerun = meter.forward(chunk, x, targets)
+            out, rerun = self._run_forward(chunk, a.chunk, x, targets, keep_graph=True)
             # The rerun's count includes the kept input: only the rest is new.
             self.ledger.add("activations", rerun - state.kept[(a.chunk, a.microbatch)])
             state.kept[(a.chunk, a.microbatch)] = rerun
