@@ -9,7 +9,7 @@ JOB_TIMEOUT_S = 600.0
 
 MEMORY_FIELDS = ("parameters_bytes", "gradients_bytes", "optimizer_bytes", "parameters_peak_bytes",
                  "gradients_peak_bytes", "activations_peak_bytes", "communication_peak_bytes",
-                 "peak_bytes", "rss_peak_bytes")
+                 "peak_bytes", "rss_peak_bytes", "device_peak_bytes")
 
 
 def run_job(client: Client, overrides: list[str]) -> dict:

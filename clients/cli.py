@@ -47,7 +47,7 @@ def cmd_run(args) -> int:
     if not remote and servers != world:
         raise UsageError(f"--local {servers} must equal parallel.dp*parallel.tp*parallel.pp={world}")
     if not remote:
-        _admit_locally(config, servers)
+        _admit_locally(config, servers, args.device)
     metrics = MetricsOut(args.metrics_out)
     try:
         if remote:
@@ -56,7 +56,7 @@ def cmd_run(args) -> int:
             print(f"submitted {job.job_id}", file=sys.stderr)
             return follow(client, job.job_id, config.train.steps, metrics)
         print(f"starting a coordinator and {servers} stage servers", file=sys.stderr)
-        with LocalCluster(servers, log_dir=args.log_dir) as cluster:
+        with LocalCluster(servers, log_dir=args.log_dir, device=args.device) as cluster:
             client = Client(cluster.address)
             job = client.submit(text, args.set)
             return follow(client, job.job_id, config.train.steps, metrics)
@@ -67,15 +67,22 @@ def cmd_run(args) -> int:
         metrics.close()
 
 
-def _admit_locally(config, servers: int) -> None:
+def _admit_locally(config, servers: int, device: str) -> None:
     """The coordinator's admission check, made before any local process starts: each
-    local server would offer its share of this machine's memory."""
+    local server would offer its GPU's memory, or its share of this machine's."""
+    import torch
+
+    from clients.launcher import local_devices
     from coordinator.admission import AdmissionError, check_fits, needed_bytes
     from coordinator.plan import plan_programs
-    from stageserver.main import physical_memory_bytes
+    from stageserver.device import device_memory_bytes, physical_memory_bytes
 
+    try:
+        first = local_devices(device, servers)[0]
+    except ValueError as err:
+        raise UsageError(f"--device: {err}") from None
     programs, _ = plan_programs(config)
-    share = physical_memory_bytes() // servers
+    share = device_memory_bytes(torch.device(first)) if first != "cpu" else physical_memory_bytes() // servers
     try:
         check_fits(needed_bytes(config, programs), [(f"local-{i}", share) for i in range(servers)])
     except AdmissionError as err:
@@ -105,14 +112,22 @@ def cmd_schedule(args) -> int:
     from coordinator.partition import describe, partition
     from coordinator.plan import describe_state, plan_programs
     from coordinator.memory_model import memory_table, predict
-    from coordinator.schedule import CostModel, simulate, timeline_table, write_png
+    from coordinator.schedule import CostModel, DeadlockError, simulate, timeline_table, write_png
     from coordinator.schedule.zero import max_gathered
     from protos.actions import format_program
 
     _, config = _load(args)
     p = config.parallel
-    programs, _ = plan_programs(config)
-    result = simulate(programs, CostModel(forward_s=1.0, backward_s=1.0))
+    try:
+        # Planning validates the programs, which includes running them under rendezvous
+        # semantics: a program that deadlocks there is never shipped.
+        programs, _ = plan_programs(config)
+        result = simulate(programs, CostModel(forward_s=1.0, backward_s=1.0), links=args.links)
+    except DeadlockError as err:
+        print(f"{_LINKS[args.links]}: deadlock")
+        for blocked in err.blocked:
+            print(f"  {blocked}")
+        return 1
     print(describe(partition(config.model.n_layers, p.pp, p.vpp), p.pp))
     print(RankGrid(p.dp, p.pp, p.tp).describe())
     print(describe_state(config))
@@ -127,7 +142,14 @@ def cmd_schedule(args) -> int:
     if args.png:
         write_png(args.png, programs, result)
         print(f"timeline written to {args.png}")
+    print(f"{_LINKS[args.links]}: deadlock-free")
     return 0
+
+
+_LINKS = {
+    "rendezvous": "links rendezvous (a send completes only when its peer reaches the matching receive)",
+    "eager": "links eager (sends buffered without limit; programs are checked under rendezvous too)",
+}
 
 
 def cmd_coordinator(args) -> int:
@@ -140,7 +162,7 @@ def cmd_coordinator(args) -> int:
 def cmd_stage_server(args) -> int:
     from stageserver.main import serve
 
-    serve(args.coordinator, args.host, args.port, args.bind, args.threads, args.memory_bytes)
+    serve(args.coordinator, args.host, args.port, args.bind, args.threads, args.memory_bytes, args.device)
     return 0
 
 
@@ -214,6 +236,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--coordinator", metavar="HOST:PORT", help="submit to a running coordinator instead")
     p.add_argument("--metrics-out", metavar="FILE.jsonl")
     p.add_argument("--log-dir", help="write the local processes' logs here")
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
+                   help="local servers compute on: one GPU each (cuda), the CPU, or auto (GPUs when "
+                        "there is one per server)")
     p.set_defaults(fn=cmd_run)
 
     p = sub.add_parser("reference", help="the single-process reference run of a config")
@@ -224,6 +249,10 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("schedule", help="print every rank's program as a timeline and the simulated bubble")
     with_config(p)
     p.add_argument("--png", metavar="FILE", help="also draw the timeline")
+    p.add_argument("--links", choices=("rendezvous", "eager"), default="rendezvous",
+                   help="point-to-point semantics to simulate: rendezvous (NCCL's: a send waits for "
+                        "its receiver; default) or eager (sends never wait); says 'deadlock-free' "
+                        "or names the blocked ranks and actions and exits 1")
     p.set_defaults(fn=cmd_schedule)
 
     p = sub.add_parser("coordinator", help="serve a coordinator")
@@ -242,8 +271,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--bind", default="0.0.0.0")
     p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     p.add_argument("--memory-bytes", type=int, default=0,
-                   help="memory this server offers to jobs (0: the machine's physical memory); "
-                        "the coordinator refuses jobs predicted to need more")
+                   help="memory this server offers to jobs (0: its GPU's memory, or the machine's "
+                        "physical memory on a CPU); the coordinator refuses jobs predicted to need more")
+    p.add_argument("--device", default="auto",
+                   help="where this server computes: cpu, cuda, cuda:N or auto (the GPU if torch sees one)")
     p.set_defaults(fn=cmd_stage_server)
 
     p = sub.add_parser("submit", help="submit a job, print its id")

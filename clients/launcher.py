@@ -14,8 +14,10 @@ import subprocess
 import sys
 import time
 
+import torch
+
 from clients.client import Client
-from stageserver.main import physical_memory_bytes
+from stageserver.device import device_memory_bytes, physical_memory_bytes
 
 PR_SET_PDEATHSIG = 1
 
@@ -25,16 +27,35 @@ def _die_with_parent() -> None:
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
+def local_devices(device: str, servers: int) -> list[str]:
+    """One device per local server: GPU i for server i, or the CPU for all. auto takes
+    the GPUs when there is one per server (NCCL refuses two ranks on one GPU)."""
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if device == "auto":
+        device = "cuda" if gpus >= servers else "cpu"
+    if device == "cpu":
+        return ["cpu"] * servers
+    if device != "cuda":
+        raise ValueError(f"device={device!r} must be auto, cpu or cuda for local servers")
+    if gpus < servers:
+        raise ValueError(f"device='cuda' needs one GPU per local server: {servers} servers, {gpus} GPUs")
+    return [f"cuda:{i}" for i in range(servers)]
+
+
 class LocalCluster:
     def __init__(self, servers: int, threads_per_server: int | None = None, log_dir: str | None = None,
-                 steps_per_call: int | None = None, memory_per_server: int | None = None):
+                 steps_per_call: int | None = None, memory_per_server: int | None = None,
+                 device: str = "auto"):
         self.count = servers
+        self.devices = local_devices(device, servers)
         self.threads = threads_per_server or max(1, (os.cpu_count() or 1) // servers)
         self.log_dir = log_dir
         self.steps_per_call = steps_per_call
         # The servers share this machine: each offers its share of the memory, so the
         # coordinator's admission check sees what the machine can really hold.
-        self.memory_per_server = memory_per_server or physical_memory_bytes() // servers
+        self.memory_per_server = memory_per_server or (
+            device_memory_bytes(torch.device(self.devices[0])) if self.devices[0] != "cpu"
+            else physical_memory_bytes() // servers)
         self.processes: list[subprocess.Popen] = []
         self.address = ""
 
@@ -64,7 +85,7 @@ class LocalCluster:
                 self._spawn(
                     ["stage-server", "--coordinator", self.address, "--host", "127.0.0.1",
                      "--port", "0", "--threads", str(self.threads),
-                     "--memory-bytes", str(self.memory_per_server)],
+                     "--memory-bytes", str(self.memory_per_server), "--device", self.devices[i]],
                     f"stage-server-{i}",
                 )
             self._wait_for_servers(timeout_s)

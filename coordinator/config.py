@@ -13,6 +13,7 @@ import tomllib
 from dataclasses import dataclass, field
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
+TRANSPORTS = ("auto", "gloo", "nccl")
 PRECISION_BYTES = {"fp32": 4, "bf16": 2, "fp64": 8}
 """Bytes per element of the compute dtype of each train.precision."""
 MASTER_BYTES = {"fp32": 4, "bf16": 4, "fp64": 8}
@@ -83,6 +84,9 @@ class ParallelConfig:
     them (0: each gather waits in front of its first use; 1: the next chunk's gather
     overlaps the current chunk's compute). Bounds the gathered chunks a rank holds at
     once to zero_prefetch + 1."""
+    transport: str = "auto"
+    """How tensors move between ranks: nccl (CUDA servers, through CuPy), gloo (CPU
+    servers), or auto: nccl when the job's servers compute on GPUs, gloo otherwise."""
 
     def __post_init__(self):
         _positive("parallel", self, "dp", "tp", "pp", "vpp", "microbatches")
@@ -102,6 +106,8 @@ class ParallelConfig:
             )
         if not 0 <= self.zero <= 3:
             raise ConfigError(f"parallel.zero={self.zero} must be 0, 1, 2 or 3")
+        if self.transport not in TRANSPORTS:
+            raise ConfigError(f"parallel.transport={self.transport!r} must be one of {', '.join(TRANSPORTS)}")
         if not 0 <= self.zero_prefetch <= MAX_ZERO_PREFETCH:
             raise ConfigError(
                 f"parallel.zero_prefetch={self.zero_prefetch} must be between 0 and {MAX_ZERO_PREFETCH}"

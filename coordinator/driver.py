@@ -127,9 +127,13 @@ class JobDriver(threading.Thread):
                 f"(SHA-256 {sorted(d[:12] for d in digests)}): every server must read the same tokens"
             )
 
+        # Each group's member 0 made its id during Setup; every member gets its groups' ids.
+        ids = {g.name: g.id for reply in replies for g in reply.group_ids}
+
         def connect(rank, stub):
+            mine = [pb.GroupId(name=g.name, id=ids.get(g.name, b"")) for g in requests[rank].groups]
             try:
-                stub.Connect(pb.JobRef(job_id=job.job_id), timeout=COMM_TIMEOUT_S + 10)
+                stub.Connect(pb.ConnectRequest(job_id=job.job_id, group_ids=mine), timeout=COMM_TIMEOUT_S + 10)
             except grpc.RpcError as err:
                 raise self._rpc_error(rank, err) from None
 

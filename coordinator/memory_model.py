@@ -26,7 +26,7 @@ from __future__ import annotations
 from coordinator.activation_bytes import chunk_activation_bytes, chunk_input_bytes
 from coordinator.config import MASTER_BYTES, PRECISION_BYTES, JobConfig
 from coordinator.partition import Chunk, chunks_of, partition
-from protos.actions import Action, Kind
+from protos.actions import RECVS, SENDS, Action, Kind
 from protos.memory import MemoryLedger
 
 
@@ -66,7 +66,7 @@ class _ProgramWalk:
         self.handlers = {
             Kind.FORWARD: self._forward, Kind.BACKWARD: self._backward,
             Kind.RECV_ACT: self._receive, Kind.RECV_GRAD: self._receive,
-            Kind.SEND_ACT: self._send_act, Kind.SEND_GRAD: self._send_grad,
+            Kind.SEND_ACT: self._send, Kind.SEND_GRAD: self._send, Kind.EXCHANGE: self._exchange,
             Kind.REDUCE_GRADS: self._reduce, Kind.REDUCE_SCATTER_GRADS: self._reduce,
             Kind.GATHER_PARAMS: self._gather, Kind.RELEASE_PARAMS: self._release,
             Kind.REDUCE_TIED_GRADS: self._finish_all, Kind.OPTIMIZER_STEP: self._optimizer_step,
@@ -125,14 +125,27 @@ class _ProgramWalk:
     def _receive(self, action: Action) -> None:
         self.ledger.add("communication", self.hidden)
 
-    def _send_act(self, action: Action) -> None:
-        if self.recompute:  # otherwise the output is counted among the activations
-            self._send_grad(action)
+    def _sent_bytes(self, action: Action) -> int:
+        """What a send holds on the communication account until the network has it: an
+        input gradient, or an output only recompute keeps (otherwise the output is
+        counted among the activations)."""
+        return self.hidden if action.kind is Kind.SEND_GRAD or self.recompute else 0
 
-    def _send_grad(self, action: Action) -> None:
-        # On the ledger until the network has it: at once, as far as a model can know.
-        self.ledger.add("communication", self.hidden)
-        self.ledger.free("communication", self.hidden)
+    def _send(self, action: Action) -> None:
+        # Freed when the network has it: at once, as far as a model can know.
+        self.ledger.add("communication", self._sent_bytes(action))
+        self.ledger.free("communication", self._sent_bytes(action))
+
+    def _exchange(self, action: Action) -> None:
+        # As the executor posts the batch: the sends are held while the receive buffers
+        # are counted; the sends are freed when the network has them, at once as far as
+        # a model can know (the executor frees them when it reaps them).
+        sent = sum(self._sent_bytes(op) for op in action.members if op.kind in SENDS)
+        self.ledger.add("communication", sent)
+        for op in action.members:
+            if op.kind in RECVS:
+                self._receive(op)
+        self.ledger.free("communication", sent)
 
     def _reduce(self, action: Action) -> None:
         c, a, m = action.chunk, self.a, self.m

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from coordinator import partition as partitioning
-from coordinator.config import JobConfig
+from coordinator.config import ConfigError, JobConfig
 from coordinator.grid import RankGrid, place
 from coordinator.schedule import CostModel, build_programs, simulate, validate_programs
 from protos.actions import Action
@@ -18,6 +18,7 @@ class ServerSlot:
     address: str
     host: str
     memory_bytes: int = 0
+    device: str = "cpu"
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,7 @@ class JobPlan:
     servers: list[ServerSlot]  # by rank
     predicted_bubble: float
     state: str = ""  # how training state is held: ZeRO stage, precision, recompute
+    transport: str = "gloo"  # how tensors move: gloo (CPU servers) or nccl (CUDA servers)
 
     def layout(self) -> str:
         pp = self.grid.pp
@@ -35,7 +37,7 @@ class JobPlan:
             [
                 partitioning.describe(self.chunks, pp),
                 self.grid.describe(),
-                self.state,
+                f"{self.state}; transport {self.transport}",
                 f"simulated bubble fraction (uniform costs): {self.predicted_bubble:.3f}",
             ]
         )
@@ -59,8 +61,9 @@ class JobPlan:
 
 
 def plan_programs(config: JobConfig) -> tuple[list[list[Action]], float]:
-    """Lowers the schedule into one validated program per pipeline rank and simulates
-    it with uniform costs (forward = backward, free communication)."""
+    """Lowers the schedule into one validated program per pipeline rank (deadlock-free
+    under rendezvous semantics, or `DeadlockError`) and simulates it with uniform
+    costs (forward = backward, free communication)."""
     p = config.parallel
     programs = build_programs(p.schedule, p.pp, p.vpp, p.microbatches, p.dp, p.zero, p.zero_prefetch)
     validate_programs(programs, p.pp, p.vpp, p.microbatches, p.zero)
@@ -86,8 +89,10 @@ def plan_job(config: JobConfig, servers: list[ServerSlot],
     """`servers` are already placed: servers[r] runs rank r. `planned` is what
     plan_programs(config) returned, when the caller already has it."""
     p = config.parallel
+    transport = choose_transport(p.transport, [s.device for s in servers])
     programs, bubble = planned or plan_programs(config)
     return JobPlan(
+        transport=transport,
         grid=RankGrid(p.dp, p.pp, p.tp),
         chunks=partitioning.partition(config.model.n_layers, p.pp, p.vpp),
         programs=programs,
@@ -145,6 +150,25 @@ def setup_requests(
                 store_prefix=prefix,
                 comm_timeout_s=comm_timeout_s,
                 zero=p.zero,
+                transport=plan.transport,
             )
         )
     return requests
+
+
+def choose_transport(setting: str, devices: list[str]) -> str:
+    """parallel.transport for these servers: auto picks nccl when every server computes
+    on a GPU and gloo when every one is on a CPU; a mix, or a forced transport the
+    devices cannot use, is refused naming the setting and the devices."""
+    kinds = {d.split(":")[0] for d in devices}
+    if len(kinds) > 1:
+        raise ConfigError(f"the job's servers mix devices ({', '.join(sorted(set(devices)))}): "
+                          f"every rank of a job must compute on the same kind of device")
+    kind = kinds.pop() if kinds else "cpu"
+    wanted = {"cuda": "nccl", "cpu": "gloo"}.get(kind)
+    if wanted is None:
+        raise ConfigError(f"server device {devices[0]!r} is neither cpu nor cuda")
+    if setting not in ("auto", wanted):
+        raise ConfigError(f"parallel.transport={setting!r} cannot move tensors on {kind} servers "
+                          f"(they need {wanted!r})")
+    return wanted

@@ -34,7 +34,7 @@ class ServerEntry:
         return "BUSY" if self.job_id else "IDLE"
 
     def slot(self) -> ServerSlot:
-        return ServerSlot(self.server_id, self.address, self.host, self.memory_bytes)
+        return ServerSlot(self.server_id, self.address, self.host, self.memory_bytes, self.device)
 
 
 class Registry:

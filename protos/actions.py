@@ -20,6 +20,11 @@ Every action has a compact string form that round-trips through `parse`:
     RP3         release chunk 3's gathered parameters (ZeRO-3)
     TIE         all-reduce the tied embedding's gradient (first and last stage)
     OPT         optimizer step
+    SA0.1>1+RG0.0<1
+                an exchange (kind X): the sends and receives a rank makes at one tick,
+                posted as one batch (an NCCL group; on gloo, all posted before any is
+                waited), as Megatron's send_forward_recv_backward; its members are two
+                or more of the four point-to-point forms above, joined by "+"
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ class Kind(enum.Enum):
     RELEASE_PARAMS = "RP"
     REDUCE_TIED_GRADS = "TIE"
     OPTIMIZER_STEP = "OPT"
+    EXCHANGE = "X"
 
 
 COMPUTE = frozenset({Kind.FORWARD, Kind.BACKWARD})
@@ -59,9 +65,30 @@ class Action:
     chunk: int = -1
     microbatch: int = -1
     peer: int = -1
+    members: tuple[Action, ...] = ()
+    """An exchange's point-to-point operations, in the order they are posted."""
+
+    def __post_init__(self) -> None:
+        if self.kind is Kind.EXCHANGE:
+            if len(self.members) < 2 or any(m.kind not in P2P for m in self.members):
+                raise ValueError("an exchange holds two or more sends and receives, got "
+                                 f"{[str(m) for m in self.members]}")
+            if len(set(self.members)) != len(self.members):
+                raise ValueError(f"an exchange posts each operation once: {self}")
+        elif self.members:
+            raise ValueError(f"only an exchange has members, not {self.kind.name}")
+
+    def p2p_ops(self) -> tuple[Action, ...]:
+        """The sends and receives this action posts: an exchange's members, a send or
+        receive itself, nothing for any other kind."""
+        if self.kind is Kind.EXCHANGE:
+            return self.members
+        return (self,) if self.kind in P2P else ()
 
     def __str__(self) -> str:
         k = self.kind.value
+        if self.kind is Kind.EXCHANGE:
+            return "+".join(str(m) for m in self.members)
         if self.kind in COMPUTE:
             return f"{k}{self.chunk}.{self.microbatch}"
         if self.kind in SENDS:
@@ -95,6 +122,8 @@ _PATTERN = re.compile(r"^(SA|RA|SG|RG|DP|RS|AG|RP|TIE|OPT|F|B)(\d+)?(?:\.(\d+))?
 
 def parse(text: str) -> Action:
     """Inverse of `str(action)`."""
+    if "+" in text:
+        return Action(Kind.EXCHANGE, members=tuple(parse(part) for part in text.strip().split("+")))
     match = _PATTERN.match(text.strip())
     if not match:
         raise ValueError(f"not an action: {text!r}")

@@ -41,7 +41,7 @@ class StageServerStub:
                 _registered_method=True)
         self.Connect = channel.unary_unary(
                 '/interleaf.StageServer/Connect',
-                request_serializer=protos_dot_interleaf__pb2.JobRef.SerializeToString,
+                request_serializer=protos_dot_interleaf__pb2.ConnectRequest.SerializeToString,
                 response_deserializer=protos_dot_interleaf__pb2.Empty.FromString,
                 _registered_method=True)
         self.RunSteps = channel.unary_stream(
@@ -111,7 +111,7 @@ def add_StageServerServicer_to_server(servicer, server):
             ),
             'Connect': grpc.unary_unary_rpc_method_handler(
                     servicer.Connect,
-                    request_deserializer=protos_dot_interleaf__pb2.JobRef.FromString,
+                    request_deserializer=protos_dot_interleaf__pb2.ConnectRequest.FromString,
                     response_serializer=protos_dot_interleaf__pb2.Empty.SerializeToString,
             ),
             'RunSteps': grpc.unary_stream_rpc_method_handler(
@@ -182,7 +182,7 @@ class StageServer:
             request,
             target,
             '/interleaf.StageServer/Connect',
-            protos_dot_interleaf__pb2.JobRef.SerializeToString,
+            protos_dot_interleaf__pb2.ConnectRequest.SerializeToString,
             protos_dot_interleaf__pb2.Empty.FromString,
             options,
             channel_credentials,

@@ -1,10 +1,15 @@
 """Runs one rank's step program: one dispatch loop, one handler per action kind.
 
 The program comes from the coordinator (coordinator/schedule) and is the same every
-step. Sends are non-blocking and receives block, exactly as the coordinator's simulator
-assumes, so a program it accepted cannot deadlock here. Reductions and parameter
-gathers start asynchronously and are waited where their result is needed: a chunk's
-gather before its first compute, its reduction before its gradient is touched again.
+step. Receives and exchanges (one tick's sends and receives as one batch) are posted
+where the program puts them, often ahead of their consumer, and waited by the compute
+that needs what they receive; sends are reaped as the network takes them. The
+coordinator accepts only programs that run to the end even if every send and receive
+were waited where posted, until its partner is there (rendezvous semantics, NCCL's),
+so waiting later cannot deadlock either. Reductions and
+parameter gathers start asynchronously and are waited where their result is needed: a
+chunk's gather before its first compute, its reduction before its gradient is touched
+again.
 Every tensor the step allocates or frees is entered in the model's memory ledger. A
 failing action raises `StepError` naming the rank, the step and the action.
 """
@@ -16,9 +21,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from protos.actions import Action, Kind
+from protos.actions import RECVS, SENDS, Action, Kind
 from stageserver.activation_meter import ChunkActivations
-from stageserver.memory import nbytes, reset_rss_peak, rss_peak_bytes
+from stageserver.compute_clock import ComputeClock
+from stageserver.memory import device_peak_bytes, nbytes, reset_peaks, rss_peak_bytes
 from stageserver.model_state import ModelState
 
 
@@ -54,17 +60,34 @@ class _StepState:
     kept: dict = field(default_factory=dict)
     # (chunk, microbatch) -> output kept only for its send (recompute keeps no graph).
     outputs: dict = field(default_factory=dict)
-    # Sends in flight, (work, tensor, ledger bytes): the tensor must stay alive until
-    # the network has it.
+    # Sends in flight, (work, tensor or an exchange's tensors, ledger bytes): what is
+    # sent must stay alive until the network has it.
     sends: list = field(default_factory=list)
     # chunk -> started reductions / parameter gathers, waited when next needed.
     reductions: dict = field(default_factory=dict)
     gathers: dict = field(default_factory=dict)
     losses: list = field(default_factory=list)
-    compute_s: float = 0.0
     wait_s: float = 0.0
     grad_norm: float = 0.0
     lr: float = 0.0
+
+
+class _Posted:
+    """Point-to-point work posted ahead of its use: waited once, by the first compute
+    that needs what it receives or when reaped, the wait counted as communication."""
+
+    def __init__(self, work, state: _StepState):
+        self.work, self.state, self.done = work, state, False
+
+    def wait(self) -> None:
+        if not self.done:
+            t0 = time.perf_counter()
+            self.work.wait()
+            self.state.wait_s += time.perf_counter() - t0
+            self.done = True
+
+    def is_completed(self) -> bool:
+        return self.done or self.work.is_completed()
 
 
 class Executor:
@@ -75,13 +98,15 @@ class Executor:
         self.rank = rank
         self.recompute = model.train.recompute == "full"
         self.activations = ChunkActivations()
+        self.clock = ComputeClock(model.device)
         self.handlers = {
             Kind.FORWARD: self._forward,
             Kind.BACKWARD: self._backward,
-            Kind.SEND_ACT: self._send_act,
-            Kind.RECV_ACT: self._recv_act,
-            Kind.SEND_GRAD: self._send_grad,
-            Kind.RECV_GRAD: self._recv_grad,
+            Kind.SEND_ACT: self._send,
+            Kind.RECV_ACT: self._recv,
+            Kind.SEND_GRAD: self._send,
+            Kind.RECV_GRAD: self._recv,
+            Kind.EXCHANGE: self._exchange,
             Kind.REDUCE_GRADS: self._reduce_grads,
             Kind.REDUCE_SCATTER_GRADS: self._reduce_grads,
             Kind.GATHER_PARAMS: self._gather,
@@ -92,7 +117,7 @@ class Executor:
 
     def run_step(self, step: int) -> StepStats:
         state = _StepState(step)
-        reset_rss_peak()
+        reset_peaks(self.model.device)
         self.ledger.reset_peaks()
         start = time.perf_counter()
         self.model.zero_grad()
@@ -107,18 +132,25 @@ class Executor:
         self._reap_sends(state, block=True)
         for chunk in list(state.gathers):
             self._wait(state.gathers, chunk, state)
+        # The step's one host synchronization: its losses and gradient norm. Each loss
+        # stays on the device until here (a GPU would otherwise idle at every microbatch).
+        losses = torch.stack(state.losses).double().tolist() if state.losses else []
+        grad_norm = float(state.grad_norm)
+        for group in self.model.groups.values():
+            getattr(group, "check", lambda: None)()  # a watchdog's abort surfaces here
         return StepStats(
-            loss=sum(state.losses) / len(state.losses) if state.losses else None,
+            loss=sum(losses) / len(losses) if losses else None,
             step_seconds=time.perf_counter() - start,
-            compute_seconds=state.compute_s,
+            compute_seconds=self.clock.take(),
             comm_wait_seconds=state.wait_s,
-            grad_norm=state.grad_norm,
+            grad_norm=grad_norm,
             lr=state.lr,
             memory=self._memory_report(),
         )
 
     def _memory_report(self) -> dict:
-        return dict(self.ledger.report(), rss_peak_bytes=rss_peak_bytes())
+        return dict(self.ledger.report(), rss_peak_bytes=rss_peak_bytes(),
+                    device_peak_bytes=device_peak_bytes(self.model.device))
 
     def _wait(self, started: dict, chunk: int, state: _StepState) -> None:
         """Waits for the chunk's started collectives and runs what follows each."""
@@ -149,14 +181,13 @@ class Executor:
         else:
             x = self._take(state.activations, (a.chunk, a.microbatch)).requires_grad_()
         targets = tokens[1] if chunk.has_head else None
-        t0 = time.perf_counter()
-        out, kept = self._run_forward(chunk, a.chunk, x, targets, keep_graph=not self.recompute)
-        state.compute_s += time.perf_counter() - t0
+        with self.clock.measure():
+            out, kept = self._run_forward(chunk, a.chunk, x, targets, keep_graph=not self.recompute)
         self.ledger.add("activations", kept)
         state.kept[(a.chunk, a.microbatch)] = kept
         state.saved[(a.chunk, a.microbatch)] = (x, None if self.recompute else out)
         if chunk.has_head:
-            state.losses.append(out.item())
+            state.losses.append(out.detach())
         elif self.model.holds(a.chunk + 1):
             # Next chunk on this rank (pp=1): hand over locally, cut the graph as the
             # network would so each chunk's backward stays its own action.
@@ -178,7 +209,19 @@ class Executor:
         # The gradient buffer may still be read by this chunk's last reduction.
         self._wait(state.reductions, a.chunk, state)
         self.model.hold_grads(a.chunk)
-        t0 = time.perf_counter()
+        # Taken (its receive waited) before the clock starts: waiting is not compute.
+        grad = None if chunk.has_head else self._take(state.output_grads, (a.chunk, a.microbatch))
+        with self.clock.measure():
+            self._run_backward(a, state, chunk, x, out, grad)
+        self.ledger.free("activations", state.kept.pop((a.chunk, a.microbatch)))
+        if not chunk.has_embedding:
+            if self.model.holds(a.chunk - 1):
+                self._deliver(state.output_grads, (a.chunk - 1, a.microbatch), x.grad)
+            else:
+                state.input_grads[(a.chunk, a.microbatch)] = x.grad
+
+    def _run_backward(self, a: Action, state: _StepState, chunk, x: torch.Tensor, out,
+                      grad: torch.Tensor | None) -> None:
         if out is None:  # recompute: rerun the forward with the graph this time
             targets = self.model.microbatch(state.step, a.microbatch)[1] if chunk.has_head else None
             out, rerun = self._run_forward(chunk, a.chunk, x, targets, keep_graph=True)
@@ -189,34 +232,47 @@ class Executor:
             # The step's loss is the mean over microbatches: scale each one's share.
             (out / self.model.microbatches).backward()
         else:
-            grad = self._take(state.output_grads, (a.chunk, a.microbatch))
             out.backward(grad)
-        state.compute_s += time.perf_counter() - t0
-        self.ledger.free("activations", state.kept.pop((a.chunk, a.microbatch)))
-        if not chunk.has_embedding:
-            if self.model.holds(a.chunk - 1):
-                self._deliver(state.output_grads, (a.chunk - 1, a.microbatch), x.grad)
-            else:
-                state.input_grads[(a.chunk, a.microbatch)] = x.grad
 
     # -- point to point ----------------------------------------------------------
 
-    def _send_act(self, a: Action, state: _StepState) -> None:
+    def _outgoing(self, a: Action, state: _StepState) -> tuple[torch.Tensor, int]:
+        """What a send moves, and the bytes it holds on the communication account until
+        the network has it."""
+        if a.kind is Kind.SEND_GRAD:
+            tensor = state.input_grads.pop((a.chunk, a.microbatch))
+            return tensor, nbytes(tensor)
         if self.recompute:
             tensor = state.outputs.pop((a.chunk, a.microbatch))
-            counted = nbytes(tensor)  # kept by nothing else once the forward is done
-        else:
-            tensor = state.saved[(a.chunk, a.microbatch)][1].detach()
-            counted = 0  # the output is counted among the chunk's activations
-        self._send(a, tensor, counted, state)
+            return tensor, nbytes(tensor)  # kept by nothing else once the forward is done
+        # The output is counted among the chunk's activations.
+        return state.saved[(a.chunk, a.microbatch)][1].detach(), 0
 
-    def _send_grad(self, a: Action, state: _StepState) -> None:
-        self._send(a, state.input_grads.pop((a.chunk, a.microbatch)), None, state)
-
-    def _send(self, a: Action, tensor: torch.Tensor, counted: int | None, state: _StepState) -> None:
-        counted = nbytes(tensor) if counted is None else counted
+    def _send(self, a: Action, state: _StepState) -> None:
+        tensor, counted = self._outgoing(a, state)
         self.ledger.add("communication", counted)
+        # Left in flight: the receiver posts the matching receive at this same tick
+        # (coordinator/schedule/fuse.py), so waiting here would be as correct, only slower.
         state.sends.append((self.model.pp.send(tensor, a.peer, self.model.tag(a)), tensor, counted))
+
+    def _exchange(self, a: Action, state: _StepState) -> None:
+        """One tick's sends and receives, posted as one batch. Each neighbour posts its
+        matching batch at the same tick, so under rendezvous semantics all of them can
+        complete; posted one at a time they could not (each rank's first send would
+        wait for a receive its peer posts only later). Like a lone receive, the batch is
+        waited by the first compute that needs what it receives, and reaped with the
+        sends."""
+        sends = [(op, *self._outgoing(op, state)) for op in a.members if op.kind in SENDS]
+        receives = [(op, self.model.activation_buffer()) for op in a.members if op.kind in RECVS]
+        sent = sum(counted for _, _, counted in sends)
+        self.ledger.add("communication", sent)
+        tag = self.model.tag
+        posted = _Posted(self.model.pp.exchange([(t, op.peer, tag(op)) for op, t, _ in sends],
+                                                [(b, op.peer, tag(op)) for op, b in receives]), state)
+        for op, buffer in receives:
+            self._deliver(self._inbox(op, state), (op.chunk, op.microbatch), buffer, posted=posted)
+        if sends:
+            state.sends.append((posted, [t for _, t, _ in sends], sent))
 
     def _reap_sends(self, state: _StepState, block: bool) -> None:
         """Drops sends the network has taken (all of them, waiting, when `block`)."""
@@ -225,30 +281,32 @@ class Executor:
             work.wait()
             self.ledger.free("communication", counted)
 
-    def _receive(self, a: Action, state: _StepState) -> torch.Tensor:
-        buffer = self.model.activation_buffer()
-        t0 = time.perf_counter()
-        self.model.pp.recv(buffer, a.peer, self.model.tag(a)).wait()
-        state.wait_s += time.perf_counter() - t0
-        return buffer
-
     def _deliver(self, store: dict, key: tuple[int, int], tensor: torch.Tensor,
-                 counted: int | None = None) -> None:
-        """Leaves an input for a compute, on the communication account until it is used."""
+                 counted: int | None = None, posted: _Posted | None = None) -> None:
+        """Leaves an input for a compute, on the communication account until it is used;
+        `posted` is the receive still filling it."""
         counted = nbytes(tensor) if counted is None else counted
         self.ledger.add("communication", counted)
-        store[key] = (tensor, counted)
+        store[key] = (tensor, counted, posted)
 
     def _take(self, store: dict, key: tuple[int, int]) -> torch.Tensor:
-        tensor, counted = store.pop(key)
+        tensor, counted, posted = store.pop(key)
+        if posted is not None:
+            posted.wait()
         self.ledger.free("communication", counted)
         return tensor
 
-    def _recv_act(self, a: Action, state: _StepState) -> None:
-        self._deliver(state.activations, (a.chunk, a.microbatch), self._receive(a, state))
+    def _inbox(self, a: Action, state: _StepState) -> dict:
+        """Where a received tensor waits for its compute: a forward's input activation, or
+        a backward's output gradient."""
+        return state.activations if a.kind is Kind.RECV_ACT else state.output_grads
 
-    def _recv_grad(self, a: Action, state: _StepState) -> None:
-        self._deliver(state.output_grads, (a.chunk, a.microbatch), self._receive(a, state))
+    def _recv(self, a: Action, state: _StepState) -> None:
+        # Posted here, which may be ahead of the consumer (coordinator/schedule/fuse.py),
+        # and waited by it: the transfer overlaps the compute in between.
+        buffer = self.model.activation_buffer()
+        posted = _Posted(self.model.pp.recv(buffer, a.peer, self.model.tag(a)), state)
+        self._deliver(self._inbox(a, state), (a.chunk, a.microbatch), buffer, posted=posted)
 
     # -- ZeRO: gradient reductions and parameter gathers ------------------------------
 
@@ -283,6 +341,5 @@ class Executor:
 
     def _optimizer_step(self, a: Action, state: _StepState) -> None:
         self._finish_reductions(state)
-        t0 = time.perf_counter()
-        state.grad_norm, state.lr = self.model.optimizer_step(state.step)
-        state.compute_s += time.perf_counter() - t0
+        with self.clock.measure():
+            state.grad_norm, state.lr = self.model.optimizer_step(state.step)

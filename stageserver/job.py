@@ -12,6 +12,7 @@ import json
 import threading
 
 import numpy as np
+import torch
 import torch.distributed as dist
 
 from protos.actions import parse
@@ -21,7 +22,7 @@ from stageserver.data import Sampler, resolve_source
 from stageserver.executor import Executor, StepStats
 from stageserver.model import GPTConfig
 from stageserver.model_state import DTYPES, ChunkPlan, ModelState, TrainPlan
-from stageserver.transport import connect_gloo
+from stageserver.transport.groups import TRANSPORTS, connect_group, make_group_id
 
 
 class JobRejected(ValueError):
@@ -29,8 +30,9 @@ class JobRejected(ValueError):
 
 
 class StageJob:
-    def __init__(self, request: pb.SetupRequest, hostname: str):
+    def __init__(self, request: pb.SetupRequest, hostname: str, device: torch.device = torch.device("cpu")):
         self.request = request
+        self.device = device
         self.job_id = request.job_id
         self.rank = request.rank
         self.hostname = hostname
@@ -54,6 +56,8 @@ class StageJob:
             raise JobRejected(f"train.precision={t.precision!r} must be one of {', '.join(DTYPES)}")
         if (t.recompute or "none") not in ("none", "full"):
             raise JobRejected(f"train.recompute={t.recompute!r} must be none or full")
+        self.transport = request.transport or "gloo"
+        _check_transport(self.transport, device)
         self.train = TrainPlan(
             microbatches=t.microbatches,
             rows=t.global_batch // (dp * t.microbatches),
@@ -79,8 +83,11 @@ class StageJob:
         self.sampler = Sampler(self.data, t.seed, m.seq_len, t.global_batch // t.microbatches)
         self.model: ModelState | None = None
         self.executor: Executor | None = None
+        # The ids of the groups this rank is member 0 of (see transport/groups.py).
+        self.group_ids = {g.name: make_group_id(self.transport) for g in request.groups
+                          if len(g.members) > 1 and g.members[0] == self.rank}
 
-    def connect(self) -> None:
+    def connect(self, group_ids: dict[str, bytes]) -> None:
         r = self.request
         store = dist.TCPStore(
             r.store_host, r.store_port, is_master=False,
@@ -90,12 +97,13 @@ class StageJob:
         groups = {}
         for group in sorted(r.groups, key=lambda g: g.name):
             role = group.name.split("/")[0]
-            groups[role] = connect_gloo(
-                store, group.name, list(group.members), self.rank, r.comm_timeout_s, self.hostname
+            groups[role] = connect_group(
+                self.transport, group.name, group_ids.get(group.name, b""), list(group.members), self.rank,
+                store=store, timeout_s=r.comm_timeout_s, hostname=self.hostname, device=self.device,
             )
         last_chunk = r.grid.pp * r.vpp - 1
         self.model = ModelState(self.config, self.chunks, groups, self.sampler, self.train, last_chunk,
-                                zero=r.zero)
+                                zero=r.zero, device=self.device)
         self.executor = Executor(self.model, self.program, self.rank)
 
     @property
@@ -128,3 +136,13 @@ class StageJob:
             self.model.close()
             self.model = None
             self.executor = None
+
+
+def _check_transport(transport: str, device: torch.device) -> None:
+    if transport not in TRANSPORTS:
+        raise JobRejected(f"parallel.transport={transport!r} must be one of {', '.join(TRANSPORTS)}")
+    if transport == "nccl" and device.type != "cuda":
+        raise JobRejected(f"parallel.transport='nccl' moves CUDA tensors; this server computes on {device}")
+    if transport == "gloo" and device.type != "cpu":
+        raise JobRejected(f"parallel.transport='gloo' moves CPU tensors; this server computes on {device} "
+                          f"(use nccl, or start the server with --device cpu)")

@@ -4,7 +4,6 @@ coordinator (register, heartbeat, and register again if the coordinator forgot u
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import threading
 
@@ -14,22 +13,20 @@ import torch
 from protos import interleaf_pb2 as pb
 from protos import interleaf_pb2_grpc as rpc
 from protos import wire
+from stageserver.device import device_memory_bytes, resolve_device
 from stageserver.service import StageServerService
 
 log = logging.getLogger("interleaf.stageserver")
 RPC_TIMEOUT_S = 10.0
 
 
-def physical_memory_bytes() -> int:
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
 class Registrar(threading.Thread):
-    def __init__(self, coordinator: str, address: str, host: str, stop: threading.Event, memory_bytes: int):
+    def __init__(self, coordinator: str, address: str, host: str, stop: threading.Event, memory_bytes: int,
+                 device: str):
         super().__init__(name="registrar", daemon=True)
         self.stub = rpc.CoordinatorStub(wire.channel(coordinator))
         self.request = pb.RegisterRequest(
-            address=address, host=host, device="cpu", memory_bytes=memory_bytes
+            address=address, host=host, device=device, memory_bytes=memory_bytes
         )
         self.stop = stop
         self.server_id = ""
@@ -52,16 +49,21 @@ class Registrar(threading.Thread):
             self.stop.wait(interval)
 
 
-def serve(coordinator: str, host: str, port: int, bind: str, threads: int, memory_bytes: int = 0) -> None:
+def serve(coordinator: str, host: str, port: int, bind: str, threads: int, memory_bytes: int = 0,
+          device: str = "cpu") -> None:
     if threads > 0:
         torch.set_num_threads(threads)
+    where = resolve_device(device)
+    if where.type == "cuda":
+        torch.cuda.set_device(where)  # streams, events and NCCL calls default to it
     server = wire.server()
-    rpc.add_StageServerServicer_to_server(StageServerService(host), server)
+    rpc.add_StageServerServicer_to_server(StageServerService(host, where), server)
     bound = server.add_insecure_port(f"{bind}:{port}")
     server.start()
     stop = threading.Event()
-    Registrar(coordinator, f"{host}:{bound}", host, stop, memory_bytes or physical_memory_bytes()).start()
-    log.info("stage server on %s:%d, coordinator %s", host, bound, coordinator)
+    Registrar(coordinator, f"{host}:{bound}", host, stop, memory_bytes or device_memory_bytes(where),
+              str(where)).start()
+    log.info("stage server on %s:%d (%s), coordinator %s", host, bound, where, coordinator)
 
     def shutdown(*_):
         stop.set()

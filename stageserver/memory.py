@@ -11,11 +11,27 @@ from __future__ import annotations
 
 from protos.memory import KINDS, MemoryLedger
 
-__all__ = ["KINDS", "MemoryLedger", "nbytes", "reset_rss_peak", "rss_peak_bytes"]
+import torch
+
+__all__ = ["KINDS", "MemoryLedger", "device_peak_bytes", "nbytes", "reset_peaks", "rss_peak_bytes"]
 
 
 def nbytes(tensor) -> int:
     return tensor.numel() * tensor.element_size()
+
+
+def reset_peaks(device: torch.device) -> None:
+    """Starts the step's high-water marks: the process's resident set, and on a GPU the
+    bytes torch's caching allocator has handed out."""
+    reset_rss_peak()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def device_peak_bytes(device: torch.device) -> int:
+    """torch.cuda.max_memory_allocated since the last reset (0 on a CPU): what a
+    PyTorch user reads for a GPU's memory, so peers can be compared the same way."""
+    return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
 
 
 def reset_rss_peak() -> None:

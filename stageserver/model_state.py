@@ -59,8 +59,10 @@ class ModelState:
         train: TrainPlan,
         last_chunk: int,
         zero: int = 0,
+        device: torch.device = torch.device("cpu"),
     ):
         self.config = config
+        self.device = device
         self.groups = groups
         self.pp, self.dp, self.tp = groups["pp"], groups["dp"], groups["tp"]
         self.sampler = sampler
@@ -92,7 +94,7 @@ class ModelState:
             self.norm_segments[(plan.index, len(buckets))] = layout.segments(
                 n for n, _ in params if self._counts_toward_norm(plan, specs[n]))
             buckets.append(ShardedBucket(params, layout, self.zero, self.dtype, MASTER_DTYPES[self.dtype],
-                                         self.dp, self.ledger, decayed, self.train.weight_decay))
+                                         self.dp, self.ledger, decayed, self.train.weight_decay, self.device))
             if params[0][0] == TIED:
                 self.tied[plan.index] = buckets[-1]
         return buckets
@@ -111,10 +113,14 @@ class ModelState:
         return chunk in self.chunks
 
     def microbatch(self, step: int, microbatch: int):
-        return self.sampler.microbatch(step, microbatch, self.dp.rank, self.dp.size)
+        inputs, targets = self.sampler.microbatch(step, microbatch, self.dp.rank, self.dp.size)
+        if self.device.type == "cpu":
+            return inputs, targets
+        return inputs.to(self.device, non_blocking=True), targets.to(self.device, non_blocking=True)
 
     def activation_buffer(self) -> torch.Tensor:
-        return torch.empty(self.train.rows, self.config.seq_len, self.config.d_model, dtype=self.dtype)
+        return torch.empty(self.train.rows, self.config.seq_len, self.config.d_model, dtype=self.dtype,
+                           device=self.device)
 
     def tag(self, action: Action) -> int:
         """A gloo tag unique to the tensor within a step: both ends derive the same one."""
@@ -153,21 +159,39 @@ class ModelState:
         else:
             self.groups["tie"].all_reduce(copies[0])
 
-    def optimizer_step(self, step: int) -> tuple[float, float]:
+    def optimizer_step(self, step: int) -> tuple[float | torch.Tensor, float]:
         """Averages data-parallel gradients, clips by the global norm, steps AdamW.
-        Returns (global gradient norm before clipping, learning rate)."""
+        Returns (global gradient norm before clipping, learning rate); on a GPU the norm
+        stays a device tensor, read once at the step's end."""
         parts = [part for (index, b), segments in self.norm_segments.items()
                  for part in self.buckets[index][b].count_norm(segments)]
-        sumsq = torch.tensor([sum(squared_norm(p) for p in parts)], dtype=torch.float64)
-        self.groups["world"].all_reduce(sumsq)
-        # The sum of squares was taken before averaging over the dp replicas: rescale.
-        norm = float(sumsq.sqrt()) / self.dp.size
-        coefficient = clip_coefficient(norm, self.train.grad_clip)
+        if self.device.type == "cuda":
+            norm, coefficient = self._device_norm(parts)
+        else:
+            sumsq = torch.tensor([sum(squared_norm(p) for p in parts)], dtype=torch.float64)
+            self.groups["world"].all_reduce(sumsq)
+            # The sum of squares was taken before averaging over the dp replicas: rescale.
+            norm = float(sumsq.sqrt()) / self.dp.size
+            coefficient = clip_coefficient(norm, self.train.grad_clip)
         lr = self.schedule.lr_at(step)
         for buckets in self.buckets.values():
             for bucket in buckets:
                 bucket.step(lr, coefficient / self.dp.size)
         return norm, lr
+
+    def _device_norm(self, parts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The global norm and clipping factor as device tensors: no host round trip. Each
+        part's norm is accumulated by torch in its own dtype (fp32 gradients: relative
+        error near 1e-7), their squares summed in float64."""
+        if parts:
+            sumsq = torch.stack(torch._foreach_norm(parts)).double().square().sum().reshape(1)
+        else:
+            sumsq = torch.zeros(1, dtype=torch.float64, device=self.device)
+        self.groups["world"].all_reduce(sumsq)
+        norm = sumsq.sqrt()[0] / self.dp.size
+        if self.train.grad_clip <= 0:
+            return norm, torch.ones((), dtype=torch.float64, device=self.device)
+        return norm, (self.train.grad_clip / (norm + 1e-6)).clamp(max=1.0)
 
     def named_parameters(self):
         """(global name, tensor, tp_dim) for every parameter this rank holds, each
@@ -184,7 +208,7 @@ class ModelState:
             for name, param in self.chunks[index].named_parameters():
                 if name not in seen:
                     seen.add(name)
-                    yield name, param.detach().clone(), specs[name].tp_dim
+                    yield name, param.detach().to("cpu", copy=True), specs[name].tp_dim
         if self.zero == 3:
             for index in sorted(self.chunks):
                 self.release(index)

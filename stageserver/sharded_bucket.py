@@ -58,16 +58,18 @@ def _materialize(tensor: torch.Tensor) -> None:
 class ShardedBucket:
     def __init__(self, params: list[tuple[str, nn.Parameter]], layout: BucketLayout, zero: int,
                  compute_dtype: torch.dtype, master_dtype: torch.dtype, dp: Transport,
-                 ledger: MemoryLedger, decay_names: set[str], weight_decay: float):
+                 ledger: MemoryLedger, decay_names: set[str], weight_decay: float,
+                 device: torch.device = torch.device("cpu")):
         self.layout, self.zero, self.dp, self.ledger = layout, zero, dp, ledger
-        self.cd, self.md = compute_dtype, master_dtype
+        self.cd, self.md, self.device = compute_dtype, master_dtype, device
         lo, hi = layout.shard
         initial = torch.zeros(layout.padded, dtype=master_dtype)
         for name, param in params:
             start, n = layout.offsets[name]
             initial[start:start + n] = param.detach().reshape(-1)
+        initial = initial.to(device)
         self.params = initial.to(compute_dtype)
-        self.grads = torch.zeros(layout.padded, dtype=compute_dtype)
+        self.grads = torch.zeros(layout.padded, dtype=compute_dtype, device=device)
         for name, param in params:
             start, n = layout.offsets[name]
             param.data = self.params[start:start + n].view(param.shape)
@@ -92,7 +94,7 @@ class ShardedBucket:
         if self.shard_in_grads:
             self.grad_shard = self.grads[lo:hi]
         else:
-            self.grad_shard = torch.zeros(hi - lo, dtype=master_dtype) if zero else None
+            self.grad_shard = torch.zeros(hi - lo, dtype=master_dtype, device=device) if zero else None
         self.optimizer = AdamW(self.master, clip_segments(layout.segments(decay_names), self.window),
                                weight_decay)
         self.gathered = zero != 3
@@ -152,7 +154,7 @@ class ShardedBucket:
         bf16 at once: the master-dtype copy is what travels)."""
         source = self.grads if self.cd == self.md else self.grads.to(self.md)
         staged = 0 if source is self.grads else nbytes(source)
-        out = torch.empty(self.layout.shard_size, dtype=self.md) if self.zero else None
+        out = torch.empty(self.layout.shard_size, dtype=self.md, device=self.device) if self.zero else None
         staged += nbytes(out) if self.zero else 0
         self.ledger.add("communication", staged)
         if source is not self.grads and self.zero >= 2:
@@ -203,11 +205,12 @@ class ShardedBucket:
 
     # -- update --------------------------------------------------------------------
 
-    def step(self, lr: float, scale: float) -> None:
+    def step(self, lr: float, scale: float | torch.Tensor) -> None:
         """AdamW on this rank's window with the gradient times `scale` (the 1/dp
-        average and the clipping factor in one), then the working copy refreshed."""
+        average and the clipping factor in one; a device tensor on a GPU, so that no
+        step waits for the norm to reach the host), then the working copy refreshed."""
         grad = self.optimizer_grad()
-        if scale != 1.0:
+        if isinstance(scale, torch.Tensor) or scale != 1.0:
             grad.mul_(scale)
         self.optimizer.step(grad, lr)
         if self.cd != self.md:

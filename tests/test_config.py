@@ -9,6 +9,7 @@ from coordinator.config import ConfigError, JobConfig, load_config
 
 # (overrides, the exact message). Shared with the CLI and gRPC tests.
 BAD_CONFIGS = [
+    (["parallel.transport=infiniband"], "parallel.transport='infiniband' must be one of auto, gloo, nccl"),
     (["parallel.pp=4", "parallel.microbatches=6", "model.n_layers=8"],
      "parallel.microbatches=6 must be a multiple of parallel.pp=4 for interleaved-1f1b"),
     (["parallel.pp=4", "parallel.vpp=2", "model.n_layers=6"],

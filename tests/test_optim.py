@@ -16,7 +16,9 @@ import torch
 
 from stageserver.optim import SLICE, AdamW, Schedule, clip_coefficient, squared_norm
 
-STATE_TOL = dict(atol=1e-7, rtol=0.0)
+STATE_TOL = dict(atol=1e-7, rtol=2.4e-7)
+"""Against torch's for-loop and foreach AdamW: the same formula, evaluated by another
+kernel, may round an element one float32 ulp apart (1.2e-7 relative)."""
 
 # --- AdamW --------------------------------------------------------------------------------
 
@@ -35,8 +37,8 @@ SEGMENTS = [(0, 37), (500, 900), (1000, SLICE + 2000), (SLICE + 2000, SLICE + 20
             (2 * SLICE - 300, 2 * SLICE + 200), (N - 11, N)]
 
 
-@pytest.mark.parametrize("foreach", [False, True])
-def test_adamw_with_decay_segments_matches_torch_with_two_param_groups(foreach):
+@pytest.mark.parametrize("implementation", ["for-loop", "foreach", "fused"])
+def test_adamw_with_decay_segments_matches_torch_with_two_param_groups(implementation):
     g = torch.Generator().manual_seed(0)
     wd = 0.5
     start = torch.randn(N, generator=g)
@@ -49,7 +51,8 @@ def test_adamw_with_decay_segments_matches_torch_with_two_param_groups(foreach):
     b = start[plain].clone().requires_grad_()
     ref = torch.optim.AdamW(
         [{"params": [a], "weight_decay": wd}, {"params": [b], "weight_decay": 0.0}],
-        lr=1.0, betas=(0.9, 0.95), eps=1e-8, foreach=foreach,
+        lr=1.0, betas=(0.9, 0.95), eps=1e-8, foreach=implementation == "foreach",
+        fused=implementation == "fused" or None,
     )
     # A warmup-like lr sequence, large enough that decay and bias correction both show.
     for lr in (1e-3, 5e-3, 2e-2, 1e-2, 3e-3, 1e-4):
@@ -183,3 +186,4 @@ def test_clip_coefficient_is_one_when_disabled(max_norm):
 def test_clip_coefficient_values():
     assert clip_coefficient(0.5, 1.0) == 1.0
     assert math.isclose(clip_coefficient(4.0, 1.0), 1.0 / (4.0 + 1e-6), rel_tol=1e-12)
+

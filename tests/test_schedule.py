@@ -40,10 +40,13 @@ def test_every_kind_round_trips_through_its_string():
                Action(Kind.RECV_GRAD, 3, 1, 2), Action(Kind.REDUCE_GRADS, 3),
                Action(Kind.REDUCE_SCATTER_GRADS, 3), Action(Kind.GATHER_PARAMS, 5),
                Action(Kind.RELEASE_PARAMS, 5),
-               Action(Kind.REDUCE_TIED_GRADS), Action(Kind.OPTIMIZER_STEP)]
+               Action(Kind.REDUCE_TIED_GRADS), Action(Kind.OPTIMIZER_STEP),
+               Action(Kind.EXCHANGE, members=(Action(Kind.SEND_ACT, 3, 1, 2),
+                                              Action(Kind.RECV_GRAD, 3, 0, 2)))]
     assert {a.kind for a in actions} == set(Kind)
     assert [str(a) for a in actions] == ["F3.1", "B3.1", "SA3.1>2", "RA4.1<1", "SG4.1>1",
-                                         "RG3.1<2", "DP3", "RS3", "AG5", "RP5", "TIE", "OPT"]
+                                         "RG3.1<2", "DP3", "RS3", "AG5", "RP5", "TIE", "OPT",
+                                         "SA3.1>2+RG3.0<2"]
     assert [parse(str(a)) for a in actions] == actions
 
 
@@ -130,9 +133,15 @@ def test_reduce_grads_follows_each_chunks_last_backward(schedule, pp, vpp, m):
         for i in reduced:
             chunk = program[i].chunk
             last_b = max(j for j, a in enumerate(program) if a.kind is B and a.chunk == chunk)
-            # Directly behind the backward and the send of its input gradient, if any.
+            # Directly behind the backward and the send of its input gradient, if any
+            # (alone or in an exchange, perhaps after receives that came due meanwhile).
             sent = Action(Kind.SEND_GRAD, chunk, program[last_b].microbatch, (chunk - 1) % pp)
-            assert program[last_b + 1:i] == ([sent] if chunk > 0 and pp > 1 else [])
+            between = program[last_b + 1:i]
+            assert all(a.p2p_ops() for a in between)
+            if chunk > 0 and pp > 1:
+                assert sent in between[-1].p2p_ops()
+            else:
+                assert between == []
 
 
 def test_no_data_parallel_means_no_reduce_grads():
@@ -191,11 +200,13 @@ def test_bubble_fraction_matches_closed_form(schedule, pp, vpp, m, forward_s, ba
 
 
 def test_link_cost_adds_two_transfers_per_extra_stage():
-    # GPipe: forwards cross pp-1 links on the way out, gradients pp-1 on the way back.
+    # GPipe with eager links: forwards cross pp-1 links on the way out, gradients pp-1
+    # on the way back. (Under rendezvous semantics each send also holds its sender for
+    # the transfer: tests/test_rendezvous.py.)
     pp, m = 4, 6
     cost = CostModel(forward_s=1.0, backward_s=2.0, latency_s=0.25, message_bytes=1000,
                      bandwidth_bytes_per_s=4000.0)
-    result = simulate(build_programs("gpipe", pp, 1, m, dp=1), cost)
+    result = simulate(build_programs("gpipe", pp, 1, m, dp=1), cost, links="eager")
     assert math.isclose(result.makespan_s, (m + pp - 1) * 3.0 + 2 * (pp - 1) * 0.5)
     assert result.bubble_fraction > (pp - 1) / (m + pp - 1)
 

@@ -20,24 +20,39 @@ def _programs():
     return build_programs("interleaved-1f1b", PP, VPP, M, dp=2)
 
 
+def _holder(program, op):
+    """Index of the action that is `op` or the exchange that holds it."""
+    return next(i for i, a in enumerate(program) if op in a.p2p_ops() or a == op)
+
+
 def _replace(program, old, new):
-    program[program.index(parse(old))] = parse(new)
+    i = _holder(program, parse(old))
+    members = tuple(parse(new) if m == parse(old) else m for m in program[i].members)
+    program[i] = Action(Kind.EXCHANGE, members=members) if members else parse(new)
 
 
 def _remove(program, text):
-    program.remove(parse(text))
+    op = parse(text)
+    i = _holder(program, op)
+    rest = [m for m in program[i].members if m != op]
+    program[i:i + 1] = [] if not rest else rest if len(rest) == 1 else \
+        [Action(Kind.EXCHANGE, members=tuple(rest))]
 
 
 def _move_before(program, text, anchor):
-    action = parse(text)
-    program.remove(action)
-    program.insert(program.index(parse(anchor)), action)
+    _remove(program, text)
+    program.insert(program.index(parse(anchor)), parse(text))
 
 
 # (how to break rank 0 or 1, rank named, action named, words in the reason)
 BREAKAGES = [
     (lambda p: _replace(p[0], "F2.1", "F1.1"), 0, "F1.1", "does not live on rank 0"),
-    (lambda p: _replace(p[1], "SA1.0>0", "SA1.0>1"), 1, "SA1.0>1", "peer should be rank 0"),
+    (lambda p: _replace(p[1], "SA1.0>0", "SA1.0>1"), 1, "SA1.0>1+RA1.1<0",
+     "SA1.0>1: peer should be rank 0"),
+    (lambda p: _replace(p[1], "RA1.1<0", "RA1.1<1"), 1, "SA1.0>0+RA1.1<1",
+     "RA1.1<1: peer should be rank 0"),
+    (lambda p: _remove(p[0], "SA0.1>1"), 1, "SA1.0>0+RA1.1<0",
+     "RA1.1<0: unmatched: no send on rank 0"),
     (lambda p: _move_before(p[0], "B0.0", "F0.0"), 0, "B0.0", "backward before F0.0"),
     (lambda p: p[0].insert(1, parse("F0.0")), 0, "F0.0", "repeats action 0"),
     (lambda p: _remove(p[1], "SG1.3>0"), 0, "RG0.3<1", "unmatched: no send on rank 1"),
@@ -102,16 +117,19 @@ def test_dropped_send_deadlocks_the_receiver():
 def test_receives_waiting_on_each_other_across_ranks_deadlock():
     # Rank 0 waits for microbatch 0's gradient before sending microbatch 0's activation,
     # which rank 1 needs before it can produce that gradient. Statically every receive
-    # still precedes its consumer, so only the simulation can see the cycle.
+    # still precedes its consumer, so only the simulation, which the validator runs
+    # last, can see the cycle (with either link semantics).
     programs = [
         parse_program("RG0.0<1 F0.0 SA0.0>1 B0.0 TIE OPT"),
         parse_program("RA1.0<0 F1.0 B1.0 SG1.0>0 TIE OPT"),
     ]
-    validate_programs(programs, 2, 1, 1)
     with pytest.raises(DeadlockError) as caught:
-        simulate(programs, CostModel())
-    assert str(caught.value) == ("deadlock: rank 0 waits at action 0 (RG0.0<1); "
-                                 "rank 1 waits at action 0 (RA1.0<0)")
+        validate_programs(programs, 2, 1, 1)
+    with pytest.raises(DeadlockError, match="rank 1 waits at action 0"):
+        simulate(programs, CostModel(), links="eager")
+    assert str(caught.value) == ("deadlock: rank 0 waits at action 0 (RG0.0<1) for "
+                                 "SG1.0>0 on rank 1; rank 1 waits at action 0 (RA1.0<0) "
+                                 "for SA0.0>1 on rank 0")
 
 
 def test_tie_without_its_partner_deadlocks():
@@ -119,3 +137,17 @@ def test_tie_without_its_partner_deadlocks():
     programs[1].remove(Action(Kind.REDUCE_TIED_GRADS))
     with pytest.raises(DeadlockError, match=r"^deadlock: rank 0 waits at action \d+ \(TIE\)$"):
         simulate(programs, CostModel())
+
+
+def test_receives_posted_out_of_the_senders_order_are_refused():
+    # NCCL matches point-to-point messages by order, not tag: rank 0 sends chunk 2's
+    # microbatch-1 activation before chunk 0's microbatch-2 one, so rank 1 must receive
+    # them in that order, or two same-sized tensors would arrive swapped.
+    programs = _programs()
+    first, second = programs[1].index(parse("RA3.1<0")), programs[1].index(parse("RA1.2<0"))
+    programs[1][first], programs[1][second] = programs[1][second], programs[1][first]
+    with pytest.raises(ProgramError) as caught:
+        validate_programs(programs, PP, VPP, M)
+    assert (caught.value.rank, caught.value.index, str(caught.value.action)) == (1, first, "RA1.2<0")
+    assert str(caught.value).endswith("receives from rank 0 out of order: message 3 from it is "
+                                      "('act', 3, 1), not ('act', 1, 2)")

@@ -21,19 +21,20 @@ def test_zero1_reduce_scatters_after_last_backward_and_gathers_after_the_step():
     programs = build_programs("1f1b", 2, 1, 2, dp=2, zero=1)
     assert [format_program(p) for p in programs] == [
         "F0.0 SA0.0>1 F0.1 SA0.1>1 RG0.0<1 B0.0 RG0.1<1 B0.1 RS0 TIE OPT AG0",
-        "RA1.0<0 F1.0 B1.0 SG1.0>0 RA1.1<0 F1.1 B1.1 SG1.1>0 RS1 TIE OPT AG1",
+        "RA1.0<0 F1.0 RA1.1<0 B1.0 SG1.0>0 F1.1 B1.1 SG1.1>0 RS1 TIE OPT AG1",
     ]
 
 
 def test_zero1_interleaved_reduces_each_chunk_as_its_backwards_end():
     """Interleaved pp=2, vpp=2, m=4, rank 0: chunk 2's backwards end first, so RS2 goes
-    out while B0.2 and B0.3 still run; the gathers follow OPT in chunk order."""
+    out (behind the exchange that sends B2.3's input gradient) while B0.2 and B0.3
+    still run; the gathers follow OPT in chunk order."""
     program = build_programs("interleaved-1f1b", 2, 2, 4, dp=2, zero=1)[0]
     assert format_program(program) == (
-        "F0.0 SA0.0>1 F0.1 SA0.1>1 RA2.0<1 F2.0 SA2.0>1 RA2.1<1 F2.1 SA2.1>1 F0.2 SA0.2>1 "
-        "RG2.0<1 B2.0 SG2.0>1 F0.3 SA0.3>1 RG2.1<1 B2.1 SG2.1>1 RA2.2<1 F2.2 SA2.2>1 "
-        "RG0.0<1 B0.0 RA2.3<1 F2.3 SA2.3>1 RG0.1<1 B0.1 RG2.2<1 B2.2 SG2.2>1 "
-        "RG2.3<1 B2.3 SG2.3>1 RS2 RG0.2<1 B0.2 RG0.3<1 B0.3 RS0 TIE OPT AG0 AG2")
+        "F0.0 SA0.0>1 F0.1 SA0.1>1+RA2.0<1 F2.0 SA2.0>1+RA2.1<1 F2.1 SA2.1>1 F0.2 SA0.2>1 "
+        "RG2.0<1 B2.0 SG2.0>1 RG2.1<1 F0.3 B2.1 SA0.3>1+SG2.1>1+RA2.2<1+RG0.0<1 F2.2 B0.0 "
+        "SA2.2>1+RA2.3<1+RG0.1<1 F2.3 B0.1 SA2.3>1+RG2.2<1 B2.2 SG2.2>1 RG2.3<1 B2.3 "
+        "SG2.3>1+RG0.2<1 RS2 B0.2 RG0.3<1 B0.3 RS0 TIE OPT AG0 AG2")
 
 
 @pytest.mark.parametrize("schedule, pp, vpp, m", [("1f1b", 2, 1, 2),
@@ -49,22 +50,22 @@ def test_zero3_prefetch0_interleaved_gathers_each_run_just_before_it():
     """Interleaved pp=2, vpp=2, m=4, rank 0, prefetch 0. Runs of one chunk:
         F0.0 F0.1 | F2.0 F2.1 | F0.2 | B2.0 | F0.3 | B2.1 F2.2 | B0.0 | F2.3 | B0.1 |
         B2.2 B2.3 | B0.2 B0.3
-    Each run gets AG in front of its receives and RP right after its last compute (the
-    send of the result needs no parameters); each chunk gets one RS, after its last
-    backward's send, as under ZeRO-1/2."""
+    Each run gets AG in front of the sends, receives and exchanges right before it
+    and RP right after its last compute (the send of the result needs no parameters);
+    each chunk gets one RS, after its last backward's send, as under ZeRO-1/2."""
     program = build_programs("interleaved-1f1b", 2, 2, 4, dp=2, zero=3, prefetch=0)[0]
     assert format_program(program) == (
-        "AG0 F0.0 SA0.0>1 F0.1 RP0 SA0.1>1 "
-        "AG2 RA2.0<1 F2.0 SA2.0>1 RA2.1<1 F2.1 RP2 SA2.1>1 "
-        "AG0 F0.2 RP0 SA0.2>1 "
-        "AG2 RG2.0<1 B2.0 RP2 SG2.0>1 "
-        "AG0 F0.3 RP0 SA0.3>1 "
-        "AG2 RG2.1<1 B2.1 SG2.1>1 RA2.2<1 F2.2 RP2 SA2.2>1 "
-        "AG0 RG0.0<1 B0.0 RP0 "
-        "AG2 RA2.3<1 F2.3 RP2 SA2.3>1 "
-        "AG0 RG0.1<1 B0.1 RP0 "
-        "AG2 RG2.2<1 B2.2 SG2.2>1 RG2.3<1 B2.3 RP2 SG2.3>1 RS2 "
-        "AG0 RG0.2<1 B0.2 RG0.3<1 B0.3 RP0 RS0 TIE OPT")
+        "AG0 F0.0 SA0.0>1 F0.1 RP0 "
+        "AG2 SA0.1>1+RA2.0<1 F2.0 SA2.0>1+RA2.1<1 F2.1 RP2 "
+        "AG0 SA2.1>1 F0.2 RP0 "
+        "AG2 SA0.2>1 RG2.0<1 B2.0 RP2 "
+        "AG0 SG2.0>1 RG2.1<1 F0.3 RP0 "
+        "AG2 B2.1 SA0.3>1+SG2.1>1+RA2.2<1+RG0.0<1 F2.2 RP2 "
+        "AG0 B0.0 RP0 "
+        "AG2 SA2.2>1+RA2.3<1+RG0.1<1 F2.3 RP2 "
+        "AG0 B0.1 RP0 "
+        "AG2 SA2.3>1+RG2.2<1 B2.2 SG2.2>1 RG2.3<1 B2.3 RP2 SG2.3>1+RG0.2<1 RS2 "
+        "AG0 B0.2 RG0.3<1 B0.3 RP0 RS0 TIE OPT")
     assert max_gathered(program) == 1
 
 
@@ -76,11 +77,11 @@ def test_zero3_prefetch1_interleaved_with_two_chunks_keeps_both_gathered():
     prefetch 1 allows, 2 chunks). The RS points are those of prefetch 0."""
     program = build_programs("interleaved-1f1b", 2, 2, 4, dp=2, zero=3, prefetch=1)[0]
     assert format_program(program) == (
-        "AG0 AG2 F0.0 SA0.0>1 F0.1 SA0.1>1 RA2.0<1 F2.0 SA2.0>1 RA2.1<1 F2.1 SA2.1>1 "
-        "F0.2 SA0.2>1 RG2.0<1 B2.0 SG2.0>1 F0.3 SA0.3>1 RG2.1<1 B2.1 SG2.1>1 "
-        "RA2.2<1 F2.2 SA2.2>1 RG0.0<1 B0.0 RA2.3<1 F2.3 SA2.3>1 RG0.1<1 B0.1 "
-        "RG2.2<1 B2.2 SG2.2>1 RG2.3<1 B2.3 RP2 SG2.3>1 RS2 "
-        "RG0.2<1 B0.2 RG0.3<1 B0.3 RP0 RS0 TIE OPT")
+        "AG0 AG2 F0.0 SA0.0>1 F0.1 SA0.1>1+RA2.0<1 F2.0 SA2.0>1+RA2.1<1 F2.1 SA2.1>1 "
+        "F0.2 SA0.2>1 RG2.0<1 B2.0 SG2.0>1 RG2.1<1 F0.3 B2.1 "
+        "SA0.3>1+SG2.1>1+RA2.2<1+RG0.0<1 F2.2 B0.0 SA2.2>1+RA2.3<1+RG0.1<1 F2.3 B0.1 "
+        "SA2.3>1+RG2.2<1 B2.2 SG2.2>1 RG2.3<1 B2.3 RP2 SG2.3>1+RG0.2<1 RS2 "
+        "B0.2 RG0.3<1 B0.3 RP0 RS0 TIE OPT")
     assert max_gathered(program) == 2
     prefetch0 = build_programs("interleaved-1f1b", 2, 2, 4, dp=2, zero=3, prefetch=0)[0]
     assert [a for a in program if a.kind in (F, B, RS)] == \
@@ -94,10 +95,10 @@ def test_zero3_1f1b_one_chunk_per_rank_is_one_run(prefetch):
     the prefetch."""
     programs = build_programs("1f1b", 2, 1, 4, dp=2, zero=3, prefetch=prefetch)
     assert [format_program(p) for p in programs] == [
-        "AG0 F0.0 SA0.0>1 F0.1 SA0.1>1 RG0.0<1 B0.0 F0.2 SA0.2>1 RG0.1<1 B0.1 "
-        "F0.3 SA0.3>1 RG0.2<1 B0.2 RG0.3<1 B0.3 RP0 RS0 TIE OPT",
-        "AG1 RA1.0<0 F1.0 B1.0 SG1.0>0 RA1.1<0 F1.1 B1.1 SG1.1>0 RA1.2<0 F1.2 B1.2 "
-        "SG1.2>0 RA1.3<0 F1.3 B1.3 RP1 SG1.3>0 RS1 TIE OPT",
+        "AG0 F0.0 SA0.0>1 F0.1 SA0.1>1 RG0.0<1 B0.0 F0.2 SA0.2>1+RG0.1<1 B0.1 "
+        "F0.3 SA0.3>1+RG0.2<1 B0.2 RG0.3<1 B0.3 RP0 RS0 TIE OPT",
+        "AG1 RA1.0<0 F1.0 RA1.1<0 B1.0 SG1.0>0 F1.1 B1.1 SG1.1>0+RA1.2<0 F1.2 B1.2 "
+        "SG1.2>0+RA1.3<0 F1.3 B1.3 RP1 SG1.3>0 RS1 TIE OPT",
     ]
 
 

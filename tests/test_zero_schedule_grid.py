@@ -58,9 +58,13 @@ def test_zero12_one_reduce_scatter_per_chunk_and_gathers_after_the_step(schedule
                 scatters = kinds(program, RS)
                 assert sorted(c for _, c in scatters) == chunks  # once each, dp=1 too
                 for i, chunk in scatters:
+                    # Right behind the last backward, but for the send of its input
+                    # gradient (alone or in an exchange, after any point-to-point
+                    # action that came due during the backward).
                     last = last_backward(program, chunk)
-                    between = [a.kind for a in program[last + 1:i]]
-                    assert between in ([], [SG]), (rank, program[i], between)
+                    between = program[last + 1:i]
+                    assert all(a.p2p_ops() for a in between), (rank, program[i], between)
+                    assert not between or SG in {op.kind for op in between[-1].p2p_ops()}
                 step = program.index(Action(OPT))
                 assert list(program[step + 1:]) == [Action(AG, c) for c in chunks]
 
@@ -102,12 +106,13 @@ def test_zero3_reduce_scatters_each_chunk_once_after_its_last_backward(schedule,
                     del pending[a.chunk]
             assert pending == {}
             # One RS per chunk, right behind its last backward (only that backward's
-            # release and send between): as much traffic as plain data parallelism.
+            # release and point-to-point actions between): as much traffic as plain
+            # data parallelism.
             scatters = kinds(program, RS)
             assert len(scatters) == len({a.chunk for a in program if a.kind is B})
             for i, chunk in scatters:
                 last = last_backward(program, chunk)
-                assert {a.kind for a in program[last + 1:i]} <= {RP, SG}
+                assert all(a.kind is RP or a.p2p_ops() for a in program[last + 1:i])
 
 
 # --- simulation ------------------------------------------------------------------------

@@ -2,16 +2,22 @@
 (ZeRO-3's parameter gathers are pass 4, in `zero.py`).
 
 Each pass is a pure function from programs to programs; `build_programs` composes them
-after `compute_order`. The executor and the simulator read the result with these
-semantics: sends are non-blocking (the tensor is handed to the network and the rank
-goes on), receives block until their message has arrived, and messages are matched by
-`Action.message_key()` plus peer, never by arrival order.
+after `compute_order`. Point-to-point is two passes: `add_p2p` says which messages
+exist (a receive before each compute that needs one, a send after each that makes
+one), and `fuse.place_p2p` moves each to its message's tick and fuses a rank's
+operations at one tick into one exchange, so the programs cannot deadlock under
+rendezvous semantics (a send completes only when the peer reaches the matching
+receive). Receives are posted ahead of their consumer: at the tick their tensor is
+made, together with what the rank sends at that tick (see `fuse.py`). Messages are
+matched by `Action.message_key()` plus peer, never by arrival order.
 """
 
 from __future__ import annotations
 
 from protos.actions import Action, Kind
+
 from .compute_order import compute_order
+from .fuse import place_p2p
 from .zero import add_param_gathers
 
 
@@ -19,10 +25,11 @@ def add_p2p(orders: list[list[Action]], pp: int, vpp: int) -> list[list[Action]]
     """Inserts each receive right before the compute that consumes it and each send right
     after the compute that produces it.
 
-    Because sends never block, a receive placed just before its consumer adds no wait
-    beyond the data dependency itself, so the programs deadlock only if the compute
-    order is cyclic, which `simulate` detects. Neighbouring chunks on the same rank
-    (pp == 1) hand the tensor over locally, so they get no send or receive.
+    With eager links (sends buffered without limit) these programs deadlock only if the
+    compute order is cyclic; under rendezvous semantics they deadlock wherever two
+    neighbours both send before receiving, so `build_programs` hands them to
+    `fuse.place_p2p`. Neighbouring chunks on the same rank (pp == 1) hand the tensor
+    over locally, so they get no send or receive.
 
     Example, pp=2, vpp=1, rank 1: F1.0 B1.0 becomes RA1.0<0 F1.0 B1.0 SG1.0>0.
     """
@@ -53,7 +60,8 @@ def add_gradient_sync(program: list[Action], rank: int, pp: int, vpp: int, dp: i
     """Adds the gradient reductions and the optimizer step to one rank's program.
 
     - ZeRO-0 with dp > 1: REDUCE_GRADS(c) (an all-reduce) right after the last backward
-      of chunk c on this rank (and after that backward's SEND_GRAD), so the chunk's
+      of chunk c on this rank (and after the send of that backward's input gradient,
+      alone or in an exchange, with any point-to-point action between), so the chunk's
       reduction overlaps the backwards still to run. Every chunk the rank owns (rank,
       rank+pp, ... below pp*vpp) must have a backward.
     - ZeRO-1/2/3: REDUCE_SCATTER_GRADS(c) at the same point: each data-parallel rank
@@ -99,10 +107,18 @@ def add_gradient_sync(program: list[Action], rank: int, pp: int, vpp: int, dp: i
 
 
 def _after_send_grad(program: list[Action], index: int) -> int:
-    # The backward's SEND_GRAD (if any) stays directly behind it: the send is
-    # non-blocking, and the upstream rank should not wait out our reduction.
-    if index + 1 < len(program) and program[index + 1].kind is Kind.SEND_GRAD:
-        return index + 1
+    # The send of the backward's input gradient (if any, alone or in an exchange) stays
+    # directly behind it, with the point-to-point actions of earlier ticks that came
+    # due during the backward: the upstream rank waits at its matching receive and
+    # should not wait out our reduction too.
+    backward = program[index]
+    send = Action(Kind.SEND_GRAD, backward.chunk, backward.microbatch)
+    end = index + 1
+    while end < len(program) and program[end].p2p_ops():
+        if any(op.kind is Kind.SEND_GRAD and op.message_key() == send.message_key()
+               for op in program[end].p2p_ops()):
+            return end
+        end += 1
     return index
 
 
@@ -128,6 +144,7 @@ def build_programs(schedule: str, pp: int, vpp: int, microbatches: int,
     if zero not in (0, 1, 2, 3):
         raise ValueError(f"zero={zero} must be 0, 1, 2 or 3")
     programs = add_p2p(compute_order(schedule, pp, vpp, microbatches), pp, vpp)
+    programs = place_p2p(programs, pair_steady_state=schedule == "interleaved-1f1b" and vpp > 1)
     programs = [
         add_gradient_sync(program, rank, pp, vpp, dp, tied_embedding_pipeline=True, zero=zero)
         for rank, program in enumerate(programs)

@@ -1,11 +1,11 @@
 """Runs all ranks' programs together against a cost model: step time, bubble, deadlock.
 
-Timing follows the executor's semantics (see `lowering.py`): compute and reductions
-occupy their rank, sends are non-blocking and their message lands latency +
-bytes/bandwidth later, a receive blocks until its message has landed, and the tie
-reduction completes when both of its ranks have reached it. A parameter gather runs in
-the background: the compute that first needs the chunk starts when it has landed, and
-the rank's step ends when its last gather has.
+Compute and reductions occupy their rank; sends, receives and exchanges complete as the
+link semantics say (`links.py`: "rendezvous" by default, a send completing only when
+its peer reaches the matching receive, or "eager", sends buffered without limit); the
+tie reduction completes when both of its ranks have reached it. A parameter gather runs
+in the background: the compute that first needs the chunk starts when it has landed,
+and the rank's step ends when its last gather has.
 """
 
 from __future__ import annotations
@@ -14,7 +14,9 @@ import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from protos.actions import COMPUTE, RECVS, REDUCTIONS, SENDS, Action, Kind
+from protos.actions import COMPUTE, REDUCTIONS, Action, Kind
+
+from .links import make_links, partner_of
 
 
 @dataclass(frozen=True)
@@ -75,24 +77,44 @@ class SimResult:
         return 1.0 - sum(self.busy_s) / (len(self.busy_s) * self.makespan_s)
 
 
+class Blocked(NamedTuple):
+    """A rank stuck at an action, and the operations of it whose partner never came."""
+    rank: int
+    index: int
+    action: Action
+    waiting_for: list[Action]
+
+    def __str__(self) -> str:
+        text = f"rank {self.rank} waits at action {self.index} ({self.action})"
+        if self.waiting_for:
+            text += " for " + ", ".join(f"{partner_of(self.rank, op)} on rank {op.peer}"
+                                        for op in self.waiting_for)
+        return text
+
+
 class DeadlockError(ValueError):
-    """No rank can make progress, yet some have not finished."""
+    """No rank can make progress, yet some have not finished; `blocked` says where."""
+
+    def __init__(self, blocked: list[Blocked]):
+        self.blocked = blocked
+        super().__init__("deadlock: " + "; ".join(str(b) for b in blocked))
 
 
-def simulate(programs: list[list[Action]], cost: CostModel = CostModel()) -> SimResult:
+def simulate(programs: list[list[Action]], cost: CostModel = CostModel(),
+             links: str = "rendezvous") -> SimResult:
     """Runs every rank until it blocks, repeating until all are done or none can move.
 
-    This computes the same times as a global event queue would: sends never block, so an
-    action's start depends only on its own rank's previous action and on when the
-    message or tie partner it waits for became available, never on the interleaving in
-    which ranks are stepped here.
+    This computes the same times as a global event queue would: an action's start
+    depends only on its own rank's previous action and on when the partners it waits
+    for (the other ends of its messages, the tie partner) were posted or sent, never on
+    the interleaving in which ranks are stepped here.
     """
     pp = len(programs)
     tie_group = sorted({0, pp - 1})
     clock = [0.0] * pp
     position = [0] * pp
     timeline: list[list[Span]] = [[] for _ in range(pp)]
-    landed: dict[tuple, float] = {}  # (message_key, src, dst) -> arrival time
+    link = make_links(links, cost.transfer_s())
     tie_arrivals: list[list[float]] = [[] for _ in range(pp)]
     ties_done = [0] * pp
     gathers: list[dict[int, float]] = [{} for _ in range(pp)]  # chunk -> landing time
@@ -110,14 +132,10 @@ def simulate(programs: list[list[Action]], cost: CostModel = CostModel()) -> Sim
         elif action.kind is Kind.RELEASE_PARAMS:
             gathers[rank].pop(action.chunk, None)
             end = start
-        elif action.kind in SENDS:
-            landed[(action.message_key(), rank, action.peer)] = start + cost.transfer_s()
-            end = start
-        elif action.kind in RECVS:
-            arrival = landed.get((action.message_key(), action.peer, rank))
-            if arrival is None:
+        elif action.p2p_ops():
+            end = link.complete(rank, action, start)
+            if end is None:
                 return False
-            end = max(start, arrival)
         elif action.kind is Kind.REDUCE_TIED_GRADS:
             end = _tie_end(rank, start, tie_group, tie_arrivals, ties_done[rank],
                            cost.reduce_s)
@@ -145,9 +163,10 @@ def simulate(programs: list[list[Action]], cost: CostModel = CostModel()) -> Sim
         clock[rank] = max([clock[rank], *gathers[rank].values()])
     blocked = [r for r in range(pp) if position[r] < len(programs[r])]
     if blocked:
-        raise DeadlockError("deadlock: " + "; ".join(
-            f"rank {r} waits at action {position[r]} ({programs[r][position[r]]})"
-            for r in blocked))
+        raise DeadlockError([
+            Blocked(r, position[r], programs[r][position[r]],
+                    link.waiting_for(r, programs[r][position[r]]))
+            for r in blocked])
     busy = [sum(s.end - s.start for s in spans if s.action.kind in COMPUTE)
             for spans in timeline]
     return SimResult(max(clock, default=0.0), busy, timeline)

@@ -1,4 +1,5 @@
-"""Static checks on lowered programs; `simulate` adds the dynamic one (deadlock).
+"""Checks on lowered programs: static rules, then the dynamic one, that the programs
+run to the end under rendezvous semantics (`simulate`, `links.py`).
 
 Every failure names the rank, the action index and the action, because that is what
 an engineer needs to find the bad pass, and what a stage server reports when a step
@@ -8,7 +9,10 @@ fails at run time.
 from __future__ import annotations
 
 from protos.actions import COMPUTE, PER_CHUNK, RECVS, SENDS, Action, Kind
+
 from .errors import ProgramError
+from .links import link_of
+from .simulate import CostModel, simulate
 from .zero_rules import check_zero
 
 
@@ -19,13 +23,20 @@ def validate_programs(programs: list[list[Action]], pp: int, vpp: int,
     - every action's chunk lives on its rank, and every send/receive names the rank
       that owns the neighbouring chunk;
     - each (chunk, microbatch) has exactly one forward and one backward, forward first;
-    - every send has exactly one matching receive on its peer and vice versa;
+    - every send has exactly one matching receive on its peer and vice versa, an
+      exchange's members included, and between any two ranks the messages one way are
+      received in the order they are sent (NCCL matches point-to-point messages by
+      order, not by tag: two same-sized tensors swapped would arrive silently swapped);
     - a receive comes before the compute that consumes it, a send after the one that
       produces it; a chunk's REDUCE_GRADS comes once, after all of its backwards;
     - REDUCE_TIED_GRADS is only on the first and last rank; OPTIMIZER_STEP appears once,
       last (under ZeRO-1/2 followed only by the gathers of the updated parameters);
     - the ZeRO rules of `zero_rules.check_zero` for the stage: the reductions and
-      gathers it uses, no use of a parameter before its gather or after its release.
+      gathers it uses, no use of a parameter before its gather or after its release;
+    - and then, with all that holding, no deadlock under rendezvous semantics: a
+      send completes only when its peer reaches the matching receive, an exchange
+      when all of its members' partners are posted (raises `DeadlockError`, naming
+      every blocked rank, its action and the operations it waits for).
     """
     if len(programs) != pp:
         raise ValueError(f"got {len(programs)} programs for pp={pp}")
@@ -35,19 +46,14 @@ def validate_programs(programs: list[list[Action]], pp: int, vpp: int,
         _check_ordering(program, rank, pp, vpp)
         check_zero(program, rank, pp, vpp, zero)
     _check_matching(programs)
+    _check_pair_order(programs)
+    simulate(programs, CostModel(), links="rendezvous")
 
 
 def _check_placement(program: list[Action], rank: int, pp: int, vpp: int) -> None:
     for i, a in enumerate(program):
-        if a.kind in COMPUTE or a.kind in SENDS or a.kind in RECVS or a.kind in PER_CHUNK:
-            if not 0 <= a.chunk < pp * vpp or a.chunk % pp != rank:
-                raise ProgramError(rank, i, a, f"chunk {a.chunk} does not live on rank "
-                                               f"{rank} (chunk c lives on rank c % {pp})")
-        if a.kind in SENDS or a.kind in RECVS:
-            neighbour = a.message_key()[1] if a.kind in SENDS else _source_chunk(a)
-            if a.peer != neighbour % pp:
-                raise ProgramError(rank, i, a, f"peer should be rank {neighbour % pp}, "
-                                               f"which holds chunk {neighbour}")
+        for b in (a.p2p_ops() or (a,)):
+            _check_chunk_and_peer(b, rank, pp, vpp, i, a)
         if a.kind is Kind.REDUCE_TIED_GRADS and (pp * vpp == 1 or rank not in (0, pp - 1)):
             raise ProgramError(rank, i, a, "only the ranks of the first and last of several "
                                            "chunks hold a copy of the tied embedding")
@@ -57,6 +63,20 @@ def _check_placement(program: list[Action], rank: int, pp: int, vpp: int) -> Non
                                            "(but for the gathers of the updated parameters)")
     if sum(a.kind is Kind.OPTIMIZER_STEP for a in program) != 1:
         raise ProgramError(rank, None, None, "program must have exactly one OPT")
+
+
+def _check_chunk_and_peer(b: Action, rank: int, pp: int, vpp: int, i: int, a: Action) -> None:
+    """Checks `b`, which is action `a` at index `i` or one of its exchange's members."""
+    member = _member(b, a)
+    lives_somewhere = b.kind in COMPUTE | SENDS | RECVS | PER_CHUNK
+    if lives_somewhere and (not 0 <= b.chunk < pp * vpp or b.chunk % pp != rank):
+        raise ProgramError(rank, i, a, f"{member}chunk {b.chunk} does not live on rank "
+                                       f"{rank} (chunk c lives on rank c % {pp})")
+    if b.kind in SENDS or b.kind in RECVS:
+        neighbour = b.message_key()[1] if b.kind in SENDS else _source_chunk(b)
+        if b.peer != neighbour % pp:
+            raise ProgramError(rank, i, a, f"{member}peer should be rank {neighbour % pp}, "
+                                           f"which holds chunk {neighbour}")
 
 
 def _source_chunk(recv: Action) -> int:
@@ -90,20 +110,22 @@ def _check_compute(program: list[Action], rank: int, pp: int, vpp: int,
 def _check_ordering(program: list[Action], rank: int, pp: int, vpp: int) -> None:
     last = pp * vpp - 1
     index = {a: i for i, a in enumerate(program)}
-    received = {a.message_key(): i for i, a in enumerate(program) if a.kind in RECVS}
+    received = {op.message_key(): i for i, a in enumerate(program) for op in a.p2p_ops()
+                if op.kind in RECVS}
     reduced: dict[int, int] = {}
     for i, a in enumerate(program):
+        for op in a.p2p_ops():
+            if op.kind in SENDS:
+                producer = Action(Kind.FORWARD if op.kind is Kind.SEND_ACT else Kind.BACKWARD,
+                                  op.chunk, op.microbatch)
+                if index.get(producer, len(program)) > i:
+                    raise ProgramError(rank, i, a, f"{_member(op, a)}sent before {producer} "
+                                                   f"produces it")
         c, m = a.chunk, a.microbatch
         if a.kind is Kind.FORWARD and c > 0 and (c - 1) % pp != rank:
             needed = ("act", c, m)
         elif a.kind is Kind.BACKWARD and c < last and (c + 1) % pp != rank:
             needed = ("grad", c, m)
-        elif a.kind in SENDS:
-            producer = Action(Kind.FORWARD if a.kind is Kind.SEND_ACT else Kind.BACKWARD,
-                              c, m)
-            if index.get(producer, len(program)) > i:
-                raise ProgramError(rank, i, a, f"sent before {producer} produces it")
-            continue
         elif a.kind is Kind.REDUCE_GRADS:
             if c in reduced:
                 raise ProgramError(rank, i, a, f"chunk {c} was reduced at action {reduced[c]}")
@@ -123,18 +145,44 @@ def _check_ordering(program: list[Action], rank: int, pp: int, vpp: int) -> None
 
 def _check_matching(programs: list[list[Action]]) -> None:
     """Pairs every send with one receive by (message_key, source rank, destination)."""
-    ends: dict[bool, dict[tuple, tuple[int, int, Action]]] = {True: {}, False: {}}
+    ends: dict[bool, dict[tuple, tuple[int, int, Action, Action]]] = {True: {}, False: {}}
     for rank, program in enumerate(programs):
         for i, a in enumerate(program):
-            if a.kind in SENDS or a.kind in RECVS:
-                is_send = a.kind in SENDS
-                key = (a.message_key(), rank, a.peer) if is_send \
-                    else (a.message_key(), a.peer, rank)
+            for op in a.p2p_ops():
+                is_send = op.kind in SENDS
+                key = link_of(rank, op)
                 if key in ends[is_send]:
-                    raise ProgramError(rank, i, a, "the same message is moved twice")
-                ends[is_send][key] = (rank, i, a)
+                    raise ProgramError(rank, i, a, f"{_member(op, a)}the same message is "
+                                                   f"moved twice")
+                ends[is_send][key] = (rank, i, a, op)
     for is_send, mine in ends.items():
-        for key, (rank, i, a) in mine.items():
+        for key, (rank, i, a, op) in mine.items():
             if key not in ends[not is_send]:
                 missing = "receive" if is_send else "send"
-                raise ProgramError(rank, i, a, f"unmatched: no {missing} on rank {a.peer}")
+                raise ProgramError(rank, i, a, f"{_member(op, a)}unmatched: no {missing} on "
+                                               f"rank {op.peer}")
+
+
+def _check_pair_order(programs: list[list[Action]]) -> None:
+    """For every (sender, receiver) pair: the receiver posts its receives in the order the
+    sender posts its sends, program order and, within an exchange, member order."""
+    sent: dict[tuple[int, int], list[tuple]] = {}
+    received: dict[tuple[int, int], list[tuple[tuple, int, int, Action]]] = {}
+    for rank, program in enumerate(programs):
+        for i, a in enumerate(program):
+            for op in a.p2p_ops():
+                if op.kind in SENDS:
+                    sent.setdefault((rank, op.peer), []).append(op.message_key())
+                else:
+                    received.setdefault((op.peer, rank), []).append((op.message_key(), i, rank, a))
+    for pair, keys in received.items():
+        for position, (key, i, rank, a) in enumerate(keys):
+            expected = sent[pair][position]
+            if key != expected:
+                raise ProgramError(rank, i, a, f"receives from rank {pair[0]} out of order: message "
+                                               f"{position} from it is {expected}, not {key}")
+
+
+def _member(op: Action, action: Action) -> str:
+    """Names the exchange member an error is about ("" for a plain action)."""
+    return f"{op}: " if op is not action else ""

@@ -3,8 +3,8 @@ parameters.
 
 Under ZeRO-3 a rank owns 1/dp of every chunk's parameters. A chunk's full parameters
 exist only while the program computes with them: they are gathered before a *run* (a
-maximal stretch of consecutive forwards and backwards of one chunk, point-to-point
-actions in between not counting) and released after it. So with interleaved 1F1B,
+maximal stretch of consecutive forwards and backwards of one chunk, sends, receives and
+exchanges in between not counting) and released after it. So with interleaved 1F1B,
 pp=2, vpp=2, rank 0's runs are F0.0 F0.1 | F2.0 F2.1 | F0.2 F0.3 | ..., and at most
 `prefetch + 1` chunks are gathered at once.
 
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from protos.actions import COMPUTE, RECVS, Action, Kind
+from protos.actions import COMPUTE, Action, Kind
 
 
 @dataclass(frozen=True)
@@ -87,9 +87,10 @@ def add_param_gathers(program: list[Action], prefetch: int) -> list[Action]:
 
 
 def _before_receives(program: list[Action], index: int) -> int:
-    """Moves a gather in front of the receives its compute waits on, so the gather
-    travels during that wait too."""
-    while index > 0 and program[index - 1].kind in RECVS:
+    """Moves a gather in front of the point-to-point actions right before its compute
+    (receives it waits on, alone or in exchanges), so the gather travels during that
+    wait too."""
+    while index > 0 and program[index - 1].p2p_ops():
         index -= 1
     return index
 

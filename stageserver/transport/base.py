@@ -25,6 +25,14 @@ class Transport(Protocol):
     def recv(self, tensor: torch.Tensor, peer: int, tag: int) -> Work:
         """Starts receiving into `tensor`; messages are matched by (peer, tag)."""
 
+    def exchange(self, sends: list[tuple[torch.Tensor, int, int]],
+                 recvs: list[tuple[torch.Tensor, int, int]]) -> Work:
+        """Posts the sends and receives of one program tick, each (tensor, peer, tag), as
+        one batch and returns one Work for them all: `groupStart/groupEnd` on NCCL,
+        every operation posted before any is waited on gloo (`batch_isend_irecv`'s
+        semantics). Under rendezvous semantics a rank that must both send to and
+        receive from its neighbours at one tick deadlocks if it does so one at a time."""
+
     def all_reduce(self, tensor: torch.Tensor, async_op: bool = False) -> Work | None: ...
 
     def all_gather(self, output: torch.Tensor, tensor: torch.Tensor, async_op: bool = False) -> Work | None:

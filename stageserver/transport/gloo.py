@@ -24,6 +24,13 @@ class GlooTransport:
     def recv(self, tensor: torch.Tensor, peer: int, tag: int):
         return self._group.recv([tensor], peer, tag)
 
+    def exchange(self, sends, recvs):
+        # gloo's point-to-point is asynchronous per pair: posting every operation before
+        # waiting on any is what torch's batch_isend_irecv does for gloo.
+        works = [self.send(t, peer, tag) for t, peer, tag in sends]
+        works += [self.recv(t, peer, tag) for t, peer, tag in recvs]
+        return _AllOf(works)
+
     def all_reduce(self, tensor: torch.Tensor, async_op: bool = False):
         return _maybe_wait(self._group.allreduce([tensor]), async_op)
 
@@ -58,6 +65,11 @@ class GlooTransport:
         opts = dist.BroadcastOptions()
         opts.rootRank = root
         self._group.broadcast([tensor], opts).wait()
+
+    def abort(self) -> None:
+        """Ends the group now: operations in flight fail instead of waiting (a watchdog's
+        last resort, as NCCL's ncclCommAbort)."""
+        self._group.abort()
 
     def close(self) -> None:
         self._group.shutdown()

@@ -24,6 +24,11 @@ class SoloTransport:
     def recv(self, tensor: torch.Tensor, peer: int, tag: int) -> _Done:
         raise RuntimeError(f"group {self.name} has one member: nothing to receive from {peer}")
 
+    def exchange(self, sends, recvs) -> _Done:
+        if sends or recvs:
+            raise RuntimeError(f"group {self.name} has one member: no point-to-point partner")
+        return _Done()
+
     def all_reduce(self, tensor: torch.Tensor, async_op: bool = False) -> _Done | None:
         return _Done() if async_op else None
 

