@@ -29,10 +29,11 @@ def _die_with_parent() -> None:
 
 def local_devices(device: str, servers: int) -> list[str]:
     """One device per local server: GPU i for server i, or the CPU for all. auto takes
-    the GPUs when there is one per server (NCCL refuses two ranks on one GPU)."""
+    the GPUs when there is one per server (NCCL refuses two ranks on one GPU) and CuPy's
+    NCCL is installed to move tensors between them."""
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if device == "auto":
-        device = "cuda" if gpus >= servers else "cpu"
+        device = "cuda" if gpus >= servers and _nccl_installed() else "cpu"
     if device == "cpu":
         return ["cpu"] * servers
     if device != "cuda":
@@ -42,10 +43,18 @@ def local_devices(device: str, servers: int) -> list[str]:
     return [f"cuda:{i}" for i in range(servers)]
 
 
+def _nccl_installed() -> bool:
+    try:
+        from cupy.cuda import nccl  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 class LocalCluster:
     def __init__(self, servers: int, threads_per_server: int | None = None, log_dir: str | None = None,
                  steps_per_call: int | None = None, memory_per_server: int | None = None,
-                 device: str = "auto"):
+                 device: str = "cpu"):
         self.count = servers
         self.devices = local_devices(device, servers)
         self.threads = threads_per_server or max(1, (os.cpu_count() or 1) // servers)

@@ -90,6 +90,8 @@ def plan_job(config: JobConfig, servers: list[ServerSlot],
     plan_programs(config) returned, when the caller already has it."""
     p = config.parallel
     transport = choose_transport(p.transport, [s.device for s in servers])
+    if transport == "nccl":
+        _check_one_rank_per_gpu(servers)
     programs, bubble = planned or plan_programs(config)
     return JobPlan(
         transport=transport,
@@ -154,6 +156,18 @@ def setup_requests(
             )
         )
     return requests
+
+
+def _check_one_rank_per_gpu(servers: list[ServerSlot]) -> None:
+    """NCCL refuses two ranks on one GPU; say so before any server is set up."""
+    seen: dict[tuple[str, str], int] = {}
+    for rank, slot in enumerate(servers):
+        where = (slot.host, slot.device)
+        if where in seen:
+            raise ConfigError(f"ranks {seen[where]} and {rank} would share {slot.device} on host {slot.host} "
+                              f"(servers {servers[seen[where]].address} and {slot.address}): NCCL refuses "
+                              f"two ranks on one GPU; start each stage server with its own --device")
+        seen[where] = rank
 
 
 def choose_transport(setting: str, devices: list[str]) -> str:

@@ -15,6 +15,7 @@ import torch
 
 class ComputeClock:
     def __init__(self, device: torch.device):
+        self.device = device
         self.cuda = device.type == "cuda"
         self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self._seconds = 0.0
@@ -23,9 +24,10 @@ class ComputeClock:
     def measure(self):
         if self.cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
+            stream = torch.cuda.current_stream(self.device)  # the compute's, whatever this thread's device
+            start.record(stream)
             yield
-            end.record()
+            end.record(stream)
             self._events.append((start, end))
         else:
             t0 = time.perf_counter()

@@ -30,7 +30,8 @@ def resolve_device(spec: str) -> torch.device:
             raise ValueError(f"--device={spec!r}: torch sees no CUDA device on this machine")
         index = device.index if device.index is not None else torch.cuda.current_device()
         if index >= torch.cuda.device_count():
-            raise ValueError(f"--device={spec!r}: this machine has {torch.cuda.device_count()} CUDA devices")
+            raise ValueError(f"--device={spec!r}: this machine has {torch.cuda.device_count()} CUDA devices "
+                             f"(cuda:0 to cuda:{torch.cuda.device_count() - 1})")
         device = torch.device("cuda", index)
     return device
 

@@ -84,8 +84,11 @@ class StageJob:
         self.model: ModelState | None = None
         self.executor: Executor | None = None
         # The ids of the groups this rank is member 0 of (see transport/groups.py).
-        self.group_ids = {g.name: make_group_id(self.transport) for g in request.groups
-                          if len(g.members) > 1 and g.members[0] == self.rank}
+        try:
+            self.group_ids = {g.name: make_group_id(self.transport) for g in request.groups
+                              if len(g.members) > 1 and g.members[0] == self.rank}
+        except RuntimeError as err:  # no CuPy: only groups of one could run here
+            raise JobRejected(str(err)) from None
 
     def connect(self, group_ids: dict[str, bytes]) -> None:
         r = self.request
@@ -95,15 +98,20 @@ class StageJob:
         )
         store = dist.PrefixStore(r.store_prefix, store)
         groups = {}
-        for group in sorted(r.groups, key=lambda g: g.name):
-            role = group.name.split("/")[0]
-            groups[role] = connect_group(
-                self.transport, group.name, group_ids.get(group.name, b""), list(group.members), self.rank,
-                store=store, timeout_s=r.comm_timeout_s, hostname=self.hostname, device=self.device,
-            )
-        last_chunk = r.grid.pp * r.vpp - 1
-        self.model = ModelState(self.config, self.chunks, groups, self.sampler, self.train, last_chunk,
-                                zero=r.zero, device=self.device)
+        try:
+            for group in sorted(r.groups, key=lambda g: g.name):
+                role = group.name.split("/")[0]
+                groups[role] = connect_group(
+                    self.transport, group.name, group_ids.get(group.name, b""), list(group.members), self.rank,
+                    store=store, timeout_s=r.comm_timeout_s, hostname=self.hostname, device=self.device,
+                )
+            last_chunk = r.grid.pp * r.vpp - 1
+            self.model = ModelState(self.config, self.chunks, groups, self.sampler, self.train, last_chunk,
+                                    zero=r.zero, device=self.device)
+        except BaseException:
+            for joined in groups.values():  # never left to the garbage collector
+                joined.close()
+            raise
         self.executor = Executor(self.model, self.program, self.rank)
 
     @property

@@ -55,7 +55,7 @@ def serve(coordinator: str, host: str, port: int, bind: str, threads: int, memor
         torch.set_num_threads(threads)
     where = resolve_device(device)
     if where.type == "cuda":
-        torch.cuda.set_device(where)  # streams, events and NCCL calls default to it
+        torch.cuda.set_device(where)  # this thread's; the gRPC handlers set it on theirs
     server = wire.server()
     rpc.add_StageServerServicer_to_server(StageServerService(host, where), server)
     bound = server.add_insecure_port(f"{bind}:{port}")

@@ -19,6 +19,13 @@ class StageServerService(rpc.StageServerServicer):
         self._lock = threading.Lock()
         self._job: StageJob | None = None
 
+    def _use_device(self) -> None:
+        """gRPC runs handlers on pool threads, and a CUDA current device is per thread:
+        without this, calls that take the current device would use (and make a context
+        on) GPU 0 whatever --device says."""
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+
     def _current(self, job_id: str, context) -> StageJob:
         with self._lock:
             job = self._job
@@ -27,6 +34,7 @@ class StageServerService(rpc.StageServerServicer):
         return job
 
     def Setup(self, request: pb.SetupRequest, context):
+        self._use_device()
         with self._lock:
             if self._job is not None and self._job.job_id != request.job_id:
                 context.abort(
@@ -47,6 +55,7 @@ class StageServerService(rpc.StageServerServicer):
         )
 
     def Connect(self, request: pb.ConnectRequest, context):
+        self._use_device()
         job = self._current(request.job_id, context)
         try:
             job.connect({g.name: g.id for g in request.group_ids})
@@ -59,6 +68,7 @@ class StageServerService(rpc.StageServerServicer):
         for step in range(request.first_step, request.first_step + request.num_steps):
             if job.cancelled.is_set():
                 context.abort(grpc.StatusCode.CANCELLED, f"job {job.job_id} was torn down")
+            self._use_device()  # each step: a streaming handler may resume on another thread
             try:
                 stats = job.run_step(step)
             except Exception as err:
@@ -79,11 +89,13 @@ class StageServerService(rpc.StageServerServicer):
             )
 
     def SaveParameters(self, request: pb.SaveRequest, context):
+        self._use_device()
         job = self._current(request.job_id, context)
         digest, size = job.save(request.path)
         return pb.SaveReply(sha256=digest, bytes=size)
 
     def Teardown(self, request: pb.JobRef, context):
+        self._use_device()
         with self._lock:
             job = self._job
             if job is not None and job.job_id == request.job_id:

@@ -95,3 +95,20 @@ def test_a_job_forcing_nccl_on_cpu_servers_fails_naming_the_setting_and_frees_th
     assert final.error == "parallel.transport='nccl' cannot move tensors on cpu servers (they need 'gloo')"
     assert steps == []
     assert all(s.state == "IDLE" for s in client.servers())
+
+
+def test_two_ranks_on_one_gpu_are_refused_before_any_server_is_set_up():
+    from coordinator.config import load_config
+    from coordinator.plan import ServerSlot, plan_job
+
+    config = load_config("", ["parallel.pp=2", "parallel.vpp=1", "parallel.schedule=1f1b"])
+    shared = [ServerSlot("a", "10.0.0.1:1", "gpu-host", device="cuda:0"),
+              ServerSlot("b", "10.0.0.1:2", "gpu-host", device="cuda:0")]
+    with pytest.raises(ConfigError) as caught:
+        plan_job(config, shared)
+    assert str(caught.value) == ("ranks 0 and 1 would share cuda:0 on host gpu-host (servers 10.0.0.1:1 and "
+                                 "10.0.0.1:2): NCCL refuses two ranks on one GPU; start each stage server "
+                                 "with its own --device")
+    apart = [ServerSlot("a", "10.0.0.1:1", "gpu-host", device="cuda:0"),
+             ServerSlot("b", "10.0.0.2:1", "other-host", device="cuda:0")]
+    assert plan_job(config, apart).transport == "nccl"

@@ -82,3 +82,38 @@ def test_work_that_completes_never_trips_the_watchdog():
     sender, receiver = run_world(_matched, 2, group="pp")
     assert sender["aborts"] == receiver["aborts"] == 0
     assert torch.equal(receiver["tensor"], torch.arange(4.0))
+
+
+class _QueuedWork:
+    """A GPU operation's two events as the watchdog sees them, driven by the test: it
+    starts when the work queued ahead of it on its stream is done, then finishes."""
+
+    def __init__(self):
+        self.started, self.completed = threading.Event(), threading.Event()
+
+    def is_started(self) -> bool:
+        return self.started.is_set()
+
+    def is_completed(self) -> bool:
+        return self.completed.is_set()
+
+
+def test_an_operation_is_timed_from_when_it_starts_not_from_when_it_was_queued():
+    aborted = []
+    dog = Watchdog("dp", TIMEOUT_S, lambda: aborted.append(1), poll_s=0.02)
+    work = dog.watch(_QueuedWork(), "all_reduce")
+    time.sleep(3 * TIMEOUT_S)  # queued behind a step's compute for longer than the timeout
+    dog.check()
+    assert aborted == []
+    work.started.set()
+    time.sleep(TIMEOUT_S / 2)
+    work.completed.set()  # finished within its time once started
+    time.sleep(3 * TIMEOUT_S)
+    dog.check()
+    late = dog.watch(_QueuedWork(), "reduce_scatter")
+    late.started.set()
+    time.sleep(TIMEOUT_S + 0.3)
+    with pytest.raises(Overrun, match="group dp: reduce_scatter did not finish within 0.5 s"):
+        dog.check()
+    dog.close()
+    assert aborted == [1]

@@ -10,6 +10,7 @@ same path through the coordinator, so the CPU tests exercise the relay that NCCL
 
 from __future__ import annotations
 
+import datetime
 import os
 
 import torch
@@ -39,5 +40,10 @@ def connect_group(transport: str, name: str, group_id: bytes, members: list[int]
         raise RuntimeError(f"group {name}: no id was relayed for it")
     if transport == "nccl":
         from stageserver.transport.nccl import NcclTransport
+        # NCCL's init has no timeout: meet every member on the store first, which does,
+        # so a member that never comes fails this Connect instead of hanging it.
+        keys = [f"nccl/{name}/{group_id.hex()}/{member}" for member in members]
+        store.set(keys[members.index(global_rank)], b"1")
+        store.wait(keys, datetime.timedelta(seconds=timeout_s))
         return NcclTransport(name, group_id, members.index(global_rank), len(members), device, timeout_s)
     return connect_gloo(store, f"{name}/{group_id.hex()}", members, global_rank, timeout_s, hostname)
