@@ -218,6 +218,42 @@ def cmd_data_prepare(args) -> int:
     return 0
 
 
+def _checkpoint(path: str):
+    from clients.checkpoint import CheckpointError, find
+
+    try:
+        return find(path)
+    except CheckpointError as err:
+        raise UsageError(str(err)) from None
+
+
+def cmd_export(args) -> int:
+    from clients.checkpoint import CheckpointError
+    from clients.generate import export
+
+    checkpoint = _checkpoint(args.checkpoint)
+    try:
+        tensors, parameters = export(checkpoint, args.out)
+    except CheckpointError as err:
+        raise UsageError(str(err)) from None
+    print(f"wrote {tensors} tensors ({parameters:,} parameters) of step {checkpoint.step} to {args.out}")
+    return 0
+
+
+def cmd_generate(args) -> int:
+    from clients.checkpoint import CheckpointError
+    from clients.generate import check_sampling, generate, load_model
+
+    try:
+        check_sampling(args.tokens, args.temperature, args.top_k)
+        model = load_model(_checkpoint(args.checkpoint))
+        text = generate(model, args.prompt, args.tokens, args.temperature, args.top_k, args.seed)
+    except (CheckpointError, ValueError) as err:
+        raise UsageError(str(err)) from None
+    print(args.prompt + text)
+    return 0
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="interleaf", description="Train GPTs with data, tensor and interleaved pipeline parallelism.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -303,6 +339,21 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("texts", nargs="+", metavar="TEXT")
     p.add_argument("--out", required=True)
     p.set_defaults(fn=cmd_data_prepare)
+
+    p = sub.add_parser("export", help="write a checkpoint's parameters, unsharded, to one safetensors file")
+    p.add_argument("checkpoint", metavar="CKPT", help="a manifest, a step-NNNNNN folder, or checkpoint.dir "
+                                                      "(its newest complete step)")
+    p.add_argument("out", metavar="OUT.safetensors")
+    p.set_defaults(fn=cmd_export)
+
+    p = sub.add_parser("generate", help="sample text from a checkpoint on the CPU")
+    p.add_argument("checkpoint", metavar="CKPT", help="as for export")
+    p.add_argument("--prompt", required=True, help="the text to continue")
+    p.add_argument("--tokens", type=int, default=200, help="tokens (bytes) to generate")
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy; more: sample")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0: all)")
+    p.add_argument("--seed", type=int, default=0, help="seeds the sampling")
+    p.set_defaults(fn=cmd_generate)
     return parser
 
 

@@ -7,6 +7,7 @@ cancelled job leaves no server holding state.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -230,6 +231,8 @@ class JobDriver(threading.Thread):
             "step": step,
             "layout": {"dp": plan.grid.dp, "pp": plan.grid.pp, "tp": plan.grid.tp,
                        "vpp": job.config.parallel.vpp},
+            "model": dataclasses.asdict(job.config.model),  # what export and generate rebuild
+            "precision": job.config.train.precision,
             "files": [{"rank": r, "path": os.path.relpath(f, directory), "sha256": rep.sha256, "bytes": rep.bytes}
                       for r, (f, rep) in enumerate(zip(files, replies))],
         }

@@ -5,16 +5,15 @@ single-process reference, computed once per distinct training setup."""
 from __future__ import annotations
 
 import functools
-import pathlib
 
 import pytest
 import torch
 
+from clients import checkpoint
 from clients.client import Client
 from clients.launcher import LocalCluster
 from clients.reference import train
 from coordinator.config import load_config
-from stageserver import safetensors
 
 SERVERS = 8
 
@@ -67,24 +66,5 @@ def run_job(client: Client, overrides: list[str], timeout_s: float = 300):
 
 
 def load_parameters(manifest_path: str) -> dict[str, torch.Tensor]:
-    """Reassembles full tensors from every rank's file, joining tensor-parallel slices."""
-    import json
-
-    manifest = json.loads(pathlib.Path(manifest_path).read_text())
-    root = pathlib.Path(manifest_path).parent.parent
-    slices: dict[str, dict[int, torch.Tensor]] = {}
-    dims: dict[str, int] = {}
-    full: dict[str, torch.Tensor] = {}
-    for entry in manifest["files"]:
-        tensors, meta = safetensors.read(root / entry["path"])
-        layout = json.loads(meta["tp_slices"])
-        for name, tensor in tensors.items():
-            if name in layout:
-                dim, rank, _ = (int(x) for x in layout[name].split(":"))
-                slices.setdefault(name, {})[rank] = tensor
-                dims[name] = dim
-            else:
-                full[name] = tensor
-    for name, parts in slices.items():
-        full[name] = torch.cat([parts[r] for r in sorted(parts)], dim=dims[name])
-    return full
+    """Every parameter a job saved, as full tensors (clients/checkpoint.py)."""
+    return checkpoint.load_parameters(checkpoint.find(manifest_path))

@@ -204,6 +204,19 @@ class GPTChunk(nn.Module):
         return vocab_parallel_cross_entropy(logits_shard, targets, self.tp)
 
 
+def next_token_logits(model: GPTChunk, tokens: torch.Tensor) -> torch.Tensor:
+    """[b, vocab] logits of the token after each row of `tokens` [b, s], for a whole
+    model in one process (text generation): the forward, then the tied head on the
+    last position only."""
+    if not (model.has_embedding and model.has_head) or model.tp.size != 1:
+        raise ValueError("next_token_logits needs the whole model in one process")
+    seq = tokens.size(1)
+    x = model.wte(tokens) + model.wpe(torch.arange(seq, device=tokens.device))
+    for block in model.h.values():
+        x = block(x)
+    return F.linear(model.ln_f(x[:, -1]), model.wte.weight)
+
+
 def full_model(config: GPTConfig, seed: int) -> GPTChunk:
     """The whole model in one process: the single-process reference every layout matches."""
     return GPTChunk(config, range(config.n_layers), True, True, SoloTransport(), seed)

@@ -1,0 +1,128 @@
+"""`interleaf export` and `interleaf generate` on checkpoints of real jobs: the exported
+file is the reference model, a damaged checkpoint is refused by file name, and
+generation is the model's own next-token prediction, greedy or sampled."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from clients.checkpoint import CheckpointError, find, load_parameters
+from clients.generate import generate, generate_ids, load_model
+from coordinator.config import load_config
+from stageserver import safetensors
+from stageserver.data import Sampler, resolve_source
+from stageserver.model import GPTConfig
+from stageserver.model.gpt import full_model, next_token_logits
+from tests.conftest import TINY, layout_free, reference, run_job
+
+LAYOUT = ["parallel.pp=2", "parallel.vpp=2", "parallel.tp=2", "parallel.dp=2", "parallel.zero=3"]
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "clients.cli", *args], capture_output=True, text=True,
+                          timeout=120)
+
+
+@pytest.fixture(scope="module")
+def saved(client, tmp_path_factory):
+    """A dp2·tp2·pp2·vpp2 ZeRO-3 job's checkpoint (8 ranks' files)."""
+    root = tmp_path_factory.mktemp("checkpoint")
+    final, _ = run_job(client, TINY + LAYOUT + [f"checkpoint.dir={root}"])
+    assert final.state == "SUCCEEDED", final.error
+    return root
+
+
+def _loss(params: dict[str, torch.Tensor]) -> float:
+    config = load_config("", TINY)
+    m = config.model
+    model = full_model(GPTConfig(m.n_layers, m.d_model, m.n_heads, m.seq_len, m.vocab_size), seed=0)
+    model.load_state_dict(params, strict=True)
+    inputs, targets = Sampler(resolve_source("builtin"), 7, m.seq_len, 8).microbatch(0, 0)
+    with torch.no_grad():
+        return float(model(inputs, targets))
+
+
+def test_the_exported_file_is_the_reference_model(saved, tmp_path):
+    out = tmp_path / "model.safetensors"
+    result = _cli("export", str(saved), str(out))
+    assert result.returncode == 0, result.stderr
+    _, expected = reference(layout_free(TINY))
+    count = sum(t.numel() for t in expected.values())
+    assert result.stdout == f"wrote {len(expected)} tensors ({count:,} parameters) of step 3 to {out}\n"
+    tensors, meta = safetensors.read(out)
+    assert sorted(tensors) == sorted(expected)
+    assert meta["step"] == "3"
+    # The reference trainer's model with the exported weights gives the reference's loss.
+    assert _loss(tensors) == pytest.approx(_loss(expected), rel=1e-5)
+
+
+def test_the_newest_complete_step_is_taken_and_a_damaged_file_is_named(saved, tmp_path):
+    root = tmp_path / "ckpt"
+    shutil.copytree(saved, root)
+    (root / "step-999999").mkdir()  # a save that never finished: no manifest
+    assert find(root).step == 3
+    shard = root / "step-000003" / "rank-00005.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    result = _cli("export", str(root), str(tmp_path / "out.safetensors"))
+    assert result.returncode == 2
+    assert result.stderr == f"error: checkpoint file {shard} is corrupt: its SHA-256 differs from the manifest's\n"
+    shard.write_bytes(bytes(data[:100]))
+    with pytest.raises(CheckpointError, match=r"rank-00005.safetensors is truncated: 100 bytes"):
+        load_parameters(find(root))
+    shard.unlink()
+    with pytest.raises(CheckpointError, match=r"rank-00005.safetensors is missing"):
+        load_parameters(find(root))
+    assert not (tmp_path / "out.safetensors").exists()
+
+
+def test_next_token_logits_are_the_models_own_prediction():
+    config = GPTConfig(n_layers=2, d_model=32, n_heads=4, seq_len=16, vocab_size=256)
+    model = full_model(config, seed=3)
+    tokens = torch.randint(0, 256, (3, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        # On a one-token context the model's loss is the cross-entropy of those logits.
+        logits = next_token_logits(model, tokens[:, :1])
+        assert float(F.cross_entropy(logits, tokens[:, 1])) == pytest.approx(
+            float(model(tokens[:, :1], tokens[:, 1:2])), rel=1e-6)
+        # On a longer context, the logits of its last position: the same as the loss of
+        # that position, which the model's mean over all positions includes.
+        k = 6
+        last = F.cross_entropy(next_token_logits(model, tokens[:, :k]), tokens[:, k], reduction="sum")
+        mean_k = float(model(tokens[:, :k], tokens[:, 1:k + 1]))
+        mean_k_1 = float(model(tokens[:, :k - 1], tokens[:, 1:k]))
+        # sum over k positions minus sum over the first k-1 = the last position's loss.
+        assert float(last) == pytest.approx(mean_k * 3 * k - mean_k_1 * 3 * (k - 1), rel=1e-4)
+
+
+def test_generation_is_greedy_at_temperature_zero_and_seeded_when_sampling(saved):
+    model = load_model(find(saved))
+    greedy = generate(model, "def ", 12)
+    assert generate(model, "def ", 12) == greedy
+    assert generate(model, "def ", 12, temperature=1.0, top_k=1, seed=5) == greedy  # top-1 is argmax
+    ids = generate_ids(model, "def ", 12)
+    assert ids[0] == int(next_token_logits(model, torch.tensor([[100, 101, 102, 32]])).argmax())
+    assert ids[1] == int(next_token_logits(model, torch.tensor([[100, 101, 102, 32, ids[0]]])).argmax())
+    sampled = [generate(model, "def ", 12, temperature=1.5, seed=s) for s in (1, 1, 2)]
+    assert sampled[0] == sampled[1]
+    assert sampled[0] != sampled[2]
+
+
+@pytest.mark.parametrize("args,message", [
+    (["generate", "/nonexistent/ckpt", "--prompt", "x"], "checkpoint '/nonexistent/ckpt' does not exist"),
+    (["generate", "CKPT", "--prompt", "x", "--temperature", "-1"], "--temperature=-1.0 must be 0 (greedy) or more"),
+    (["generate", "CKPT", "--prompt", "x", "--tokens", "0"], "--tokens=0 must be at least 1"),
+    (["generate", "CKPT", "--prompt", "x", "--top-k", "-2"], "--top-k=-2 must be 0 (no limit) or more"),
+    (["generate", "CKPT", "--prompt", ""], "--prompt must not be empty: generation continues a text"),
+])
+def test_bad_generate_arguments_are_named(saved, args, message):
+    result = _cli(*[str(saved) if a == "CKPT" else a for a in args])
+    assert result.returncode == 2
+    assert result.stderr == f"error: {message}\n"
