@@ -29,6 +29,8 @@ def _config_text(path: str | None) -> str:
 def _load(args):
     from coordinator.config import ConfigError, load_config
 
+    if getattr(args, "resume", None):  # --resume DIR is checkpoint.resume, made absolute
+        args.set.append(f"checkpoint.resume={os.path.abspath(args.resume)}")
     text = _config_text(args.config)
     try:
         return text, load_config(text, args.set)
@@ -262,12 +264,17 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("config", nargs="?", help="TOML config (defaults apply without one)")
         p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a config value")
 
+    def with_resume(p):
+        p.add_argument("--resume", metavar="CKPT", help="continue from a checkpoint (a manifest, a step folder "
+                                                        "or checkpoint.dir), saved under any layout")
+
     def with_coordinator(p, required=False):
         p.add_argument("--coordinator", default=None if required else DEFAULT_COORDINATOR, metavar="HOST:PORT",
                        help=f"coordinator address (default {DEFAULT_COORDINATOR}, or $INTERLEAF_COORDINATOR)")
 
     p = sub.add_parser("run", help="run a job (local servers unless --coordinator is given)")
     with_config(p)
+    with_resume(p)
     p.add_argument("--local", type=int, metavar="N", help="start a coordinator and N stage servers here (default: as many as the layout needs)")
     p.add_argument("--coordinator", metavar="HOST:PORT", help="submit to a running coordinator instead")
     p.add_argument("--metrics-out", metavar="FILE.jsonl")
@@ -315,6 +322,7 @@ def _parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("submit", help="submit a job, print its id")
     with_config(p)
+    with_resume(p)
     with_coordinator(p)
     p.set_defaults(fn=cmd_submit)
 

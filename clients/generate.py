@@ -9,7 +9,7 @@ import pathlib
 
 import torch
 
-from clients.checkpoint import Checkpoint, load_parameters
+from clients.checkpoint import Checkpoint, load_parameters, model_config
 from stageserver import safetensors
 from stageserver.data.tokenizer import decode, encode
 from stageserver.model.gpt import GPTChunk, full_model, next_token_logits
@@ -19,7 +19,7 @@ def export(checkpoint: Checkpoint, out: str | pathlib.Path) -> tuple[int, int]:
     """Writes every parameter, unsharded, under its global name, with the model's shape
     and step in the file's metadata. Returns (tensors, parameters)."""
     params = load_parameters(checkpoint)
-    meta = {"model": json.dumps(dataclasses.asdict(checkpoint.model)), "step": str(checkpoint.step),
+    meta = {"model": json.dumps(dataclasses.asdict(model_config(checkpoint))), "step": str(checkpoint.step),
             "precision": checkpoint.manifest.get("precision", "fp32")}
     safetensors.write(out, params, meta)
     return len(params), sum(t.numel() for t in params.values())
@@ -27,7 +27,7 @@ def export(checkpoint: Checkpoint, out: str | pathlib.Path) -> tuple[int, int]:
 
 def load_model(checkpoint: Checkpoint) -> GPTChunk:
     """The whole model in float32 on the CPU, with the checkpoint's weights."""
-    model = full_model(checkpoint.model, seed=0)
+    model = full_model(model_config(checkpoint), seed=0)
     params = {name: t.float() for name, t in load_parameters(checkpoint).items()}
     model.load_state_dict(params, strict=True)
     return model.eval()

@@ -170,8 +170,24 @@ class DataConfig:
 @dataclass(frozen=True)
 class CheckpointConfig:
     dir: str = ""
-    """When set, the final parameters are written here (one safetensors file per rank
-    and a manifest), on the machines running the stage servers."""
+    """When set, checkpoints are written here (per rank a parameter file and a state
+    file, and a manifest), at the end and every `every` steps, on the machines running
+    the stage servers."""
+    every: int = 0
+    """Save every this many steps as well as at the end (0: at the end only)."""
+    keep: int = 0
+    """Keep the newest this many checkpoints, removing older ones (0: keep all)."""
+    resume: str = ""
+    """A checkpoint to continue from (a manifest, a step folder, or a checkpoint.dir,
+    whose newest complete step is taken), written under this or any other layout of the
+    same model; training continues at its step with its optimizer state."""
+
+    def __post_init__(self):
+        for key in ("every", "keep"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"checkpoint.{key}={getattr(self, key)} must be 0 or more")
+        if self.every and not self.dir:
+            raise ConfigError(f"checkpoint.every={self.every} needs checkpoint.dir")
 
 
 @dataclass(frozen=True)

@@ -8,13 +8,10 @@ cancelled job leaves no server holding state.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 import logging
 import os
 import pathlib
 import queue
-import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -24,6 +21,8 @@ import grpc
 
 from coordinator.jobs import JobRecord
 from coordinator.admission import needed_bytes
+from coordinator.checkpoints import CheckpointError, prune, write_manifest
+from coordinator.checkpoints import find as find_checkpoint
 from coordinator.plan import JobPlan, place_servers, plan_job, plan_programs, setup_requests
 from coordinator.registry import Registry
 from protos import interleaf_pb2 as pb
@@ -66,9 +65,11 @@ class JobDriver(threading.Thread):
             plan = self._claim_and_plan()
             if plan is not None:
                 self._setup(plan)
+                first = self._resume() if job.config.checkpoint.resume else 0
                 job.set_state("RUNNING")
-                self._train(plan)
-                if job.config.checkpoint.dir and not job.cancel_requested.is_set():
+                self._train(plan, first)
+                saved = job.checkpoint and find_checkpoint(job.checkpoint).step == job.step
+                if job.config.checkpoint.dir and not job.cancel_requested.is_set() and not saved:
                     self._save(plan)
         except Exception as err:
             log.exception("job %s failed", job.job_id)
@@ -140,13 +141,48 @@ class JobDriver(threading.Thread):
 
         _fan_out(connect, self.stubs)
 
-    def _train(self, plan: JobPlan) -> None:
-        job, steps = self.job, self.job.config.train.steps
-        step = 0
+    def _resume(self) -> int:
+        """Loads the checkpoint named by checkpoint.resume into every rank (saved under
+        any layout of this model); training continues at its step: the data order and
+        the learning rate are functions of the step alone."""
+        job = self.job
+        try:
+            checkpoint = find_checkpoint(job.config.checkpoint.resume)
+            saved_model = checkpoint.manifest.get("model")
+            if saved_model != dataclasses.asdict(job.config.model):
+                raise CheckpointError(f"checkpoint.resume={job.config.checkpoint.resume!r} holds a model "
+                                      f"of shape {saved_model}, this job's is {dataclasses.asdict(job.config.model)}")
+            if checkpoint.step >= job.config.train.steps:
+                raise CheckpointError(f"checkpoint.resume={job.config.checkpoint.resume!r} is at step "
+                                      f"{checkpoint.step}: nothing is left of train.steps={job.config.train.steps}")
+            paths = [str(p) for p in checkpoint.paths("state")]
+        except CheckpointError as err:
+            raise JobFailed(str(err)) from None
+
+        def load(rank, stub):
+            try:
+                return stub.LoadState(pb.LoadRequest(job_id=job.job_id, paths=paths), timeout=SETUP_TIMEOUT_S)
+            except grpc.RpcError as err:
+                raise self._rpc_error(rank, err) from None
+
+        _fan_out(load, self.stubs)
+        job.step = checkpoint.step
+        log.info("job %s resumes at step %d from %s", job.job_id, checkpoint.step, checkpoint.manifest_path)
+        return checkpoint.step
+
+    def _train(self, plan: JobPlan, first: int = 0) -> None:
+        """Blocks of up to steps_per_call steps, cut so that one ends at every
+        checkpoint.every-th step, where a checkpoint is saved."""
+        job, steps, every = self.job, self.job.config.train.steps, self.job.config.checkpoint.every
+        step = first
         while step < steps and not job.cancel_requested.is_set():
             count = min(self.steps_per_call, steps - step)
+            if every:
+                count = min(count, every - step % every)
             self._run_block(plan, step, count)
             step += count
+            if every and step % every == 0 and not job.cancel_requested.is_set():
+                self._save(plan)
 
     def _run_block(self, plan: JobPlan, first: int, count: int) -> None:
         """One RunSteps call per server; step events are published as soon as every
@@ -214,29 +250,45 @@ class JobDriver(threading.Thread):
         )
 
     def _save(self, plan: JobPlan) -> None:
+        """Every rank writes its parameter file and its state file at once; the manifest
+        (each file's SHA-256, the model, the layout, the step) goes last, then older
+        checkpoints beyond checkpoint.keep are removed."""
         job = self.job
         directory = pathlib.Path(job.config.checkpoint.dir).resolve()
         step = job.step
-        files = [str(directory / f"step-{step:06d}" / f"rank-{r:05d}.safetensors") for r in range(len(self.stubs))]
+        folder = directory / f"step-{step:06d}"
+        world = len(self.stubs)
+        params = [str(folder / f"rank-{r:05d}.safetensors") for r in range(world)]
+        states = [str(folder / f"state-{r:05d}.safetensors") for r in range(world)]
+        started = time.perf_counter()
 
         def save(rank, stub):
             try:
-                return stub.SaveParameters(pb.SaveRequest(job_id=job.job_id, path=files[rank]), timeout=SETUP_TIMEOUT_S)
+                return (stub.SaveParameters(pb.SaveRequest(job_id=job.job_id, path=params[rank]),
+                                            timeout=SETUP_TIMEOUT_S),
+                        stub.SaveState(pb.SaveRequest(job_id=job.job_id, path=states[rank]), timeout=SETUP_TIMEOUT_S))
             except grpc.RpcError as err:
                 raise self._rpc_error(rank, err) from None
 
         replies = _fan_out(save, self.stubs)
+
+        def entries(paths, kind):
+            return [{"rank": r, "path": os.path.relpath(f, directory), "sha256": reply[kind].sha256,
+                     "bytes": reply[kind].bytes} for r, (f, reply) in enumerate(zip(paths, replies))]
         manifest = {
             "job": job.job_id,
             "step": step,
             "layout": {"dp": plan.grid.dp, "pp": plan.grid.pp, "tp": plan.grid.tp,
-                       "vpp": job.config.parallel.vpp},
-            "model": dataclasses.asdict(job.config.model),  # what export and generate rebuild
+                       "vpp": job.config.parallel.vpp, "zero": job.config.parallel.zero},
+            "model": dataclasses.asdict(job.config.model),  # what export, generate and resume check
             "precision": job.config.train.precision,
-            "files": [{"rank": r, "path": os.path.relpath(f, directory), "sha256": rep.sha256, "bytes": rep.bytes}
-                      for r, (f, rep) in enumerate(zip(files, replies))],
+            "files": entries(params, 0),
+            "state": entries(states, 1),
         }
-        job.checkpoint = _write_manifest(directory / f"step-{step:06d}" / "manifest.json", manifest)
+        job.checkpoint = write_manifest(folder / "manifest.json", manifest)
+        removed = prune(directory, job.config.checkpoint.keep)
+        log.info("checkpoint %s in %.2fs%s", folder, time.perf_counter() - started,
+                 f"; removed {[p.name for p in removed]}" if removed else "")
 
     def _teardown(self) -> None:
         def teardown(rank, stub):
@@ -247,15 +299,3 @@ class JobDriver(threading.Thread):
 
         if self.stubs:
             _fan_out(teardown, self.stubs)
-
-
-def _write_manifest(path: pathlib.Path, manifest: dict) -> str:
-    """The manifest goes last, through a temporary name and a rename: a crash before
-    it leaves no manifest, never a half-written one."""
-    data = json.dumps(manifest, indent=2).encode()
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".manifest.")
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
-    log.info("manifest %s (sha256 %s)", path, hashlib.sha256(data).hexdigest()[:12])
-    return str(path)

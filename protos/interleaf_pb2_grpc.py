@@ -54,6 +54,16 @@ class StageServerStub:
                 request_serializer=protos_dot_interleaf__pb2.SaveRequest.SerializeToString,
                 response_deserializer=protos_dot_interleaf__pb2.SaveReply.FromString,
                 _registered_method=True)
+        self.SaveState = channel.unary_unary(
+                '/interleaf.StageServer/SaveState',
+                request_serializer=protos_dot_interleaf__pb2.SaveRequest.SerializeToString,
+                response_deserializer=protos_dot_interleaf__pb2.SaveReply.FromString,
+                _registered_method=True)
+        self.LoadState = channel.unary_unary(
+                '/interleaf.StageServer/LoadState',
+                request_serializer=protos_dot_interleaf__pb2.LoadRequest.SerializeToString,
+                response_deserializer=protos_dot_interleaf__pb2.LoadReply.FromString,
+                _registered_method=True)
         self.Teardown = channel.unary_unary(
                 '/interleaf.StageServer/Teardown',
                 request_serializer=protos_dot_interleaf__pb2.JobRef.SerializeToString,
@@ -94,6 +104,21 @@ class StageServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SaveState(self, request, context):
+        """Writes this rank's training state: master weights and Adam moments of its optimizer
+        window, by global parameter name (stageserver/state_io.py).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def LoadState(self, request, context):
+        """Reads a checkpoint's state files (written under any layout) into this rank.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Teardown(self, request, context):
         """Drops the job: communicators closed, memory freed; idempotent.
         """
@@ -123,6 +148,16 @@ def add_StageServerServicer_to_server(servicer, server):
                     servicer.SaveParameters,
                     request_deserializer=protos_dot_interleaf__pb2.SaveRequest.FromString,
                     response_serializer=protos_dot_interleaf__pb2.SaveReply.SerializeToString,
+            ),
+            'SaveState': grpc.unary_unary_rpc_method_handler(
+                    servicer.SaveState,
+                    request_deserializer=protos_dot_interleaf__pb2.SaveRequest.FromString,
+                    response_serializer=protos_dot_interleaf__pb2.SaveReply.SerializeToString,
+            ),
+            'LoadState': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadState,
+                    request_deserializer=protos_dot_interleaf__pb2.LoadRequest.FromString,
+                    response_serializer=protos_dot_interleaf__pb2.LoadReply.SerializeToString,
             ),
             'Teardown': grpc.unary_unary_rpc_method_handler(
                     servicer.Teardown,
@@ -238,6 +273,60 @@ class StageServer:
             '/interleaf.StageServer/SaveParameters',
             protos_dot_interleaf__pb2.SaveRequest.SerializeToString,
             protos_dot_interleaf__pb2.SaveReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SaveState(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/interleaf.StageServer/SaveState',
+            protos_dot_interleaf__pb2.SaveRequest.SerializeToString,
+            protos_dot_interleaf__pb2.SaveReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadState(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/interleaf.StageServer/LoadState',
+            protos_dot_interleaf__pb2.LoadRequest.SerializeToString,
+            protos_dot_interleaf__pb2.LoadReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -138,6 +138,14 @@ class StageJob:
         digest = safetensors.write(path, tensors, meta)
         return digest, sum(t.numel() * t.element_size() for t in tensors.values())
 
+    def save_state(self, path: str) -> tuple[str, int]:
+        from stageserver import state_io
+        return state_io.write(self.model, path)
+
+    def load_state(self, paths: list[str]) -> int:
+        from stageserver import state_io
+        return state_io.restore(self.model, paths)
+
     def close(self) -> None:
         self.cancelled.set()
         if self.model is not None:

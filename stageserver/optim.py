@@ -75,6 +75,12 @@ class AdamW:
     def state_bytes(self) -> int:
         return 2 * self.params.numel() * self.params.element_size()
 
+    def set_steps(self, steps: int) -> None:
+        """Resumes the bias correction at `steps` taken (a checkpoint's)."""
+        self.steps = steps
+        for count in self._step_counts:
+            count.fill_(steps)
+
     def step(self, grad: torch.Tensor, lr: float) -> None:
         """One AdamW step through torch's fused kernel (what torch.optim.AdamW(fused=True)
         runs, on CPU and GPU alike): one pass over parameters, gradient and moments

@@ -94,6 +94,21 @@ class StageServerService(rpc.StageServerServicer):
         digest, size = job.save(request.path)
         return pb.SaveReply(sha256=digest, bytes=size)
 
+    def SaveState(self, request: pb.SaveRequest, context):
+        job = self._current(request.job_id, context)
+        self._use_device()
+        digest, size = job.save_state(request.path)
+        return pb.SaveReply(sha256=digest, bytes=size)
+
+    def LoadState(self, request: pb.LoadRequest, context):
+        job = self._current(request.job_id, context)
+        self._use_device()
+        try:
+            steps = job.load_state(list(request.paths))
+        except (OSError, ValueError, KeyError) as err:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"rank {job.rank} cannot load the checkpoint: {err}")
+        return pb.LoadReply(optimizer_steps=steps)
+
     def Teardown(self, request: pb.JobRef, context):
         self._use_device()
         with self._lock:

@@ -203,6 +203,25 @@ class ShardedBucket:
         offset = self.layout.shard[0] - lo
         return [grad[offset + s:offset + e] for s, e in shard]
 
+    # -- checkpoints ---------------------------------------------------------------
+
+    def load_state(self, master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+                   steps: int) -> None:
+        """Takes a checkpoint's state, given for the whole padded bucket (state_io.py):
+        the working parameters are the master weights cast (as after every step), and
+        this rank keeps its window of the master weights and moments."""
+        lo, hi = self.window
+        master = master.to(self.device)
+        if self.zero == 3:
+            self.param_shard.copy_(master[lo:hi])
+        else:
+            self.params.copy_(master)
+        if self.cd != self.md:
+            self.master.copy_(master[lo:hi])
+        self.optimizer.exp_avg.copy_(exp_avg[lo:hi])
+        self.optimizer.exp_avg_sq.copy_(exp_avg_sq[lo:hi])
+        self.optimizer.set_steps(steps)
+
     # -- update --------------------------------------------------------------------
 
     def step(self, lr: float, scale: float | torch.Tensor) -> None:

@@ -1,0 +1,112 @@
+"""Checkpoints on disk, as the coordinator and the clients find them.
+
+A checkpoint is a folder `step-NNNNNN/` under `checkpoint.dir` holding, per rank, a
+parameter file (`rank-NNNNN.safetensors`: parameters under their global names, a
+tensor-parallel shard recording its slice) and a state file (`state-NNNNN.safetensors`:
+master weights and Adam moments by global name, stageserver/state_io.py), and
+`manifest.json`, written last through a rename, which lists every file with its SHA-256
+and size, the model's shape, the layout and the step. A folder without a manifest is
+incomplete (a save that did not finish) and is never read, so a crash at any moment
+leaves the previous checkpoint loadable.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pathlib
+import shutil
+import tempfile
+from dataclasses import dataclass
+
+MANIFEST = "manifest.json"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be read, named with the file at fault."""
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    manifest_path: pathlib.Path
+    manifest: dict
+
+    @property
+    def root(self) -> pathlib.Path:
+        """The folder the manifest's file paths are relative to (`checkpoint.dir`)."""
+        return self.manifest_path.parent.parent
+
+    @property
+    def step(self) -> int:
+        return self.manifest["step"]
+
+    def paths(self, kind: str = "files") -> list[pathlib.Path]:
+        """The files of one kind ("files": parameters, "state": optimizer state),
+        each checked against the manifest first."""
+        entries = self.manifest.get(kind, [])
+        if kind == "state" and not entries:
+            raise CheckpointError(f"{self.manifest_path} holds no optimizer state (saved by an older "
+                                  f"Interleaf): it can be exported, not resumed")
+        for entry in entries:
+            verify(self.root / entry["path"], entry)
+        return [self.root / entry["path"] for entry in entries]
+
+
+def find(path: str | pathlib.Path) -> Checkpoint:
+    """The checkpoint at `path`: a manifest, a `step-NNNNNN` folder, or a checkpoint
+    root, where the newest complete step (one with a manifest) is taken."""
+    path = pathlib.Path(path)
+    if path.is_dir() and not (path / MANIFEST).exists():
+        steps = sorted(p for p in path.glob("step-*") if (p / MANIFEST).exists())
+        if not steps:
+            raise CheckpointError(f"checkpoint {str(path)!r} holds no complete checkpoint "
+                                  f"(no step-*/{MANIFEST})")
+        path = steps[-1]
+    if path.is_dir():
+        path = path / MANIFEST
+    if not path.exists():
+        raise CheckpointError(f"checkpoint {str(path)!r} does not exist")
+    try:
+        manifest = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise CheckpointError(f"{path} is not a valid manifest: {err}") from None
+    return Checkpoint(path, manifest)
+
+
+def verify(path: pathlib.Path, entry: dict) -> None:
+    """Refuses a missing, truncated or altered file, naming it."""
+    if not path.exists():
+        raise CheckpointError(f"checkpoint file {path} is missing")
+    data = path.read_bytes()
+    if "bytes" in entry and len(data) < entry["bytes"]:
+        raise CheckpointError(f"checkpoint file {path} is truncated: {len(data)} bytes, the manifest "
+                              f"expects at least {entry['bytes']}")
+    if hashlib.sha256(data).hexdigest() != entry["sha256"]:
+        raise CheckpointError(f"checkpoint file {path} is corrupt: its SHA-256 differs from the manifest's")
+
+
+def write_manifest(path: pathlib.Path, manifest: dict) -> str:
+    """The manifest goes last, through a temporary name, fsync and a rename: a crash
+    before it leaves no manifest, never a half-written one."""
+    data = json.dumps(manifest, indent=2).encode()
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".manifest.")
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return str(path)
+
+
+def prune(root: pathlib.Path, keep: int) -> list[pathlib.Path]:
+    """Removes all but the newest `keep` complete checkpoints (0: keeps all); returns
+    what it removed. Incomplete step folders older than the newest kept one go too."""
+    complete = sorted(p for p in root.glob("step-*") if (p / MANIFEST).exists())
+    if keep <= 0 or len(complete) <= keep:
+        return []
+    oldest_kept = complete[-keep]
+    removed = [p for p in sorted(root.glob("step-*")) if p.name < oldest_kept.name]
+    for folder in removed:
+        shutil.rmtree(folder)
+    return removed

@@ -1,0 +1,124 @@
+"""A rank's training state written by global parameter name, and read back under any
+layout (DESIGN.md, "Checkpoints").
+
+What a rank writes: for every parameter element in its optimizer window, the master
+weight and both Adam moments, as pieces named `NAME|KIND|OFFSET`: elements
+[OFFSET, OFFSET + len) of the parameter's local tensor flattened (its tensor-parallel
+slice, or the whole tensor). The file's metadata records each parameter's local shape
+and tensor-parallel slice, and the optimizer's step count. One writer per distinct
+piece: data-parallel replicas of a ZeRO-0 bucket leave it to rank 0, tensor-replicated
+parameters to tp rank 0, and the tied embedding's second copy (with the head) to the
+first chunk's, which holds the same values.
+
+What a rank reads: every piece of every file. From the pieces it rebuilds each of its
+parameters' full tensors (joining tensor-parallel slices), cuts its own slice for the
+new layout, lays it into its flat buckets and keeps its window. The working weights
+follow from the master weights (they are a cast of them after every step), so they are
+not written. Every rank reads all files: simple, and fine at the sizes this runs at;
+reading only the pieces a rank needs is the scalable form.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import torch
+
+from stageserver import safetensors
+from stageserver.model.tensor_parallel import tp_shard
+from stageserver.model_state import ModelState
+
+KINDS = ("master", "exp_avg", "exp_avg_sq")
+
+
+def collect(model: ModelState) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """(the pieces this rank writes, the file's metadata)."""
+    tensors: dict[str, torch.Tensor] = {}
+    shapes: dict[str, list] = {}
+    steps = 0
+    tp = model.tp
+    for index in sorted(model.chunks):
+        chunk = model.chunks[index]
+        specs = chunk.param_specs()
+        local = {name: tuple(p.shape) for name, p in chunk.named_parameters()}
+        for bucket in model.buckets[index]:
+            steps = bucket.optimizer.steps
+            if bucket.zero == 0 and model.dp.rank > 0:
+                continue  # the replicas hold the same bytes
+            lo, hi = bucket.window
+            buffers = dict(zip(KINDS, (bucket.master, bucket.optimizer.exp_avg, bucket.optimizer.exp_avg_sq)))
+            for name in bucket.layout.names:
+                spec = specs[name]
+                if (spec.tied and not chunk.has_embedding) or (spec.tp_dim is None and tp.rank > 0):
+                    continue  # another rank writes the same values
+                start, n = bucket.layout.offsets[name]
+                a, e = max(start, lo), min(start + n, hi)
+                if a >= e:
+                    continue
+                for kind, buffer in buffers.items():
+                    tensors[f"{name}|{kind}|{a - start}"] = buffer[a - lo:e - lo].detach().to("cpu", copy=True)
+                shapes[name] = [list(local[name]), spec.tp_dim, tp.rank if spec.tp_dim is not None else 0,
+                                tp.size if spec.tp_dim is not None else 1]
+    return tensors, {"shapes": json.dumps(shapes), "steps": str(steps)}
+
+
+def write(model: ModelState, path: str) -> tuple[str, int]:
+    tensors, meta = collect(model)
+    digest = safetensors.write(path, tensors, meta)
+    return digest, sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+class _Pieces:
+    """Every file's pieces, indexed to rebuild full tensors."""
+
+    def __init__(self, paths: list[str]):
+        self.pieces: dict[tuple[str, str], list[tuple[int, int, torch.Tensor]]] = {}
+        self.shapes: dict[str, tuple[list[int], int | None, int]] = {}
+        self.steps = None
+        for path in paths:
+            tensors, meta = safetensors.read(path)
+            steps = int(meta["steps"])
+            if self.steps is not None and steps != self.steps:
+                raise ValueError(f"{path} holds optimizer step {steps}, other files {self.steps}")
+            self.steps = steps
+            for name, (shape, dim, rank, size) in json.loads(meta["shapes"]).items():
+                self.shapes[name] = (shape, dim, size)
+                for kind in KINDS:
+                    self.pieces.setdefault((name, kind), [])
+            for key, tensor in tensors.items():
+                name, kind, offset = key.split("|")
+                rank = json.loads(meta["shapes"])[name][2]
+                self.pieces[(name, kind)].append((rank, int(offset), tensor))
+
+    def full(self, name: str, kind: str) -> torch.Tensor:
+        if name not in self.shapes:
+            raise ValueError(f"the checkpoint holds no state for parameter {name!r}")
+        shape, dim, size = self.shapes[name]
+        numel = math.prod(shape)
+        parts = [torch.empty(numel, dtype=torch.float64) for _ in range(size)]
+        covered = [0] * size
+        for rank, offset, tensor in self.pieces[(name, kind)]:
+            parts[rank][offset:offset + tensor.numel()] = tensor
+            covered[rank] += tensor.numel()
+        if covered != [numel] * size:
+            raise ValueError(f"the checkpoint's {kind} of {name!r} covers {covered} of {numel} elements "
+                             f"per tensor-parallel slice")
+        views = [p.view(shape) for p in parts]
+        return views[0] if dim is None else torch.cat(views, dim=dim)
+
+
+def restore(model: ModelState, paths: list[str]) -> int:
+    """Loads the state in `paths` into this rank's buckets; returns the optimizer step."""
+    pieces = _Pieces(paths)
+    for index in sorted(model.chunks):
+        specs = model.chunks[index].param_specs()
+        for bucket in model.buckets[index]:
+            flat = {kind: torch.zeros(bucket.layout.padded, dtype=torch.float64) for kind in KINDS}
+            for name in bucket.layout.names:
+                start, n = bucket.layout.offsets[name]
+                for kind in KINDS:
+                    mine = tp_shard(pieces.full(name, kind), specs[name].tp_dim, model.tp)
+                    flat[kind][start:start + n] = mine.reshape(-1)
+            bucket.load_state(flat["master"], flat["exp_avg"], flat["exp_avg_sq"], pieces.steps)
+    return pieces.steps

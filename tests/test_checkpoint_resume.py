@@ -1,0 +1,112 @@
+"""Periodic checkpoints of the whole training state, and resuming them under other
+layouts, on the shared cluster: every resumed run equals the run that was never
+stopped, step for step (DESIGN.md, "The equivalence contract"; issue 8)."""
+
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+
+from coordinator.checkpoints import find
+from tests.conftest import TINY, layout_free, reference, run_job
+from tests.test_equivalence import LOSS_RTOL
+
+STEPS = ["train.steps=8"]
+# Each layout differs from the one before in every dimension it can (the microbatch
+# count stays: it chooses the samples, so it is part of the run, not of the layout).
+CHAIN = [
+    ["parallel.dp=2", "parallel.tp=2", "parallel.pp=2", "parallel.vpp=2", "parallel.zero=3"],
+    ["parallel.tp=4", "parallel.pp=1", "parallel.vpp=1", "parallel.schedule=1f1b", "parallel.zero=0"],
+    ["parallel.dp=2", "parallel.pp=2", "parallel.vpp=1", "parallel.schedule=1f1b", "parallel.zero=2"],
+    ["parallel.pp=4", "parallel.vpp=2"],
+]
+
+
+def _held_to_reference(steps, history, first: int) -> None:
+    assert [s.step for s in steps] == list(range(first, len(history)))
+    for got in steps:
+        want = history[got.step]
+        assert abs(got.loss - want.loss) <= LOSS_RTOL * abs(want.loss), (got.step, got.loss, want.loss)
+        assert abs(got.grad_norm - want.grad_norm) <= LOSS_RTOL * abs(want.grad_norm), (got.step,)
+
+
+def test_resharding_through_four_layouts_equals_the_uninterrupted_run(client, tmp_path):
+    history, _ = reference(layout_free(TINY + STEPS))
+    resume, first = "", 0
+    for hop, layout in enumerate(CHAIN):
+        folder = tmp_path / f"hop{hop}"
+        settings = TINY + STEPS + layout + [f"checkpoint.dir={folder}", "checkpoint.every=2"]
+        if resume:
+            settings.append(f"checkpoint.resume={resume}")
+        final, steps = run_job(client, settings)
+        assert final.state == "SUCCEEDED", (hop, final.error)
+        _held_to_reference(steps, history, first)
+        # The next layout takes over two steps later than this one did.
+        first += 2
+        resume = str(folder / f"step-{first:06d}")
+        assert find(resume).manifest["layout"]["tp"] == (2, 4, 1, 1)[hop]
+    assert first == 8
+
+
+def test_fp64_resume_in_the_same_layout_is_exact_and_keep_prunes(client, tmp_path):
+    layout = ["parallel.dp=2", "parallel.zero=1", "train.precision=fp64"]
+    final, whole = run_job(client, TINY + STEPS + layout + [f"checkpoint.dir={tmp_path}", "checkpoint.every=2",
+                                                           "checkpoint.keep=2"])
+    assert final.state == "SUCCEEDED", final.error
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000006", "step-000008"]
+    final, resumed = run_job(client, TINY + STEPS + layout + [f"checkpoint.resume={tmp_path / 'step-000006'}"])
+    assert final.state == "SUCCEEDED", final.error
+    assert [(s.step, s.loss, s.grad_norm) for s in resumed] == [(s.step, s.loss, s.grad_norm) for s in whole[6:]]
+
+
+def test_a_checkpoint_root_resumes_from_its_newest_complete_step(client, tmp_path):
+    final, whole = run_job(client, TINY + STEPS + [f"checkpoint.dir={tmp_path}", "checkpoint.every=4"])
+    assert final.state == "SUCCEEDED", final.error
+    (tmp_path / "step-000009").mkdir()  # a save cut short: no manifest, never read
+    (tmp_path / "step-000008" / "manifest.json").unlink()  # and one whose manifest never came
+    final, resumed = run_job(client, TINY + STEPS + [f"checkpoint.resume={tmp_path}"])
+    assert final.state == "SUCCEEDED", final.error
+    assert [s.step for s in resumed] == [4, 5, 6, 7]
+    assert [s.loss for s in resumed] == pytest.approx([s.loss for s in whole[4:]], rel=LOSS_RTOL)
+
+
+@pytest.mark.parametrize("change,message", [
+    (["model.d_model=64"], "holds a model of shape"),
+    (["train.steps=4"], "is at step 4: nothing is left of train.steps=4"),
+])
+def test_a_resume_that_cannot_continue_fails_naming_why(client, tmp_path, change, message):
+    final, _ = run_job(client, TINY + STEPS + [f"checkpoint.dir={tmp_path}", "checkpoint.every=4"])
+    assert final.state == "SUCCEEDED"
+    final, steps = run_job(client, TINY + STEPS + change + [f"checkpoint.resume={tmp_path / 'step-000004'}"])
+    assert final.state == "FAILED"
+    assert message in final.error
+    assert steps == []
+    assert all(s.state == "IDLE" for s in client.servers())
+
+
+def test_a_corrupt_state_file_is_refused_by_name(client, tmp_path):
+    final, _ = run_job(client, TINY + STEPS + [f"checkpoint.dir={tmp_path}", "checkpoint.every=4"])
+    assert final.state == "SUCCEEDED"
+    state = pathlib.Path(tmp_path / "step-000004" / "state-00001.safetensors")
+    state.write_bytes(state.read_bytes()[:-8] + b"\0" * 8)
+    final, _ = run_job(client, TINY + STEPS + [f"checkpoint.resume={tmp_path / 'step-000004'}"])
+    assert final.state == "FAILED"
+    assert final.error == f"checkpoint file {state} is corrupt: its SHA-256 differs from the manifest's"
+
+
+def test_interleaf_run_resume_continues_where_the_checkpoint_left_off(client, tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    final, whole = run_job(client, TINY + STEPS + [f"checkpoint.dir={tmp_path / 'ck'}", "checkpoint.every=4"])
+    assert final.state == "SUCCEEDED"
+    sets = [a for s in TINY + STEPS for a in ("--set", s)]
+    result = subprocess.run([sys.executable, "-m", "clients.cli", "run", *sets, "--resume",
+                             str(tmp_path / "ck" / "step-000004"), "--metrics-out", str(tmp_path / "m.jsonl")],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    steps = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in steps] == [4, 5, 6, 7]
+    assert [s["loss"] for s in steps] == pytest.approx([s.loss for s in whole[4:]], rel=LOSS_RTOL)
