@@ -57,6 +57,7 @@ class JobDriver(threading.Thread):
         self.store = store
         self.stubs: list[rpc.StageServerStub] = []
         self.addresses: list[str] = []
+        self._pending_save: dict | None = None  # a checkpoint whose files are being written
 
     def run(self) -> None:
         job = self.job
@@ -68,9 +69,11 @@ class JobDriver(threading.Thread):
                 first = self._resume() if job.config.checkpoint.resume else 0
                 job.set_state("RUNNING")
                 self._train(plan, first)
-                saved = job.checkpoint and find_checkpoint(job.checkpoint).step == job.step
-                if job.config.checkpoint.dir and not job.cancel_requested.is_set() and not saved:
-                    self._save(plan)
+                if job.config.checkpoint.dir and not job.cancel_requested.is_set():
+                    started = self._pending_save
+                    if not (started and started["manifest"]["step"] == job.step):
+                        self._save(plan)  # the end, unless a periodic save just took it
+                    self._finish_save()
         except Exception as err:
             log.exception("job %s failed", job.job_id)
             state, error = "FAILED", str(err)
@@ -250,44 +253,67 @@ class JobDriver(threading.Thread):
         )
 
     def _save(self, plan: JobPlan) -> None:
-        """Every rank writes its parameter file and its state file at once; the manifest
-        (each file's SHA-256, the model, the layout, the step) goes last, then older
-        checkpoints beyond checkpoint.keep are removed."""
+        """Starts a checkpoint: every rank copies its parameters and its state out of the
+        training buffers (the only time the save takes from training) and writes them in
+        the background. The manifest is written by `_finish_save`, at the next save or
+        at the end, once every file is complete."""
         job = self.job
+        self._finish_save()
         directory = pathlib.Path(job.config.checkpoint.dir).resolve()
-        step = job.step
-        folder = directory / f"step-{step:06d}"
+        folder = directory / f"step-{job.step:06d}"
         world = len(self.stubs)
-        params = [str(folder / f"rank-{r:05d}.safetensors") for r in range(world)]
-        states = [str(folder / f"state-{r:05d}.safetensors") for r in range(world)]
+        paths = {"files": [str(folder / f"rank-{r:05d}.safetensors") for r in range(world)],
+                 "state": [str(folder / f"state-{r:05d}.safetensors") for r in range(world)]}
         started = time.perf_counter()
 
         def save(rank, stub):
             try:
-                return (stub.SaveParameters(pb.SaveRequest(job_id=job.job_id, path=params[rank]),
-                                            timeout=SETUP_TIMEOUT_S),
-                        stub.SaveState(pb.SaveRequest(job_id=job.job_id, path=states[rank]), timeout=SETUP_TIMEOUT_S))
+                stub.SaveParameters(pb.SaveRequest(job_id=job.job_id, path=paths["files"][rank], background=True),
+                                    timeout=SETUP_TIMEOUT_S)
+                stub.SaveState(pb.SaveRequest(job_id=job.job_id, path=paths["state"][rank], background=True),
+                               timeout=SETUP_TIMEOUT_S)
             except grpc.RpcError as err:
                 raise self._rpc_error(rank, err) from None
 
-        replies = _fan_out(save, self.stubs)
-
-        def entries(paths, kind):
-            return [{"rank": r, "path": os.path.relpath(f, directory), "sha256": reply[kind].sha256,
-                     "bytes": reply[kind].bytes} for r, (f, reply) in enumerate(zip(paths, replies))]
-        manifest = {
-            "job": job.job_id,
-            "step": step,
-            "layout": {"dp": plan.grid.dp, "pp": plan.grid.pp, "tp": plan.grid.tp,
-                       "vpp": job.config.parallel.vpp, "zero": job.config.parallel.zero},
-            "model": dataclasses.asdict(job.config.model),  # what export, generate and resume check
-            "precision": job.config.train.precision,
-            "files": entries(params, 0),
-            "state": entries(states, 1),
+        _fan_out(save, self.stubs)
+        self._pending_save = {
+            "folder": folder, "paths": paths, "stall_seconds": time.perf_counter() - started,
+            "manifest": {
+                "job": job.job_id,
+                "step": job.step,
+                "layout": {"dp": plan.grid.dp, "pp": plan.grid.pp, "tp": plan.grid.tp,
+                           "vpp": job.config.parallel.vpp, "zero": job.config.parallel.zero},
+                "model": dataclasses.asdict(job.config.model),  # what export, generate and resume check
+                "precision": job.config.train.precision,
+            },
         }
-        job.checkpoint = write_manifest(folder / "manifest.json", manifest)
+
+    def _finish_save(self) -> None:
+        """Waits for the started checkpoint's files, then writes its manifest (each file's
+        SHA-256 from its writer) and prunes beyond checkpoint.keep."""
+        pending, self._pending_save = self._pending_save, None
+        if pending is None:
+            return
+        job = self.job
+
+        def finish(rank, stub):
+            try:
+                return stub.FinishSaves(pb.JobRef(job_id=job.job_id), timeout=SETUP_TIMEOUT_S)
+            except grpc.RpcError as err:
+                raise self._rpc_error(rank, err) from None
+
+        written = {f.path: f for reply in _fan_out(finish, self.stubs) for f in reply.files}
+        directory = pathlib.Path(job.config.checkpoint.dir).resolve()
+        manifest = dict(pending["manifest"])
+        for kind, paths in pending["paths"].items():
+            manifest[kind] = [{"rank": r, "path": os.path.relpath(f, directory), "sha256": written[f].sha256,
+                               "bytes": written[f].bytes} for r, f in enumerate(paths)]
+        manifest["stall_seconds"] = pending["stall_seconds"]  # training waited this long
+        manifest["write_seconds"] = max(f.seconds for f in written.values())  # in the background
+        job.checkpoint = write_manifest(pending["folder"] / "manifest.json", manifest)
         removed = prune(directory, job.config.checkpoint.keep)
-        log.info("checkpoint %s in %.2fs%s", folder, time.perf_counter() - started,
+        log.info("checkpoint %s: training stalled %.3fs, written in %.3fs%s", pending["folder"],
+                 manifest["stall_seconds"], manifest["write_seconds"],
                  f"; removed {[p.name for p in removed]}" if removed else "")
 
     def _teardown(self) -> None:

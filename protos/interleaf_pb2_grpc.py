@@ -64,6 +64,11 @@ class StageServerStub:
                 request_serializer=protos_dot_interleaf__pb2.LoadRequest.SerializeToString,
                 response_deserializer=protos_dot_interleaf__pb2.LoadReply.FromString,
                 _registered_method=True)
+        self.FinishSaves = channel.unary_unary(
+                '/interleaf.StageServer/FinishSaves',
+                request_serializer=protos_dot_interleaf__pb2.JobRef.SerializeToString,
+                response_deserializer=protos_dot_interleaf__pb2.SavedFiles.FromString,
+                _registered_method=True)
         self.Teardown = channel.unary_unary(
                 '/interleaf.StageServer/Teardown',
                 request_serializer=protos_dot_interleaf__pb2.JobRef.SerializeToString,
@@ -119,6 +124,13 @@ class StageServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def FinishSaves(self, request, context):
+        """Waits for this rank's background writes; their checksums go into the manifest.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Teardown(self, request, context):
         """Drops the job: communicators closed, memory freed; idempotent.
         """
@@ -158,6 +170,11 @@ def add_StageServerServicer_to_server(servicer, server):
                     servicer.LoadState,
                     request_deserializer=protos_dot_interleaf__pb2.LoadRequest.FromString,
                     response_serializer=protos_dot_interleaf__pb2.LoadReply.SerializeToString,
+            ),
+            'FinishSaves': grpc.unary_unary_rpc_method_handler(
+                    servicer.FinishSaves,
+                    request_deserializer=protos_dot_interleaf__pb2.JobRef.FromString,
+                    response_serializer=protos_dot_interleaf__pb2.SavedFiles.SerializeToString,
             ),
             'Teardown': grpc.unary_unary_rpc_method_handler(
                     servicer.Teardown,
@@ -327,6 +344,33 @@ class StageServer:
             '/interleaf.StageServer/LoadState',
             protos_dot_interleaf__pb2.LoadRequest.SerializeToString,
             protos_dot_interleaf__pb2.LoadReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FinishSaves(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/interleaf.StageServer/FinishSaves',
+            protos_dot_interleaf__pb2.JobRef.SerializeToString,
+            protos_dot_interleaf__pb2.SavedFiles.FromString,
             options,
             channel_credentials,
             insecure,

@@ -19,6 +19,7 @@ from protos.actions import parse
 from protos import interleaf_pb2 as pb
 from stageserver import safetensors
 from stageserver.data import Sampler, resolve_source
+from stageserver.background_writes import BackgroundWrites
 from stageserver.executor import Executor, StepStats
 from stageserver.model import GPTConfig
 from stageserver.model_state import DTYPES, ChunkPlan, ModelState, TrainPlan
@@ -83,6 +84,7 @@ class StageJob:
         self.sampler = Sampler(self.data, t.seed, m.seq_len, t.global_batch // t.microbatches)
         self.model: ModelState | None = None
         self.executor: Executor | None = None
+        self.writes = BackgroundWrites()
         # The ids of the groups this rank is member 0 of (see transport/groups.py).
         try:
             self.group_ids = {g.name: make_group_id(self.transport) for g in request.groups
@@ -125,9 +127,10 @@ class StageJob:
             raise RuntimeError(f"job {self.job_id} is not connected")
         return self.executor.run_step(step)
 
-    def save(self, path: str) -> tuple[str, int]:
+    def save(self, path: str, background: bool = False) -> tuple[str, int]:
         """Writes this rank's parameters under their global names; a tensor-parallel
-        shard records which slice of the full tensor it is."""
+        shard records which slice of the full tensor it is. In the background: ("", bytes)
+        once copied, the checksum from finish_saves."""
         tensors, layout = {}, {}
         tp = self.model.tp
         for name, tensor, tp_dim in self.model.named_parameters():
@@ -135,12 +138,19 @@ class StageJob:
             if tp_dim is not None and tp.size > 1:
                 layout[name] = f"{tp_dim}:{tp.rank}:{tp.size}"
         meta = {"job": self.job_id, "rank": str(self.rank), "tp_slices": json.dumps(layout)}
-        digest = safetensors.write(path, tensors, meta)
-        return digest, sum(t.numel() * t.element_size() for t in tensors.values())
+        return self._write(path, tensors, meta, background)
 
-    def save_state(self, path: str) -> tuple[str, int]:
+    def save_state(self, path: str, background: bool = False) -> tuple[str, int]:
         from stageserver import state_io
-        return state_io.write(self.model, path)
+        return self._write(path, *state_io.collect(self.model), background)
+
+    def _write(self, path: str, tensors: dict, meta: dict, background: bool) -> tuple[str, int]:
+        if background:
+            return "", self.writes.start(path, tensors, meta)
+        return safetensors.write(path, tensors, meta), sum(t.numel() * t.element_size() for t in tensors.values())
+
+    def finish_saves(self):
+        return self.writes.finish()
 
     def load_state(self, paths: list[str]) -> int:
         from stageserver import state_io

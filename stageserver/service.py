@@ -91,14 +91,23 @@ class StageServerService(rpc.StageServerServicer):
     def SaveParameters(self, request: pb.SaveRequest, context):
         self._use_device()
         job = self._current(request.job_id, context)
-        digest, size = job.save(request.path)
+        digest, size = job.save(request.path, request.background)
         return pb.SaveReply(sha256=digest, bytes=size)
 
     def SaveState(self, request: pb.SaveRequest, context):
         job = self._current(request.job_id, context)
         self._use_device()
-        digest, size = job.save_state(request.path)
+        digest, size = job.save_state(request.path, request.background)
         return pb.SaveReply(sha256=digest, bytes=size)
+
+    def FinishSaves(self, request: pb.JobRef, context):
+        job = self._current(request.job_id, context)
+        try:
+            written = job.finish_saves()
+        except RuntimeError as err:
+            context.abort(grpc.StatusCode.INTERNAL, f"rank {job.rank}: {err}")
+        return pb.SavedFiles(files=[pb.SavedFile(path=w.path, sha256=w.sha256, bytes=w.bytes, seconds=w.seconds)
+                                    for w in written])
 
     def LoadState(self, request: pb.LoadRequest, context):
         job = self._current(request.job_id, context)

@@ -63,12 +63,6 @@ def collect(model: ModelState) -> tuple[dict[str, torch.Tensor], dict[str, str]]
     return tensors, {"shapes": json.dumps(shapes), "steps": str(steps)}
 
 
-def write(model: ModelState, path: str) -> tuple[str, int]:
-    tensors, meta = collect(model)
-    digest = safetensors.write(path, tensors, meta)
-    return digest, sum(t.numel() * t.element_size() for t in tensors.values())
-
-
 class _Pieces:
     """Every file's pieces, indexed to rebuild full tensors."""
 

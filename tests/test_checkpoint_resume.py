@@ -55,6 +55,9 @@ def test_fp64_resume_in_the_same_layout_is_exact_and_keep_prunes(client, tmp_pat
                                                            "checkpoint.keep=2"])
     assert final.state == "SUCCEEDED", final.error
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000006", "step-000008"]
+    # What each save cost training (the copy) and what its background writes took.
+    manifest = find(tmp_path).manifest
+    assert manifest["stall_seconds"] > 0 and manifest["write_seconds"] > 0
     final, resumed = run_job(client, TINY + STEPS + layout + [f"checkpoint.resume={tmp_path / 'step-000006'}"])
     assert final.state == "SUCCEEDED", final.error
     assert [(s.step, s.loss, s.grad_norm) for s in resumed] == [(s.step, s.loss, s.grad_norm) for s in whole[6:]]
