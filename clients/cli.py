@@ -72,19 +72,16 @@ def cmd_run(args) -> int:
 def _admit_locally(config, servers: int, device: str) -> None:
     """The coordinator's admission check, made before any local process starts: each
     local server would offer its GPU's memory, or its share of this machine's."""
-    import torch
-
-    from clients.launcher import local_devices
+    from clients.launcher import local_devices, memory_per_local_server
     from coordinator.admission import AdmissionError, check_fits, needed_bytes
     from coordinator.plan import plan_programs
-    from stageserver.device import device_memory_bytes, physical_memory_bytes
 
     try:
-        first = local_devices(device, servers)[0]
+        devices = local_devices(device, servers)
     except ValueError as err:
         raise UsageError(f"--device: {err}") from None
     programs, _ = plan_programs(config)
-    share = device_memory_bytes(torch.device(first)) if first != "cpu" else physical_memory_bytes() // servers
+    share = memory_per_local_server(devices)
     try:
         check_fits(needed_bytes(config, programs), [(f"local-{i}", share) for i in range(servers)])
     except AdmissionError as err:

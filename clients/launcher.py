@@ -43,6 +43,13 @@ def local_devices(device: str, servers: int) -> list[str]:
     return [f"cuda:{i}" for i in range(servers)]
 
 
+def memory_per_local_server(devices: list[str]) -> int:
+    """What each local server offers: its GPU's memory, or its share of this machine's."""
+    if devices[0] != "cpu":
+        return device_memory_bytes(torch.device(devices[0]))
+    return physical_memory_bytes() // len(devices)
+
+
 def _nccl_installed() -> bool:
     try:
         from cupy.cuda import nccl  # noqa: F401
@@ -62,9 +69,7 @@ class LocalCluster:
         self.steps_per_call = steps_per_call
         # The servers share this machine: each offers its share of the memory, so the
         # coordinator's admission check sees what the machine can really hold.
-        self.memory_per_server = memory_per_server or (
-            device_memory_bytes(torch.device(self.devices[0])) if self.devices[0] != "cpu"
-            else physical_memory_bytes() // servers)
+        self.memory_per_server = memory_per_server or memory_per_local_server(self.devices)
         self.processes: list[subprocess.Popen] = []
         self.address = ""
 

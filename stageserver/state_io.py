@@ -76,14 +76,14 @@ class _Pieces:
             if self.steps is not None and steps != self.steps:
                 raise ValueError(f"{path} holds optimizer step {steps}, other files {self.steps}")
             self.steps = steps
-            for name, (shape, dim, rank, size) in json.loads(meta["shapes"]).items():
+            shapes = json.loads(meta["shapes"])  # name -> [local shape, tp dim, tp rank, tp size]
+            for name, (shape, dim, _, size) in shapes.items():
                 self.shapes[name] = (shape, dim, size)
                 for kind in KINDS:
                     self.pieces.setdefault((name, kind), [])
             for key, tensor in tensors.items():
                 name, kind, offset = key.split("|")
-                rank = json.loads(meta["shapes"])[name][2]
-                self.pieces[(name, kind)].append((rank, int(offset), tensor))
+                self.pieces[(name, kind)].append((shapes[name][2], int(offset), tensor))
 
     def full(self, name: str, kind: str) -> torch.Tensor:
         if name not in self.shapes:

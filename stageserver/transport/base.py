@@ -44,4 +44,8 @@ class Transport(Protocol):
 
     def broadcast(self, tensor: torch.Tensor, root: int) -> None: ...
 
+    def check(self) -> None:
+        """Raises if the group has failed behind the caller's back (NCCL: an operation its
+        watchdog aborted); the executor asks at the end of every step."""
+
     def close(self) -> None: ...

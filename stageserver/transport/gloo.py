@@ -66,6 +66,9 @@ class GlooTransport:
         opts.rootRank = root
         self._group.broadcast([tensor], opts).wait()
 
+    def check(self) -> None:
+        return None  # failures surface in the operations themselves
+
     def abort(self) -> None:
         """Ends the group now: operations in flight fail instead of waiting (a watchdog's
         last resort, as NCCL's ncclCommAbort)."""

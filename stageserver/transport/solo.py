@@ -43,5 +43,8 @@ class SoloTransport:
     def broadcast(self, tensor: torch.Tensor, root: int) -> None:
         return None
 
+    def check(self) -> None:
+        return None  # failures surface in the operations themselves
+
     def close(self) -> None:
         return None
