@@ -1,15 +1,14 @@
-"""Reading what a job saved: full tensors from a checkpoint's parameter files (finding
-and checking a checkpoint: coordinator/checkpoints.py)."""
+"""Reading what a job saved: the model's parameters as full tensors, from a
+checkpoint's state files (finding and checking a checkpoint: coordinator/checkpoints.py;
+the files' layout: stageserver/state_io.py)."""
 
 from __future__ import annotations
-
-import json
 
 import torch
 
 from coordinator.checkpoints import Checkpoint, CheckpointError, find
-from stageserver import safetensors
 from stageserver.model import GPTConfig
+from stageserver.state_io import Pieces
 
 __all__ = ["Checkpoint", "CheckpointError", "find", "load_parameters", "model_config"]
 
@@ -22,22 +21,13 @@ def model_config(checkpoint: Checkpoint) -> GPTConfig:
 
 
 def load_parameters(checkpoint: Checkpoint) -> dict[str, torch.Tensor]:
-    """Every parameter as its full tensor, by global name: tensor-parallel slices joined.
-    Each file is checked against the manifest's size and SHA-256 first; a missing,
-    truncated or altered file is refused by name."""
-    slices: dict[str, dict[int, torch.Tensor]] = {}
-    dims: dict[str, int] = {}
-    full: dict[str, torch.Tensor] = {}
-    for path in checkpoint.paths("files"):
-        tensors, meta = safetensors.read(path)
-        layout = json.loads(meta.get("tp_slices", "{}"))
-        for name, tensor in tensors.items():
-            if name in layout:
-                dim, rank, _ = (int(x) for x in layout[name].split(":"))
-                slices.setdefault(name, {})[rank] = tensor
-                dims[name] = dim
-            else:
-                full[name] = tensor
-    for name, parts in slices.items():
-        full[name] = torch.cat([parts[r] for r in sorted(parts)], dim=dims[name])
-    return full
+    """Every parameter as its full tensor, by global name, tensor-parallel slices and
+    ZeRO shards joined: the master weights, in their own precision (fp32 for an fp32
+    or bf16 job, fp64 for an fp64 one). Each file is checked against the manifest's size
+    and SHA-256 first; a missing, truncated or altered file is refused by name."""
+    paths = [str(p) for p in checkpoint.paths()]
+    try:
+        pieces = Pieces(paths, kinds=("master",))
+        return {name: pieces.full(name, "master") for name in pieces.names}
+    except ValueError as err:  # pieces that do not add up: a checkpoint not written whole
+        raise CheckpointError(f"{checkpoint.manifest_path}: {err}") from None

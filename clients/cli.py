@@ -161,7 +161,8 @@ def cmd_coordinator(args) -> int:
 def cmd_stage_server(args) -> int:
     from stageserver.main import serve
 
-    serve(args.coordinator, args.host, args.port, args.bind, args.threads, args.memory_bytes, args.device)
+    serve(args.coordinator, args.host, args.port, args.bind, args.threads, args.memory_bytes, args.device,
+          args.spool_dir)
     return 0
 
 
@@ -232,8 +233,8 @@ def cmd_export(args) -> int:
 
     checkpoint = _checkpoint(args.checkpoint)
     try:
-        tensors, parameters = export(checkpoint, args.out)
-    except CheckpointError as err:
+        tensors, parameters = export(checkpoint, args.out, args.dtype)
+    except (CheckpointError, ValueError) as err:
         raise UsageError(str(err)) from None
     print(f"wrote {tensors} tensors ({parameters:,} parameters) of step {checkpoint.step} to {args.out}")
     return 0
@@ -315,6 +316,9 @@ def _parser() -> argparse.ArgumentParser:
                         "physical memory on a CPU); the coordinator refuses jobs predicted to need more")
     p.add_argument("--device", default="auto",
                    help="where this server computes: cpu, cuda, cuda:N or auto (the GPU if torch sees one)")
+    p.add_argument("--spool-dir", default=None, metavar="DIR",
+                   help="where checkpoint files wait when this server does not share the coordinator's "
+                        "checkpoint.dir (default: interleaf-spool in the system's temporary folder)")
     p.set_defaults(fn=cmd_stage_server)
 
     p = sub.add_parser("submit", help="submit a job, print its id")
@@ -349,6 +353,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("checkpoint", metavar="CKPT", help="a manifest, a step-NNNNNN folder, or checkpoint.dir "
                                                       "(its newest complete step)")
     p.add_argument("out", metavar="OUT.safetensors")
+    p.add_argument("--dtype", default="", choices=("", "fp32", "bf16", "fp16", "fp64"),
+                   help="cast the parameters (default: the master weights' own precision: fp32, "
+                        "or fp64 for an fp64 job)")
     p.set_defaults(fn=cmd_export)
 
     p = sub.add_parser("generate", help="sample text from a checkpoint on the CPU")

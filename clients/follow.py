@@ -16,7 +16,8 @@ def _block_control(s) -> dict:
 
 
 class MetricsOut:
-    """--metrics-out: one JSON object per step."""
+    """--metrics-out: one JSON object per step, and one per checkpoint saved or resumed
+    from (with a `checkpoint` key: "saved" or "resumed", and its seconds)."""
 
     def __init__(self, path: str | None):
         self.file = open(path, "w") if path else None
@@ -31,6 +32,14 @@ class MetricsOut:
             self.file.close()
 
 
+def checkpoint_line(c) -> str:
+    size = f"{c.bytes / 2**20:,.1f} MiB"
+    if c.kind == "saved":
+        return (f"checkpoint at step {c.step} saved: {size}, training stalled {c.stall_seconds:.3f}s, "
+                f"written in {c.write_seconds:.3f}s in the background ({c.manifest})")
+    return f"resumed at step {c.step}: {size} loaded in {c.load_seconds:.3f}s ({c.manifest})"
+
+
 def follow(client, job_id: str, steps: int, metrics: MetricsOut) -> int:
     """Shows progress and writes metrics until the job ends; returns the exit status."""
     progress = Progress(steps)
@@ -43,6 +52,12 @@ def follow(client, job_id: str, steps: int, metrics: MetricsOut) -> int:
                           ranks=[{f.name: getattr(r, f.name) for f in r.DESCRIPTOR.fields}
                                  for r in s.ranks])
             progress.update(s.step, s.loss, s.tokens_per_second)
+        elif event.HasField("checkpoint"):
+            c = event.checkpoint
+            metrics.write(checkpoint=c.kind, step=c.step, manifest=c.manifest, bytes=c.bytes,
+                          **({"stall_seconds": c.stall_seconds, "write_seconds": c.write_seconds}
+                             if c.kind == "saved" else {"load_seconds": c.load_seconds}))
+            progress.note(checkpoint_line(c))
         elif event.status.state == "RUNNING":
             print(event.status.layout, file=sys.stderr)
     progress.close()

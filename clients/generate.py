@@ -15,12 +15,20 @@ from stageserver.data.tokenizer import decode, encode
 from stageserver.model.gpt import GPTChunk, full_model, next_token_logits
 
 
-def export(checkpoint: Checkpoint, out: str | pathlib.Path) -> tuple[int, int]:
+EXPORT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp64": torch.float64}
+
+
+def export(checkpoint: Checkpoint, out: str | pathlib.Path, dtype: str = "") -> tuple[int, int]:
     """Writes every parameter, unsharded, under its global name, with the model's shape
-    and step in the file's metadata. Returns (tensors, parameters)."""
+    and step in the file's metadata: the master weights, in their own precision or cast
+    to `dtype`. Returns (tensors, parameters)."""
+    if dtype and dtype not in EXPORT_DTYPES:
+        raise ValueError(f"--dtype={dtype!r} must be one of {', '.join(EXPORT_DTYPES)}")
     params = load_parameters(checkpoint)
+    if dtype:
+        params = {name: t.to(EXPORT_DTYPES[dtype]) for name, t in params.items()}
     meta = {"model": json.dumps(dataclasses.asdict(model_config(checkpoint))), "step": str(checkpoint.step),
-            "precision": checkpoint.manifest.get("precision", "fp32")}
+            "trained_precision": checkpoint.manifest.get("precision", "fp32")}
     safetensors.write(out, params, meta)
     return len(params), sum(t.numel() for t in params.values())
 

@@ -28,6 +28,11 @@ class Progress:
             self._last_print = now
         self.stream.flush()
 
+    def note(self, text: str) -> None:
+        """A line of its own, above the bar on a terminal."""
+        self.stream.write(("\r\033[K" if self.tty else "") + text + "\n")
+        self.stream.flush()
+
     def close(self) -> None:
         if self.tty:
             self.stream.write("\n")

@@ -1,11 +1,10 @@
 """Checkpoints on disk, as the coordinator and the clients find them.
 
 A checkpoint is a folder `step-NNNNNN/` under `checkpoint.dir` holding, per rank, a
-parameter file (`rank-NNNNN.safetensors`: parameters under their global names, a
-tensor-parallel shard recording its slice) and a state file (`state-NNNNN.safetensors`:
-master weights and Adam moments by global name, stageserver/state_io.py), and
-`manifest.json`, written last through a rename, which lists every file with its SHA-256
-and size, the model's shape, the layout and the step. A folder without a manifest is
+state file (`state-NNNNN.safetensors`: master weights and Adam moments by global name,
+stageserver/state_io.py; the master weights are the parameters), and `manifest.json`,
+written last through a rename, which lists every file with its SHA-256 and size, the
+model's shape, the layout and the step (how the files get there: checkpointing.py). A folder without a manifest is
 incomplete (a save that did not finish) and is never read, so a crash at any moment
 leaves the previous checkpoint loadable.
 """
@@ -33,24 +32,23 @@ class Checkpoint:
     manifest: dict
 
     @property
-    def root(self) -> pathlib.Path:
-        """The folder the manifest's file paths are relative to (`checkpoint.dir`)."""
-        return self.manifest_path.parent.parent
+    def folder(self) -> pathlib.Path:
+        """The folder the manifest's file paths are relative to: its own, so a
+        checkpoint can be moved or copied whole."""
+        return self.manifest_path.parent
 
     @property
     def step(self) -> int:
         return self.manifest["step"]
 
-    def paths(self, kind: str = "files") -> list[pathlib.Path]:
-        """The files of one kind ("files": parameters, "state": optimizer state),
-        each checked against the manifest first."""
-        entries = self.manifest.get(kind, [])
-        if kind == "state" and not entries:
-            raise CheckpointError(f"{self.manifest_path} holds no optimizer state (saved by an older "
-                                  f"Interleaf): it can be exported, not resumed")
+    def paths(self) -> list[pathlib.Path]:
+        """The state files, each checked against the manifest first."""
+        entries = self.manifest.get("state", [])
+        if not entries:
+            raise CheckpointError(f"{self.manifest_path} lists no state files (written by an older Interleaf)")
         for entry in entries:
-            verify(self.root / entry["path"], entry)
-        return [self.root / entry["path"] for entry in entries]
+            verify(self.folder / entry["path"], entry)
+        return [self.folder / entry["path"] for entry in entries]
 
 
 def find(path: str | pathlib.Path) -> Checkpoint:

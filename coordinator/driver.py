@@ -7,10 +7,7 @@ cancelled job leaves no server holding state.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-import os
-import pathlib
 import queue
 import threading
 import time
@@ -21,8 +18,7 @@ import grpc
 
 from coordinator.jobs import JobRecord
 from coordinator.admission import needed_bytes
-from coordinator.checkpoints import CheckpointError, prune, write_manifest
-from coordinator.checkpoints import find as find_checkpoint
+from coordinator.checkpointing import Checkpointing
 from coordinator.plan import JobPlan, place_servers, plan_job, plan_programs, setup_requests
 from coordinator.registry import Registry
 from protos import interleaf_pb2 as pb
@@ -57,31 +53,36 @@ class JobDriver(threading.Thread):
         self.store = store
         self.stubs: list[rpc.StageServerStub] = []
         self.addresses: list[str] = []
-        self._pending_save: dict | None = None  # a checkpoint whose files are being written
+        self.checkpoints = Checkpointing(job, _fan_out, self._rpc_error)
 
     def run(self) -> None:
         job = self.job
         state, error = "SUCCEEDED", ""
         try:
+            probes = self.checkpoints.probes()
             plan = self._claim_and_plan()
             if plan is not None:
-                self._setup(plan)
-                first = self._resume() if job.config.checkpoint.resume else 0
+                self._setup(plan, probes)
+                first = self.checkpoints.resume(self.stubs) if self.checkpoints.resume_from else 0
                 job.set_state("RUNNING")
                 self._train(plan, first)
                 if job.config.checkpoint.dir and not job.cancel_requested.is_set():
-                    started = self._pending_save
-                    if not (started and started["manifest"]["step"] == job.step):
+                    if self.checkpoints.saved_step != job.step:
                         self._save(plan)  # the end, unless a periodic save just took it
-                    self._finish_save()
+                    self.checkpoints.finish()
         except Exception as err:
             log.exception("job %s failed", job.job_id)
             state, error = "FAILED", str(err)
+            try:  # a save already under way still completes, if the servers allow
+                self.checkpoints.finish()
+            except Exception as late:
+                log.warning("job %s: the save under way failed too: %s", job.job_id, late)
         if job.cancel_requested.is_set():
             state = "CANCELLED"
         # Servers are freed before the final state is published: whoever sees it may
         # submit the next job at once.
         self._teardown()
+        self.checkpoints.close()
         self.registry.release(job.job_id)
         job.set_state(state, error)
 
@@ -113,10 +114,12 @@ class JobDriver(threading.Thread):
         job.set_state("SETTING_UP")
         return plan
 
-    def _setup(self, plan: JobPlan) -> None:
+    def _setup(self, plan: JobPlan, probes: list[pb.FileRef]) -> None:
         job = self.job
         prefix = f"{job.job_id}/{time.monotonic_ns()}"
         requests = setup_requests(job.job_id, job.config, plan, (*self.store, prefix), COMM_TIMEOUT_S)
+        for request in requests:
+            request.probes.extend(probes)
 
         def prepare(rank, request):
             try:
@@ -132,6 +135,7 @@ class JobDriver(threading.Thread):
                 f"(SHA-256 {sorted(d[:12] for d in digests)}): every server must read the same tokens"
             )
 
+        self.checkpoints.set_up(replies)
         # Each group's member 0 made its id during Setup; every member gets its groups' ids.
         ids = {g.name: g.id for reply in replies for g in reply.group_ids}
 
@@ -143,35 +147,6 @@ class JobDriver(threading.Thread):
                 raise self._rpc_error(rank, err) from None
 
         _fan_out(connect, self.stubs)
-
-    def _resume(self) -> int:
-        """Loads the checkpoint named by checkpoint.resume into every rank (saved under
-        any layout of this model); training continues at its step: the data order and
-        the learning rate are functions of the step alone."""
-        job = self.job
-        try:
-            checkpoint = find_checkpoint(job.config.checkpoint.resume)
-            saved_model = checkpoint.manifest.get("model")
-            if saved_model != dataclasses.asdict(job.config.model):
-                raise CheckpointError(f"checkpoint.resume={job.config.checkpoint.resume!r} holds a model "
-                                      f"of shape {saved_model}, this job's is {dataclasses.asdict(job.config.model)}")
-            if checkpoint.step >= job.config.train.steps:
-                raise CheckpointError(f"checkpoint.resume={job.config.checkpoint.resume!r} is at step "
-                                      f"{checkpoint.step}: nothing is left of train.steps={job.config.train.steps}")
-            paths = [str(p) for p in checkpoint.paths("state")]
-        except CheckpointError as err:
-            raise JobFailed(str(err)) from None
-
-        def load(rank, stub):
-            try:
-                return stub.LoadState(pb.LoadRequest(job_id=job.job_id, paths=paths), timeout=SETUP_TIMEOUT_S)
-            except grpc.RpcError as err:
-                raise self._rpc_error(rank, err) from None
-
-        _fan_out(load, self.stubs)
-        job.step = checkpoint.step
-        log.info("job %s resumes at step %d from %s", job.job_id, checkpoint.step, checkpoint.manifest_path)
-        return checkpoint.step
 
     def _train(self, plan: JobPlan, first: int = 0) -> None:
         """Blocks of up to steps_per_call steps, cut so that one ends at every
@@ -253,68 +228,9 @@ class JobDriver(threading.Thread):
         )
 
     def _save(self, plan: JobPlan) -> None:
-        """Starts a checkpoint: every rank copies its parameters and its state out of the
-        training buffers (the only time the save takes from training) and writes them in
-        the background. The manifest is written by `_finish_save`, at the next save or
-        at the end, once every file is complete."""
-        job = self.job
-        self._finish_save()
-        directory = pathlib.Path(job.config.checkpoint.dir).resolve()
-        folder = directory / f"step-{job.step:06d}"
-        world = len(self.stubs)
-        paths = {"files": [str(folder / f"rank-{r:05d}.safetensors") for r in range(world)],
-                 "state": [str(folder / f"state-{r:05d}.safetensors") for r in range(world)]}
-        started = time.perf_counter()
-
-        def save(rank, stub):
-            try:
-                stub.SaveParameters(pb.SaveRequest(job_id=job.job_id, path=paths["files"][rank], background=True),
-                                    timeout=SETUP_TIMEOUT_S)
-                stub.SaveState(pb.SaveRequest(job_id=job.job_id, path=paths["state"][rank], background=True),
-                               timeout=SETUP_TIMEOUT_S)
-            except grpc.RpcError as err:
-                raise self._rpc_error(rank, err) from None
-
-        _fan_out(save, self.stubs)
-        self._pending_save = {
-            "folder": folder, "paths": paths, "stall_seconds": time.perf_counter() - started,
-            "manifest": {
-                "job": job.job_id,
-                "step": job.step,
-                "layout": {"dp": plan.grid.dp, "pp": plan.grid.pp, "tp": plan.grid.tp,
-                           "vpp": job.config.parallel.vpp, "zero": job.config.parallel.zero},
-                "model": dataclasses.asdict(job.config.model),  # what export, generate and resume check
-                "precision": job.config.train.precision,
-            },
-        }
-
-    def _finish_save(self) -> None:
-        """Waits for the started checkpoint's files, then writes its manifest (each file's
-        SHA-256 from its writer) and prunes beyond checkpoint.keep."""
-        pending, self._pending_save = self._pending_save, None
-        if pending is None:
-            return
-        job = self.job
-
-        def finish(rank, stub):
-            try:
-                return stub.FinishSaves(pb.JobRef(job_id=job.job_id), timeout=SETUP_TIMEOUT_S)
-            except grpc.RpcError as err:
-                raise self._rpc_error(rank, err) from None
-
-        written = {f.path: f for reply in _fan_out(finish, self.stubs) for f in reply.files}
-        directory = pathlib.Path(job.config.checkpoint.dir).resolve()
-        manifest = dict(pending["manifest"])
-        for kind, paths in pending["paths"].items():
-            manifest[kind] = [{"rank": r, "path": os.path.relpath(f, directory), "sha256": written[f].sha256,
-                               "bytes": written[f].bytes} for r, f in enumerate(paths)]
-        manifest["stall_seconds"] = pending["stall_seconds"]  # training waited this long
-        manifest["write_seconds"] = max(f.seconds for f in written.values())  # in the background
-        job.checkpoint = write_manifest(pending["folder"] / "manifest.json", manifest)
-        removed = prune(directory, job.config.checkpoint.keep)
-        log.info("checkpoint %s: training stalled %.3fs, written in %.3fs%s", pending["folder"],
-                 manifest["stall_seconds"], manifest["write_seconds"],
-                 f"; removed {[p.name for p in removed]}" if removed else "")
+        layout = {"dp": plan.grid.dp, "pp": plan.grid.pp, "tp": plan.grid.tp,
+                  "vpp": self.job.config.parallel.vpp, "zero": self.job.config.parallel.zero}
+        self.checkpoints.save(self.stubs, layout)
 
     def _teardown(self) -> None:
         def teardown(rank, stub):

@@ -55,6 +55,9 @@ class JobRecord:
             self.step, self.last = event.step + 1, event
         self._publish(pb.JobEvent(step=event))
 
+    def add_checkpoint(self, event: pb.CheckpointEvent) -> None:
+        self._publish(pb.JobEvent(checkpoint=event))
+
     def _publish(self, event: pb.JobEvent) -> None:
         with self._changed:
             self.events.append(event)

@@ -69,6 +69,16 @@ class StageServerStub:
                 request_serializer=protos_dot_interleaf__pb2.JobRef.SerializeToString,
                 response_deserializer=protos_dot_interleaf__pb2.SavedFiles.FromString,
                 _registered_method=True)
+        self.ReadFile = channel.unary_stream(
+                '/interleaf.StageServer/ReadFile',
+                request_serializer=protos_dot_interleaf__pb2.FileRef.SerializeToString,
+                response_deserializer=protos_dot_interleaf__pb2.FileChunk.FromString,
+                _registered_method=True)
+        self.WriteFile = channel.stream_unary(
+                '/interleaf.StageServer/WriteFile',
+                request_serializer=protos_dot_interleaf__pb2.FileChunk.SerializeToString,
+                response_deserializer=protos_dot_interleaf__pb2.SavedFile.FromString,
+                _registered_method=True)
         self.Teardown = channel.unary_unary(
                 '/interleaf.StageServer/Teardown',
                 request_serializer=protos_dot_interleaf__pb2.JobRef.SerializeToString,
@@ -131,6 +141,21 @@ class StageServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReadFile(self, request, context):
+        """Streams a checkpoint file out of this server's spool (to a coordinator that does not
+        share its filesystem), then removes it from the spool.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def WriteFile(self, request_iterator, context):
+        """Puts a checkpoint file into this server's spool, refused unless its SHA-256 matches.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Teardown(self, request, context):
         """Drops the job: communicators closed, memory freed; idempotent.
         """
@@ -175,6 +200,16 @@ def add_StageServerServicer_to_server(servicer, server):
                     servicer.FinishSaves,
                     request_deserializer=protos_dot_interleaf__pb2.JobRef.FromString,
                     response_serializer=protos_dot_interleaf__pb2.SavedFiles.SerializeToString,
+            ),
+            'ReadFile': grpc.unary_stream_rpc_method_handler(
+                    servicer.ReadFile,
+                    request_deserializer=protos_dot_interleaf__pb2.FileRef.FromString,
+                    response_serializer=protos_dot_interleaf__pb2.FileChunk.SerializeToString,
+            ),
+            'WriteFile': grpc.stream_unary_rpc_method_handler(
+                    servicer.WriteFile,
+                    request_deserializer=protos_dot_interleaf__pb2.FileChunk.FromString,
+                    response_serializer=protos_dot_interleaf__pb2.SavedFile.SerializeToString,
             ),
             'Teardown': grpc.unary_unary_rpc_method_handler(
                     servicer.Teardown,
@@ -371,6 +406,60 @@ class StageServer:
             '/interleaf.StageServer/FinishSaves',
             protos_dot_interleaf__pb2.JobRef.SerializeToString,
             protos_dot_interleaf__pb2.SavedFiles.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReadFile(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/interleaf.StageServer/ReadFile',
+            protos_dot_interleaf__pb2.FileRef.SerializeToString,
+            protos_dot_interleaf__pb2.FileChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WriteFile(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/interleaf.StageServer/WriteFile',
+            protos_dot_interleaf__pb2.FileChunk.SerializeToString,
+            protos_dot_interleaf__pb2.SavedFile.FromString,
             options,
             channel_credentials,
             insecure,

@@ -8,7 +8,7 @@ groups crosswise) and builds the model. Steps then run with no control traffic.
 from __future__ import annotations
 
 import datetime
-import json
+import pathlib
 import threading
 
 import numpy as np
@@ -17,11 +17,12 @@ import torch.distributed as dist
 
 from protos.actions import parse
 from protos import interleaf_pb2 as pb
-from stageserver import safetensors
+from stageserver import safetensors, state_io
 from stageserver.data import Sampler, resolve_source
 from stageserver.background_writes import BackgroundWrites
 from stageserver.executor import Executor, StepStats
 from stageserver.model import GPTConfig
+from stageserver.spool import Spool, default_root
 from stageserver.model_state import DTYPES, ChunkPlan, ModelState, TrainPlan
 from stageserver.transport.groups import TRANSPORTS, connect_group, make_group_id
 
@@ -31,7 +32,8 @@ class JobRejected(ValueError):
 
 
 class StageJob:
-    def __init__(self, request: pb.SetupRequest, hostname: str, device: torch.device = torch.device("cpu")):
+    def __init__(self, request: pb.SetupRequest, hostname: str, device: torch.device = torch.device("cpu"),
+                 spool_root: pathlib.Path | None = None):
         self.request = request
         self.device = device
         self.job_id = request.job_id
@@ -85,6 +87,7 @@ class StageJob:
         self.model: ModelState | None = None
         self.executor: Executor | None = None
         self.writes = BackgroundWrites()
+        self.spool = Spool(spool_root or default_root(), self.job_id, self.rank)
         # The ids of the groups this rank is member 0 of (see transport/groups.py).
         try:
             self.group_ids = {g.name: make_group_id(self.transport) for g in request.groups
@@ -127,24 +130,15 @@ class StageJob:
             raise RuntimeError(f"job {self.job_id} is not connected")
         return self.executor.run_step(step)
 
-    def save(self, path: str, background: bool = False) -> tuple[str, int]:
-        """Writes this rank's parameters under their global names; a tensor-parallel
-        shard records which slice of the full tensor it is. In the background: ("", bytes)
-        once copied, the checksum from finish_saves."""
-        tensors, layout = {}, {}
-        tp = self.model.tp
-        for name, tensor, tp_dim in self.model.named_parameters():
-            tensors[name] = tensor
-            if tp_dim is not None and tp.size > 1:
-                layout[name] = f"{tp_dim}:{tp.rank}:{tp.size}"
-        meta = {"job": self.job_id, "rank": str(self.rank), "tp_slices": json.dumps(layout)}
-        return self._write(path, tensors, meta, background)
+    def _local(self, path: str) -> str:
+        """A checkpoint path as this server reads it: in place, or (relative) in the spool."""
+        return path if pathlib.PurePath(path).is_absolute() else str(self.spool.path(path))
 
     def save_state(self, path: str, background: bool = False) -> tuple[str, int]:
-        from stageserver import state_io
-        return self._write(path, *state_io.collect(self.model), background)
-
-    def _write(self, path: str, tensors: dict, meta: dict, background: bool) -> tuple[str, int]:
+        """Writes this rank's training state (stageserver/state_io.py); in the background:
+        ("", bytes) once copied, the checksum from finish_saves."""
+        tensors, meta = state_io.collect(self.model)
+        path = self._local(path)
         if background:
             return "", self.writes.start(path, tensors, meta)
         return safetensors.write(path, tensors, meta), sum(t.numel() * t.element_size() for t in tensors.values())
@@ -153,11 +147,11 @@ class StageJob:
         return self.writes.finish()
 
     def load_state(self, paths: list[str]) -> int:
-        from stageserver import state_io
-        return state_io.restore(self.model, paths)
+        return state_io.restore(self.model, [self._local(p) for p in paths])
 
     def close(self) -> None:
         self.cancelled.set()
+        self.spool.remove()
         if self.model is not None:
             self.model.close()
             self.model = None

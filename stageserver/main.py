@@ -4,6 +4,7 @@ coordinator (register, heartbeat, and register again if the coordinator forgot u
 from __future__ import annotations
 
 import logging
+import pathlib
 import signal
 import threading
 
@@ -15,6 +16,7 @@ from protos import interleaf_pb2_grpc as rpc
 from protos import wire
 from stageserver.device import device_memory_bytes, resolve_device
 from stageserver.service import StageServerService
+from stageserver.spool import default_root
 
 log = logging.getLogger("interleaf.stageserver")
 RPC_TIMEOUT_S = 10.0
@@ -50,14 +52,14 @@ class Registrar(threading.Thread):
 
 
 def serve(coordinator: str, host: str, port: int, bind: str, threads: int, memory_bytes: int = 0,
-          device: str = "cpu") -> None:
+          device: str = "cpu", spool_dir: str | None = None) -> None:
     if threads > 0:
         torch.set_num_threads(threads)
     where = resolve_device(device)
     if where.type == "cuda":
         torch.cuda.set_device(where)  # this thread's; the gRPC handlers set it on theirs
     server = wire.server()
-    rpc.add_StageServerServicer_to_server(StageServerService(host, where), server)
+    rpc.add_StageServerServicer_to_server(StageServerService(host, where, pathlib.Path(spool_dir) if spool_dir else default_root()), server)
     bound = server.add_insecure_port(f"{bind}:{port}")
     server.start()
     stop = threading.Event()

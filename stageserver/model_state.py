@@ -193,26 +193,6 @@ class ModelState:
             return norm, torch.ones((), dtype=torch.float64, device=self.device)
         return norm, (self.train.grad_clip / (norm + 1e-6)).clamp(max=1.0)
 
-    def named_parameters(self):
-        """(global name, tensor, tp_dim) for every parameter this rank holds, each
-        name once (a rank holding both tied-embedding copies saves one). Under ZeRO-3
-        the parameters are gathered for the occasion (a collective: every data-parallel
-        rank calls this together)."""
-        if self.zero == 3:
-            for index in sorted(self.chunks):
-                for pending in self.start_gather(index):
-                    pending.wait()
-        seen = set()
-        for index in sorted(self.chunks):
-            specs = self.chunks[index].param_specs()
-            for name, param in self.chunks[index].named_parameters():
-                if name not in seen:
-                    seen.add(name)
-                    yield name, param.detach().to("cpu", copy=True), specs[name].tp_dim
-        if self.zero == 3:
-            for index in sorted(self.chunks):
-                self.release(index)
-
     def close(self) -> None:
         for group in self.groups.values():
             group.close()

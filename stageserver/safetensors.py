@@ -29,6 +29,11 @@ def write(path: str | os.PathLike, tensors: dict[str, torch.Tensor], metadata: d
     return digest
 
 
+def open(path: str | os.PathLike):
+    """The file for reading tensors one at a time (`keys`, `get_tensor`, `metadata`)."""
+    return safe_open(str(path), framework="pt")
+
+
 def read(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """(tensors by name, the file's string metadata)."""
     with safe_open(str(path), framework="pt") as f:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+import pathlib
 import threading
 
 import grpc
@@ -10,12 +12,15 @@ import torch
 from protos import interleaf_pb2 as pb
 from protos import interleaf_pb2_grpc as rpc
 from stageserver.job import JobRejected, StageJob
+from stageserver.spool import default_root, sees
 
 
 class StageServerService(rpc.StageServerServicer):
-    def __init__(self, hostname: str, device: torch.device = torch.device("cpu")):
+    def __init__(self, hostname: str, device: torch.device = torch.device("cpu"),
+                 spool_root: pathlib.Path | None = None):
         self.hostname = hostname
         self.device = device
+        self.spool_root = spool_root or default_root()
         self._lock = threading.Lock()
         self._job: StageJob | None = None
 
@@ -42,7 +47,7 @@ class StageServerService(rpc.StageServerServicer):
                     f"server is busy with job {self._job.job_id}",
                 )
         try:
-            job = StageJob(request, self.hostname, self.device)
+            job = StageJob(request, self.hostname, self.device, self.spool_root)
         except JobRejected as err:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
         with self._lock:
@@ -52,6 +57,7 @@ class StageServerService(rpc.StageServerServicer):
         return pb.SetupReply(
             data_tokens=len(job.data), data_sha256=job.data.sha256, device=str(self.device),
             group_ids=[pb.GroupId(name=n, id=i) for n, i in sorted(job.group_ids.items())],
+            probes_seen=[sees(p.path, p.sha256) for p in request.probes],
         )
 
     def Connect(self, request: pb.ConnectRequest, context):
@@ -88,12 +94,6 @@ class StageServerService(rpc.StageServerServicer):
                 memory=pb.RankMemory(rank=job.rank, **stats.memory),
             )
 
-    def SaveParameters(self, request: pb.SaveRequest, context):
-        self._use_device()
-        job = self._current(request.job_id, context)
-        digest, size = job.save(request.path, request.background)
-        return pb.SaveReply(sha256=digest, bytes=size)
-
     def SaveState(self, request: pb.SaveRequest, context):
         job = self._current(request.job_id, context)
         self._use_device()
@@ -108,6 +108,26 @@ class StageServerService(rpc.StageServerServicer):
             context.abort(grpc.StatusCode.INTERNAL, f"rank {job.rank}: {err}")
         return pb.SavedFiles(files=[pb.SavedFile(path=w.path, sha256=w.sha256, bytes=w.bytes, seconds=w.seconds)
                                     for w in written])
+
+    def ReadFile(self, request: pb.FileRef, context):
+        job = self._current(request.job_id, context)
+        try:
+            for data in job.spool.read(request.path):
+                yield pb.FileChunk(data=data)
+        except (OSError, ValueError) as err:
+            context.abort(grpc.StatusCode.NOT_FOUND, f"rank {job.rank} cannot read {request.path!r}: {err}")
+
+    def WriteFile(self, request_iterator, context):
+        first = next(request_iterator, None)
+        if first is None:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "WriteFile: an empty stream names no file")
+        job = self._current(first.job_id, context)
+        chunks = (c.data for c in itertools.chain([first], request_iterator))
+        try:
+            path, size = job.spool.receive(first.path, first.sha256, chunks)
+        except (OSError, ValueError) as err:
+            context.abort(grpc.StatusCode.DATA_LOSS, f"rank {job.rank} refused {first.path!r}: {err}")
+        return pb.SavedFile(path=first.path, sha256=first.sha256, bytes=size)
 
     def LoadState(self, request: pb.LoadRequest, context):
         job = self._current(request.job_id, context)

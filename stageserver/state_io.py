@@ -10,12 +10,14 @@ piece: data-parallel replicas of a ZeRO-0 bucket leave it to rank 0, tensor-repl
 parameters to tp rank 0, and the tied embedding's second copy (with the head) to the
 first chunk's, which holds the same values.
 
-What a rank reads: every piece of every file. From the pieces it rebuilds each of its
-parameters' full tensors (joining tensor-parallel slices), cuts its own slice for the
-new layout, lays it into its flat buckets and keeps its window. The working weights
-follow from the master weights (they are a cast of them after every step), so they are
-not written. Every rank reads all files: simple, and fine at the sizes this runs at;
-reading only the pieces a rank needs is the scalable form.
+What a rank reads: every file's header, and the pieces of the parameters it holds
+under the new layout (safetensors reads a tensor without the rest of its file). From
+them it rebuilds each of those parameters' full tensors (joining tensor-parallel
+slices), cuts its own slice, lays it into its flat buckets and keeps its window.
+
+The working weights follow from the master weights (they are a cast of them after
+every step), so they are not written: the master weights are the checkpoint's
+parameters, which `interleaf export` reads through the same `Pieces`.
 """
 
 from __future__ import annotations
@@ -63,34 +65,43 @@ def collect(model: ModelState) -> tuple[dict[str, torch.Tensor], dict[str, str]]
     return tensors, {"shapes": json.dumps(shapes), "steps": str(steps)}
 
 
-class _Pieces:
-    """Every file's pieces, indexed to rebuild full tensors."""
+class Pieces:
+    """The pieces of the parameters in `wanted` (None: all) from every file, indexed to
+    rebuild full tensors; only those pieces are read."""
 
-    def __init__(self, paths: list[str]):
+    def __init__(self, paths: list[str], wanted: set[str] | None = None, kinds: tuple[str, ...] = KINDS):
         self.pieces: dict[tuple[str, str], list[tuple[int, int, torch.Tensor]]] = {}
         self.shapes: dict[str, tuple[list[int], int | None, int]] = {}
         self.steps = None
         for path in paths:
-            tensors, meta = safetensors.read(path)
-            steps = int(meta["steps"])
-            if self.steps is not None and steps != self.steps:
-                raise ValueError(f"{path} holds optimizer step {steps}, other files {self.steps}")
-            self.steps = steps
-            shapes = json.loads(meta["shapes"])  # name -> [local shape, tp dim, tp rank, tp size]
-            for name, (shape, dim, _, size) in shapes.items():
-                self.shapes[name] = (shape, dim, size)
-                for kind in KINDS:
-                    self.pieces.setdefault((name, kind), [])
-            for key, tensor in tensors.items():
-                name, kind, offset = key.split("|")
-                self.pieces[(name, kind)].append((shapes[name][2], int(offset), tensor))
+            with safetensors.open(path) as f:
+                meta = f.metadata() or {}
+                steps = int(meta["steps"])
+                if self.steps is not None and steps != self.steps:
+                    raise ValueError(f"{path} holds optimizer step {steps}, other files {self.steps}")
+                self.steps = steps
+                shapes = json.loads(meta["shapes"])  # name -> [local shape, tp dim, tp rank, tp size]
+                for name, (shape, dim, _, size) in shapes.items():
+                    if wanted is None or name in wanted:
+                        self.shapes[name] = (shape, dim, size)
+                        for kind in kinds:
+                            self.pieces.setdefault((name, kind), [])
+                for key in f.keys():
+                    name, kind, offset = key.split("|")
+                    if (name, kind) in self.pieces:
+                        self.pieces[(name, kind)].append((shapes[name][2], int(offset), f.get_tensor(key)))
+
+    @property
+    def names(self) -> list[str]:
+        return sorted(self.shapes)
 
     def full(self, name: str, kind: str) -> torch.Tensor:
         if name not in self.shapes:
             raise ValueError(f"the checkpoint holds no state for parameter {name!r}")
         shape, dim, size = self.shapes[name]
         numel = math.prod(shape)
-        parts = [torch.empty(numel, dtype=torch.float64) for _ in range(size)]
+        dtype = next((t.dtype for _, _, t in self.pieces[(name, kind)]), torch.float64)
+        parts = [torch.empty(numel, dtype=dtype) for _ in range(size)]
         covered = [0] * size
         for rank, offset, tensor in self.pieces[(name, kind)]:
             parts[rank][offset:offset + tensor.numel()] = tensor
@@ -104,7 +115,8 @@ class _Pieces:
 
 def restore(model: ModelState, paths: list[str]) -> int:
     """Loads the state in `paths` into this rank's buckets; returns the optimizer step."""
-    pieces = _Pieces(paths)
+    wanted = {name for index in model.chunks for bucket in model.buckets[index] for name in bucket.layout.names}
+    pieces = Pieces(paths, wanted)
     for index in sorted(model.chunks):
         specs = model.chunks[index].param_specs()
         for bucket in model.buckets[index]:

@@ -2,11 +2,10 @@
 while a job saves a checkpoint after every step leaves the newest complete checkpoint
 loadable, and resuming it reproduces the run that was never stopped (issue 8).
 
-Each save writes every rank's two files and then the manifest (fsync, rename); with a
+Each save writes every rank's state file and then the manifest (fsync, rename); with a
 save after every step of a small model most of the job's time is saving, so a kill at
 these delays lands in or between saves (seen when this was written: one kill left a
-step folder with every rank's files but no manifest, another with the parameter files
-only). Whatever it hit, a step folder without a manifest is never read, and the newest
+step folder with every rank's files but no manifest, another with some of them only). Whatever it hit, a step folder without a manifest is never read, and the newest
 one with a manifest verifies file by file."""
 
 from __future__ import annotations
@@ -42,8 +41,7 @@ def test_a_process_killed_mid_save_leaves_the_last_complete_checkpoint_resumable
         doomed_client.close()
         assert job.job_id
     newest = find(root)
-    newest.paths("files")
-    newest.paths("state")  # every file present and matching its SHA-256
+    newest.paths()  # every file present and matching its SHA-256
     assert 1 <= newest.step < 40
     history, _ = reference(layout_free(SETTINGS))
     final, steps = run_job(client, SETTINGS + [f"checkpoint.resume={root}"])

@@ -110,6 +110,10 @@ def test_interleaf_run_resume_continues_where_the_checkpoint_left_off(client, tm
                              str(tmp_path / "ck" / "step-000004"), "--metrics-out", str(tmp_path / "m.jsonl")],
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
-    steps = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
+    records = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
+    resumed, steps = records[0], records[1:]
+    assert resumed["checkpoint"] == "resumed" and resumed["step"] == 4 and resumed["load_seconds"] > 0
+    assert resumed["manifest"] == str(tmp_path / "ck" / "step-000004" / "manifest.json")
+    assert "resumed at step 4" in result.stderr
     assert [s["step"] for s in steps] == [4, 5, 6, 7]
     assert [s["loss"] for s in steps] == pytest.approx([s.loss for s in whole[4:]], rel=LOSS_RTOL)

@@ -62,12 +62,32 @@ def test_the_exported_file_is_the_reference_model(saved, tmp_path):
     assert _loss(tensors) == pytest.approx(_loss(expected), rel=1e-5)
 
 
+def test_a_bf16_job_exports_its_fp32_master_weights_and_casts_on_request(client, tmp_path):
+    """A bf16 job trains bf16 working weights cast from fp32 master weights: the export
+    holds the masters, of which the working weights are exactly the cast; --dtype bf16
+    writes the cast."""
+    root = tmp_path / "ck"
+    final, _ = run_job(client, TINY + ["parallel.dp=2", "parallel.zero=1", "train.precision=bf16",
+                                       f"checkpoint.dir={root}"])
+    assert final.state == "SUCCEEDED", final.error
+    assert _cli("export", str(root), str(tmp_path / "fp32.safetensors")).returncode == 0
+    assert _cli("export", str(root), str(tmp_path / "bf16.safetensors"), "--dtype", "bf16").returncode == 0
+    masters, meta = safetensors.read(tmp_path / "fp32.safetensors")
+    cast, _ = safetensors.read(tmp_path / "bf16.safetensors")
+    assert meta["trained_precision"] == "bf16"
+    assert {t.dtype for t in masters.values()} == {torch.float32}
+    assert {t.dtype for t in cast.values()} == {torch.bfloat16}
+    assert all(torch.equal(masters[n].to(torch.bfloat16), cast[n]) for n in masters)
+    # The masters carry what bf16 rounds away.
+    assert any(not torch.equal(masters[n], cast[n].float()) for n in masters)
+
+
 def test_the_newest_complete_step_is_taken_and_a_damaged_file_is_named(saved, tmp_path):
     root = tmp_path / "ckpt"
     shutil.copytree(saved, root)
     (root / "step-999999").mkdir()  # a save that never finished: no manifest
     assert find(root).step == 3
-    shard = root / "step-000003" / "rank-00005.safetensors"
+    shard = root / "step-000003" / "state-00005.safetensors"
     data = bytearray(shard.read_bytes())
     data[-1] ^= 0xFF
     shard.write_bytes(bytes(data))
@@ -75,10 +95,10 @@ def test_the_newest_complete_step_is_taken_and_a_damaged_file_is_named(saved, tm
     assert result.returncode == 2
     assert result.stderr == f"error: checkpoint file {shard} is corrupt: its SHA-256 differs from the manifest's\n"
     shard.write_bytes(bytes(data[:100]))
-    with pytest.raises(CheckpointError, match=r"rank-00005.safetensors is truncated: 100 bytes"):
+    with pytest.raises(CheckpointError, match=r"state-00005.safetensors is truncated: 100 bytes"):
         load_parameters(find(root))
     shard.unlink()
-    with pytest.raises(CheckpointError, match=r"rank-00005.safetensors is missing"):
+    with pytest.raises(CheckpointError, match=r"state-00005.safetensors is missing"):
         load_parameters(find(root))
     assert not (tmp_path / "out.safetensors").exists()
 

@@ -1,0 +1,244 @@
+"""A job's checkpoints as the coordinator drives them: saves in the background, and
+resume, with or without a filesystem shared with the stage servers.
+
+Where the files live: every checkpoint is whole in `checkpoint.dir` on the
+coordinator's host (`step-NNNNNN/state-RRRRR.safetensors` per rank, then
+`manifest.json`). At setup each server is asked whether it reads a probe file the
+coordinator wrote there (and the manifest it resumes from) with the same bytes. A server
+that does shares the filesystem and reads and writes the files in place. One that does
+not writes into its spool (stageserver/spool.py); once its file is complete the
+coordinator streams it out (ReadFile) into the checkpoint and checks its SHA-256 against
+the writer's; to resume, it streams the state files into the server's spool (WriteFile,
+checked on arrival) and the server loads them from there. Either way the manifest names
+every file relative to its own folder, so a checkpoint folder can be moved or copied
+whole.
+
+A save stalls training only for the copies out of the training buffers (SaveState);
+writing, moving and the manifest then happen on a thread here while training goes on,
+and the next save, or the job's end, waits for that thread first.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import logging
+import os
+import pathlib
+import secrets
+import tempfile
+import threading
+import time
+from typing import Callable
+
+import grpc
+
+from coordinator.checkpoints import Checkpoint, CheckpointError, find, prune, write_manifest
+from coordinator.jobs import JobRecord
+from protos import interleaf_pb2 as pb
+from protos import interleaf_pb2_grpc as rpc
+
+log = logging.getLogger("interleaf.coordinator")
+
+CHUNK_BYTES = 1 << 20
+RPC_TIMEOUT_S = 600.0
+
+
+class Checkpointing:
+    def __init__(self, job: JobRecord, fan_out: Callable, rpc_error: Callable[[int, grpc.RpcError], Exception]):
+        self.job = job
+        self.fan_out = fan_out  # runs fn(rank, stub) on every rank at once
+        self.rpc_error = rpc_error
+        config = job.config.checkpoint
+        self.root = pathlib.Path(config.dir).resolve() if config.dir else None
+        self.resume_from: Checkpoint | None = None
+        self.probe: pathlib.Path | None = None
+        self.shares_root: list[bool] = []    # per rank: reads checkpoint.dir in place
+        self.shares_resume: list[bool] = []  # per rank: reads the resumed checkpoint in place
+        self.saved_step: int | None = None   # the newest save started
+        self._completing: threading.Thread | None = None
+        self._failure: Exception | None = None
+
+    # -- before setup ---------------------------------------------------------------
+
+    def probes(self) -> list[pb.FileRef]:
+        """Checks the checkpoint to resume from (before any server is set up) and
+        returns the files each server is asked whether it sees: a probe in
+        checkpoint.dir, and the manifest to resume from."""
+        job, probes = self.job, []
+        if self.root is not None:
+            self.root.mkdir(parents=True, exist_ok=True)
+            token = secrets.token_hex(16).encode()
+            self.probe = self.root / f".probe-{job.job_id}"
+            self.probe.write_bytes(token)
+            probes.append(pb.FileRef(path=str(self.probe), sha256=hashlib.sha256(token).hexdigest()))
+        if job.config.checkpoint.resume:
+            self.resume_from = self._check_resume(job.config.checkpoint.resume)
+            manifest = self.resume_from.manifest_path
+            probes.append(pb.FileRef(path=str(manifest), sha256=hashlib.sha256(manifest.read_bytes()).hexdigest()))
+        return probes
+
+    def _check_resume(self, where: str) -> Checkpoint:
+        config = self.job.config
+        checkpoint = find(where)
+        saved_model = checkpoint.manifest.get("model")
+        if saved_model != dataclasses.asdict(config.model):
+            raise CheckpointError(f"checkpoint.resume={where!r} holds a model of shape {saved_model}, "
+                                  f"this job's is {dataclasses.asdict(config.model)}")
+        if checkpoint.step >= config.train.steps:
+            raise CheckpointError(f"checkpoint.resume={where!r} is at step {checkpoint.step}: nothing is "
+                                  f"left of train.steps={config.train.steps}")
+        return checkpoint
+
+    def set_up(self, replies: list[pb.SetupReply]) -> None:
+        """Takes each server's answer to the probes."""
+        seen = [list(r.probes_seen) for r in replies]
+        has_root = self.root is not None
+        self.shares_root = [s[0] if has_root else False for s in seen]
+        self.shares_resume = [s[int(has_root)] if self.resume_from else False for s in seen]
+        apart = [rank for rank, shares in enumerate(self.shares_root) if not shares]
+        if has_root and apart:
+            log.info("job %s: ranks %s do not share checkpoint.dir %s; their files are moved over gRPC",
+                     self.job.job_id, apart, self.root)
+
+    # -- resume ---------------------------------------------------------------------
+
+    def resume(self, stubs: list[rpc.StageServerStub]) -> int:
+        """Loads the checkpoint into every rank, each under this job's layout; returns
+        its step. The data order and learning rate are functions of the step alone."""
+        job, checkpoint = self.job, self.resume_from
+        started = time.perf_counter()
+        paths = checkpoint.paths()  # each file checked against its size and SHA-256
+        entries = checkpoint.manifest["state"]
+
+        def load(rank, stub):
+            try:
+                if self.shares_resume[rank]:
+                    names = [str(p) for p in paths]
+                else:
+                    names = [f"resume/{p.name}" for p in paths]
+                    for path, name, entry in zip(paths, names, entries):
+                        stub.WriteFile(_chunks(job.job_id, path, name, entry["sha256"]), timeout=RPC_TIMEOUT_S)
+                return stub.LoadState(pb.LoadRequest(job_id=job.job_id, paths=names), timeout=RPC_TIMEOUT_S)
+            except grpc.RpcError as err:
+                raise self.rpc_error(rank, err) from None
+
+        self.fan_out(load, stubs)
+        seconds = time.perf_counter() - started
+        job.step = checkpoint.step
+        job.add_checkpoint(pb.CheckpointEvent(
+            kind="resumed", step=checkpoint.step, manifest=str(checkpoint.manifest_path), load_seconds=seconds,
+            bytes=sum(e["bytes"] for e in entries)))
+        log.info("job %s resumes at step %d from %s (loaded in %.3fs)", job.job_id, checkpoint.step,
+                 checkpoint.manifest_path, seconds)
+        return checkpoint.step
+
+    # -- saves ----------------------------------------------------------------------
+
+    def save(self, stubs: list[rpc.StageServerStub], layout: dict) -> None:
+        """Every rank copies its state out of the training buffers (all that training
+        waits for) and writes it in the background; the rest happens on a thread."""
+        self.finish()
+        job = self.job
+        folder = self.root / f"step-{job.step:06d}"
+        names = [f"{folder.name}/state-{r:05d}.safetensors" for r in range(len(stubs))]
+        started = time.perf_counter()
+
+        def copy(rank, stub):
+            path = str(self.root / names[rank]) if self.shares_root[rank] else names[rank]
+            try:
+                stub.SaveState(pb.SaveRequest(job_id=job.job_id, path=path, background=True), timeout=RPC_TIMEOUT_S)
+            except grpc.RpcError as err:
+                raise self.rpc_error(rank, err) from None
+
+        self.fan_out(copy, stubs)
+        stall = time.perf_counter() - started
+        self.saved_step = job.step
+        manifest = {
+            "job": job.job_id,
+            "step": job.step,
+            "layout": layout,
+            "model": dataclasses.asdict(job.config.model),  # what export, generate and resume check
+            "precision": job.config.train.precision,
+            "stall_seconds": stall,  # training waited this long
+        }
+        self._completing = threading.Thread(target=self._complete, args=(stubs, folder, names, manifest),
+                                            name=f"checkpoint-{job.job_id}-{job.step}", daemon=True)
+        self._completing.start()
+
+    def finish(self) -> None:
+        """Waits for the save in progress; a save that failed fails the job here."""
+        if self._completing is not None:
+            self._completing.join()
+            self._completing = None
+        failure, self._failure = self._failure, None
+        if failure is not None:
+            raise failure
+
+    def _complete(self, stubs, folder: pathlib.Path, names: list[str], manifest: dict) -> None:
+        """Waits for every rank's write, moves the files of ranks that do not share
+        checkpoint.dir, then writes the manifest (last) and prunes."""
+        job, started = self.job, time.perf_counter()
+
+        def complete(rank, stub):
+            try:
+                reply = stub.FinishSaves(pb.JobRef(job_id=job.job_id), timeout=RPC_TIMEOUT_S)
+                if len(reply.files) != 1:
+                    raise CheckpointError(f"rank {rank} wrote {len(reply.files)} files for one save")
+                written = reply.files[0]
+                if not self.shares_root[rank]:
+                    _pull(stub, job.job_id, names[rank], self.root / names[rank], written.sha256)
+                return written
+            except grpc.RpcError as err:
+                raise self.rpc_error(rank, err) from None
+
+        try:
+            written = self.fan_out(complete, stubs)
+            manifest["state"] = [{"rank": r, "path": pathlib.PurePosixPath(names[r]).name, "sha256": w.sha256, "bytes": w.bytes}
+                                 for r, w in enumerate(written)]
+            manifest["write_seconds"] = time.perf_counter() - started  # in the background
+            path = write_manifest(folder / "manifest.json", manifest)
+        except Exception as err:  # raised to the driver by finish()
+            log.error("job %s: the checkpoint of step %d failed: %s", job.job_id, manifest["step"], err)
+            self._failure = err
+            return
+        removed = prune(self.root, job.config.checkpoint.keep)
+        job.checkpoint = path
+        job.add_checkpoint(pb.CheckpointEvent(
+            kind="saved", step=manifest["step"], manifest=path, stall_seconds=manifest["stall_seconds"],
+            write_seconds=manifest["write_seconds"], bytes=sum(w.bytes for w in written)))
+        log.info("checkpoint %s: training stalled %.3fs, written in %.3fs%s", folder, manifest["stall_seconds"],
+                 manifest["write_seconds"], f"; removed {[p.name for p in removed]}" if removed else "")
+
+    def close(self) -> None:
+        if self.probe is not None:
+            self.probe.unlink(missing_ok=True)
+
+
+def _chunks(job_id: str, path: pathlib.Path, name: str, sha256: str):
+    """A file as WriteFile's stream: the first chunk names it."""
+    yield pb.FileChunk(job_id=job_id, path=name, sha256=sha256)
+    with open(path, "rb") as f:
+        while data := f.read(CHUNK_BYTES):
+            yield pb.FileChunk(data=data)
+
+
+def _pull(stub, job_id: str, name: str, target: pathlib.Path, sha256: str) -> None:
+    """Streams a file out of a server's spool into `target` (a temporary name, renamed
+    once its bytes match the writer's SHA-256)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    digest = hashlib.sha256()
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            for chunk in stub.ReadFile(pb.FileRef(job_id=job_id, path=name), timeout=RPC_TIMEOUT_S):
+                digest.update(chunk.data)
+                f.write(chunk.data)
+        if digest.hexdigest() != sha256:
+            raise CheckpointError(f"{target} arrived with SHA-256 {digest.hexdigest()}, its writer "
+                                  f"reported {sha256}")
+        os.replace(tmp, target)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
