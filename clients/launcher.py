@@ -13,6 +13,8 @@ import signal
 import subprocess
 import sys
 import time
+from functools import partial
+from typing import Callable
 
 import torch
 
@@ -61,8 +63,10 @@ def _nccl_installed() -> bool:
 class LocalCluster:
     def __init__(self, servers: int, threads_per_server: int | None = None, log_dir: str | None = None,
                  steps_per_call: int | None = None, memory_per_server: int | None = None,
-                 device: str = "cpu"):
+                 device: str = "cpu", server_command: Callable[[int, list[str]], list[str]] | None = None):
         self.count = servers
+        # Rewrites server i's command line (e.g. to start it in a namespace of its own).
+        self.server_command = server_command or (lambda i, command: command)
         self.devices = local_devices(device, servers)
         self.threads = threads_per_server or max(1, (os.cpu_count() or 1) // servers)
         self.log_dir = log_dir
@@ -73,13 +77,14 @@ class LocalCluster:
         self.processes: list[subprocess.Popen] = []
         self.address = ""
 
-    def _spawn(self, args: list[str], name: str, stdout=subprocess.DEVNULL) -> subprocess.Popen:
+    def _spawn(self, args: list[str], name: str, stdout=subprocess.DEVNULL,
+               command: Callable[[list[str]], list[str]] = lambda c: c) -> subprocess.Popen:
         stderr = subprocess.DEVNULL
         if self.log_dir:
             os.makedirs(self.log_dir, exist_ok=True)
             stderr = open(os.path.join(self.log_dir, f"{name}.log"), "ab")
         process = subprocess.Popen(
-            [sys.executable, "-m", "clients.cli", *args],
+            command([sys.executable, "-m", "clients.cli", *args]),
             stdout=stdout, stderr=stderr, start_new_session=True, preexec_fn=_die_with_parent,
         )
         self.processes.append(process)
@@ -100,7 +105,7 @@ class LocalCluster:
                     ["stage-server", "--coordinator", self.address, "--host", "127.0.0.1",
                      "--port", "0", "--threads", str(self.threads),
                      "--memory-bytes", str(self.memory_per_server), "--device", self.devices[i]],
-                    f"stage-server-{i}",
+                    f"stage-server-{i}", command=partial(self.server_command, i),
                 )
             self._wait_for_servers(timeout_s)
         except BaseException:
