@@ -192,6 +192,8 @@ class JobDriver(threading.Thread):
                 finished += 1
                 continue
             if isinstance(item, JobFailed):
+                if held is not None:  # a step every rank finished is reported all the same
+                    job.add_step(held)
                 raise item
             inside[item.rank] += item.step_seconds
             pending.setdefault(item.step, []).append(item)

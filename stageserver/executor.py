@@ -16,6 +16,7 @@ failing action raises `StepError` naming the rank, the step and the action.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -26,6 +27,23 @@ from stageserver.activation_meter import ChunkActivations
 from stageserver.compute_clock import ComputeClock
 from stageserver.memory import device_peak_bytes, nbytes, reset_peaks, rss_peak_bytes
 from stageserver.model_state import ModelState
+
+
+def _check_finite(step: int, rank: int, losses: list[float], grad_norm: float) -> None:
+    """A non-finite loss or gradient norm ends the job at that step: the parameters it
+    updated are not to be trained on, or saved. The norm is global (every rank sees the
+    same), so every rank stops at the same step and none waits on another."""
+    bad_losses = [x for x in losses if not math.isfinite(x)]
+    bad = [f"loss {bad_losses[0]} in {len(bad_losses)} of {len(losses)} microbatches"] if bad_losses else []
+    if not math.isfinite(grad_norm):
+        bad.append(f"gradient norm {grad_norm}")
+    if bad:
+        raise NonFiniteError(f"step {step}: non-finite {', '.join(bad)} on rank {rank}; the job stops here, and "
+                             f"nothing after its last checkpoint is kept")
+
+
+class NonFiniteError(ArithmeticError):
+    """Training diverged: a loss or the gradient norm is NaN or infinite."""
 
 
 class StepError(RuntimeError):
@@ -138,6 +156,7 @@ class Executor:
         grad_norm = float(state.grad_norm)
         for group in self.model.groups.values():
             group.check()  # a watchdog's abort surfaces here
+        _check_finite(step, self.rank, losses, grad_norm)
         return StepStats(
             loss=sum(losses) / len(losses) if losses else None,
             step_seconds=time.perf_counter() - start,
