@@ -137,7 +137,7 @@ def figures(ours: dict, loads: dict, peers: list[dict]) -> str:
     ]
     headers = ["seconds, median", "interleaf"]
     for p in peers:
-        headers += [f"DCP {'fsync' if p['sync_files'] else 'no fsync'}", "ratio"]
+        headers += [f"DCP {_fsync(p['sync_files'])}", "ratio"]
     body = []
     for label, mine, theirs in rows:
         row = [label, "-" if mine is None else f"{mine:.3f}"]
@@ -148,7 +148,7 @@ def figures(ours: dict, loads: dict, peers: list[dict]) -> str:
 
 
 def per_save(ours: dict, peers: list[dict]) -> str:
-    headers = ["stall / write, s", "interleaf"] + [f"DCP {'fsync' if p['sync_files'] else 'no fsync'}" for p in peers]
+    headers = ["stall / write, s", "interleaf"] + [f"DCP {_fsync(p['sync_files'])}" for p in peers]
     rows = []
     for k, c in enumerate(ours["saved"]):
         rows.append([f"save {k + 1} (step {c['step']}{', training stopped' if k == len(ours['saved']) - 1 else ''})",
@@ -162,7 +162,7 @@ def problems(ours: dict, loads: dict, peers: list[dict]) -> list[str]:
     found = []
     mine = {sum(f["bytes"] for f in c["files"]) for c in ours["saved"]} | {c["bytes"] for c in ours["saved"]}
     for p in peers:
-        name = f"DCP {'fsync' if p['sync_files'] else 'no fsync'}"
+        name = f"DCP {_fsync(p['sync_files'])}"
         if mine != {p["state_bytes"]}:
             found.append(f"state bytes differ: interleaf {sorted(mine)}, {name} {p['state_bytes']}")
         if p["mismatched"]:
@@ -172,6 +172,17 @@ def problems(ours: dict, loads: dict, peers: list[dict]) -> list[str]:
         found.append(f"interleaf: the step resumed at {loads['step']} has loss {loads['losses']}, the saving job "
                      f"{loads['saving_job_loss']} (relative difference {loads['max_relative_loss_difference']:.1e})")
     return found
+
+
+def _phase(phases: dict, name: str) -> None:
+    """Starts a phase: no dirty pages left by the one before, and the load average
+    noted (anything well above the previous phase's ~2 means other processes ran)."""
+    os.sync()
+    phases[name] = round(os.getloadavg()[0], 2)
+
+
+def _fsync(sync_files: bool) -> str:
+    return "fsync" if sync_files else "no fsync"
 
 
 def _arguments() -> argparse.Namespace:
@@ -191,17 +202,18 @@ def main() -> None:
     args = _arguments()
     before = machine()
     root = tempfile.mkdtemp(prefix="interleaf-checkpoint-bench-", dir=args.dir)
+    phases = {}
     try:
         with LocalCluster(RANKS, threads_per_server=1) as cluster, PeerWorld(RANKS) as world:
             client = Client(cluster.address)
             try:
-                os.sync()
+                _phase(phases, "interleaf saves")
                 ours = interleaf_saves(client, os.path.join(root, "interleaf"), args)
                 peers = []
                 for sync_files in (True, False):
-                    os.sync()
+                    _phase(phases, f"DCP {_fsync(sync_files)}")
                     peers.append(dcp_side(world, os.path.join(root, f"dcp-fsync-{sync_files}"), args, sync_files))
-                os.sync()
+                _phase(phases, "interleaf loads")
                 loads = interleaf_loads(client, ours["saved"], ours["losses"], args)
             finally:
                 client.close()
@@ -220,15 +232,17 @@ def main() -> None:
           f"{len(peers[0]['mismatched']) + len(peers[1]['mismatched'])} unequal after load; interleaf resumed at step "
           f"{loads['step']} {args.saves} times, loss relative difference {loads['max_relative_loss_difference']:.1e}")
     print(f"processes: interleaf 2 stage servers + coordinator (which checks every file's SHA-256 on resume, inside "
-          f"load seconds), DCP 2; one torch thread each, the same 2 of {before['cpus']} CPUs and disk, "
-          f"never at once")
+          f"load seconds), DCP 2; one torch thread each, on the same {before['cpus']} CPUs and disk, one side "
+          f"at a time")
     print(f"{before['cpus']} CPUs, load average {before['load_average_1m']} before, {after['load_average_1m']} after; "
           f"{args.saves} saves every {args.every} steps, Interleaf zero={args.zero} dp={RANKS}, DCP over FSDP2 dp={RANKS}")
+    print("load average at each phase's start: " + ", ".join(f"{name} {load}" for name, load in phases.items()))
     found = problems(ours, loads, peers)
     write_json(args.out, {
         "benchmark": "checkpoint_vs_dcp", "machine_before": before, "machine_after": after,
-        "saves": args.saves, "every": args.every, "zero": args.zero, "overrides": overrides(args.zero, 0),
-        "interleaf": {"saves": ours, "loads": loads}, "dcp": peers, "problems": found,
+        "saves": args.saves, "every": args.every, "zero": args.zero, "overrides": overrides(args.zero, args.saves * args.every),
+        "load_average_at_phase_start": phases, "interleaf": {"saves": ours, "loads": loads}, "dcp": peers,
+        "problems": found,
     })
     print(f"results written to {args.out}")
     if found:

@@ -6,6 +6,7 @@ import argparse
 import logging
 import os
 import pathlib
+import signal
 import sys
 
 from clients.follow import MetricsOut, follow
@@ -15,6 +16,46 @@ DEFAULT_COORDINATOR = os.environ.get("INTERLEAF_COORDINATOR", "127.0.0.1:50051")
 
 class UsageError(Exception):
     """A bad command line or config: one line on stderr, exit status 2, nothing started."""
+
+
+class Stopped(BaseException):
+    """`interleaf run` got SIGINT, SIGTERM or SIGHUP. A BaseException, as KeyboardInterrupt
+    is, so that no `except Exception` on the way (gRPC's, ours) takes it for an error."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+class _StopSignals:
+    """SIGINT, SIGTERM and SIGHUP end `interleaf run` alike: the first raises Stopped in
+    the main thread, which unwinds through the local cluster's stop. Once `holding` (the
+    stop under way), a signal is only noted, so it cannot cut that stop short."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+    def __init__(self, note: str):
+        self.note = note
+        self.received: int | None = None
+        self.holding = False
+
+    def __enter__(self) -> "_StopSignals":
+        self.previous = {s: signal.signal(s, self._on_signal) for s in self.SIGNALS}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for s, handler in self.previous.items():
+            signal.signal(s, handler)
+
+    def _on_signal(self, signum: int, _frame) -> None:
+        first = self.received is None
+        self.received = self.received or signum
+        if first and not self.holding:
+            try:
+                print(f"\n{signal.Signals(signum).name}: {self.note}", file=sys.stderr)
+            except OSError:  # SIGHUP: the terminal may be gone
+                pass
+            raise Stopped(signum)
 
 
 def _config_text(path: str | None) -> str:
@@ -51,20 +92,27 @@ def cmd_run(args) -> int:
     if not remote:
         _admit_locally(config, servers, args.device)
     metrics = MetricsOut(args.metrics_out)
+    note = "the job goes on at the coordinator" if remote else "stopping the local servers"
     try:
-        if remote:
-            client = Client(args.coordinator)
-            job = client.submit(text, args.set)
-            print(f"submitted {job.job_id}", file=sys.stderr)
-            return follow(client, job.job_id, config.train.steps, metrics)
-        print(f"starting a coordinator and {servers} stage servers", file=sys.stderr)
-        with LocalCluster(servers, log_dir=args.log_dir, device=args.device) as cluster:
-            client = Client(cluster.address)
-            job = client.submit(text, args.set)
-            return follow(client, job.job_id, config.train.steps, metrics)
-    except KeyboardInterrupt:
-        print("\ninterrupted: stopping the local servers", file=sys.stderr)
-        return 130
+        with _StopSignals(note) as signals:
+            if remote:
+                client = Client(args.coordinator)
+                job = client.submit(text, args.set)
+                print(f"submitted {job.job_id}", file=sys.stderr)
+                return follow(client, job.job_id, config.train.steps, metrics)
+            print(f"starting a coordinator and {servers} stage servers", file=sys.stderr)
+            cluster = LocalCluster(servers, log_dir=args.log_dir, device=args.device)
+            try:
+                cluster.start()  # stops what it started should it fail or be stopped
+                client = Client(cluster.address)
+                job = client.submit(text, args.set)
+                status = follow(client, job.job_id, config.train.steps, metrics)
+            finally:
+                signals.holding = True
+                cluster.stop()
+            return status  # a signal that came during the stop changed nothing: the job had ended
+    except Stopped as stopped:
+        return 128 + stopped.signum
     finally:
         metrics.close()
 
@@ -161,8 +209,10 @@ def cmd_coordinator(args) -> int:
 def cmd_stage_server(args) -> int:
     from stageserver.main import serve
 
+    if not args.orphan_timeout > 0:
+        raise UsageError(f"--orphan-timeout={args.orphan_timeout:g} must be a positive number of seconds")
     serve(args.coordinator, args.host, args.port, args.bind, args.threads, args.memory_bytes, args.device,
-          args.spool_dir)
+          args.spool_dir, args.orphan_timeout)
     return 0
 
 
@@ -319,6 +369,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--spool-dir", default=None, metavar="DIR",
                    help="where checkpoint files wait when this server does not share the coordinator's "
                         "checkpoint.dir (default: interleaf-spool in the system's temporary folder)")
+    p.add_argument("--orphan-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="drop the job held (freeing its memory) once the coordinator has been unreachable "
+                        "this long (default 30)")
     p.set_defaults(fn=cmd_stage_server)
 
     p = sub.add_parser("submit", help="submit a job, print its id")

@@ -24,9 +24,11 @@ from stageserver.device import device_memory_bytes, physical_memory_bytes
 PR_SET_PDEATHSIG = 1
 
 
-def _die_with_parent() -> None:
+def _die_with_parent(parent: int) -> None:
     libc = ctypes.CDLL("libc.so.6", use_errno=True)
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != parent:  # the parent died before the request was made: no signal will come
+        os._exit(1)
 
 
 def local_devices(device: str, servers: int) -> list[str]:
@@ -85,7 +87,7 @@ class LocalCluster:
             stderr = open(os.path.join(self.log_dir, f"{name}.log"), "ab")
         process = subprocess.Popen(
             command([sys.executable, "-m", "clients.cli", *args]),
-            stdout=stdout, stderr=stderr, start_new_session=True, preexec_fn=_die_with_parent,
+            stdout=stdout, stderr=stderr, start_new_session=True, preexec_fn=partial(_die_with_parent, os.getpid()),
         )
         self.processes.append(process)
         return process

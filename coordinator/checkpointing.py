@@ -67,10 +67,14 @@ class Checkpointing:
         checkpoint.dir, and the manifest to resume from."""
         job, probes = self.job, []
         if self.root is not None:
-            self.root.mkdir(parents=True, exist_ok=True)
             token = secrets.token_hex(16).encode()
-            self.probe = self.root / f".probe-{job.job_id}"
-            self.probe.write_bytes(token)
+            try:
+                self.root.mkdir(parents=True, exist_ok=True)
+                (self.root / f".probe-{job.job_id}").write_bytes(token)
+                self.probe = self.root / f".probe-{job.job_id}"
+            except OSError as err:
+                raise CheckpointError(f"checkpoint.dir={job.config.checkpoint.dir!r} cannot be written by the "
+                                      f"coordinator: {err.strerror}") from None
             probes.append(pb.FileRef(path=str(self.probe), sha256=hashlib.sha256(token).hexdigest()))
         if job.config.checkpoint.resume:
             self.resume_from = self._check_resume(job.config.checkpoint.resume)
@@ -212,7 +216,10 @@ class Checkpointing:
 
     def close(self) -> None:
         if self.probe is not None:
-            self.probe.unlink(missing_ok=True)
+            try:
+                self.probe.unlink(missing_ok=True)
+            except OSError as err:  # never written: checkpoint.dir was not a folder
+                log.debug("probe %s: %s", self.probe, err)
 
 
 def _chunks(job_id: str, path: pathlib.Path, name: str, sha256: str):

@@ -80,11 +80,13 @@ class JobDriver(threading.Thread):
         if job.cancel_requested.is_set():
             state = "CANCELLED"
         # Servers are freed before the final state is published: whoever sees it may
-        # submit the next job at once.
-        self._teardown()
-        self.checkpoints.close()
-        self.registry.release(job.job_id)
-        job.set_state(state, error)
+        # submit the next job at once. The state is published whatever the cleanup meets.
+        try:
+            self._teardown()
+            self.checkpoints.close()
+        finally:
+            self.registry.release(job.job_id)
+            job.set_state(state, error)
 
     def _rpc_error(self, rank: int, err: grpc.RpcError) -> JobFailed:
         address = self.addresses[rank] if rank < len(self.addresses) else "?"

@@ -17,6 +17,7 @@ failing action raises `StepError` naming the rank, the step and the action.
 from __future__ import annotations
 
 import math
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -48,6 +49,10 @@ class NonFiniteError(ArithmeticError):
 
 class StepError(RuntimeError):
     pass
+
+
+class StepCancelled(StepError):
+    """The job was closed (a teardown, a dropped job, a signal) while this step ran."""
 
 
 @dataclass
@@ -109,8 +114,13 @@ class _Posted:
 
 
 class Executor:
-    def __init__(self, model: ModelState, program: list[Action], rank: int):
+    def __init__(self, model: ModelState, program: list[Action], rank: int,
+                 cancelled: threading.Event | None = None):
         self.model = model
+        # Set when the job is closed: the step stops before its next action instead of
+        # running to its end (a wait already posted still ends only when its peer
+        # answers or goes away; see stageserver/main.py for how a server exits anyway).
+        self.cancelled = cancelled or threading.Event()
         self.ledger = model.ledger
         self.program = program
         self.rank = rank
@@ -140,6 +150,8 @@ class Executor:
         start = time.perf_counter()
         self.model.zero_grad()
         for index, action in enumerate(self.program):
+            if self.cancelled.is_set():
+                raise StepCancelled(f"rank {self.rank} step {step}: cancelled before action {index} ({action})")
             try:
                 self.handlers[action.kind](action, state)
                 self._reap_sends(state, block=False)

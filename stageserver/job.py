@@ -117,7 +117,7 @@ class StageJob:
             for joined in groups.values():  # never left to the garbage collector
                 joined.close()
             raise
-        self.executor = Executor(self.model, self.program, self.rank)
+        self.executor = Executor(self.model, self.program, self.rank, self.cancelled)
 
     @property
     def reports_loss(self) -> bool:
@@ -126,9 +126,10 @@ class StageJob:
         return any(c.index == last for c in self.chunks) and self.request.coordinates.tp == 0
 
     def run_step(self, step: int) -> StepStats:
-        if self.executor is None:
+        executor = self.executor  # read once: close() may clear it from another thread
+        if executor is None:
             raise RuntimeError(f"job {self.job_id} is not connected")
-        return self.executor.run_step(step)
+        return executor.run_step(step)
 
     def _local(self, path: str) -> str:
         """A checkpoint path as this server reads it: in place, or (relative) in the spool."""

@@ -1,12 +1,19 @@
 """`interleaf stage-server`: serve the StageServer API and stay registered with the
-coordinator (register, heartbeat, and register again if the coordinator forgot us)."""
+coordinator (register, heartbeat, and register again if the coordinator forgot us).
+
+A server outlives no purpose. A job whose coordinator forgot us (it restarted) or has
+been unreachable past --orphan-timeout is dropped: closed as Teardown would. SIGTERM
+and SIGINT stop the step under way and end the process within EXIT_BOUND_S.
+"""
 
 from __future__ import annotations
 
 import logging
+import os
 import pathlib
 import signal
 import threading
+import time
 
 import grpc
 import torch
@@ -20,18 +27,31 @@ from stageserver.spool import default_root
 
 log = logging.getLogger("interleaf.stageserver")
 RPC_TIMEOUT_S = 10.0
+ORPHAN_TIMEOUT_S = 30.0
+"""--orphan-timeout's default: the coordinator's silence after which a job is dropped."""
+EXIT_GRACE_S = 1.0
+"""After a signal, how long RPCs in flight (a RunSteps told its job was cancelled) get
+to end before the gRPC server cancels them."""
+EXIT_BOUND_S = 5.0
+"""After a signal the process is gone within this, whatever still holds on: a rank
+waiting on a peer that is gone is released only by the peer's socket closing or the
+communication timeout, and the interpreter would join its handler thread at exit."""
 
 
 class Registrar(threading.Thread):
     def __init__(self, coordinator: str, address: str, host: str, stop: threading.Event, memory_bytes: int,
-                 device: str):
+                 device: str, service: StageServerService, orphan_timeout_s: float = ORPHAN_TIMEOUT_S):
         super().__init__(name="registrar", daemon=True)
-        self.stub = rpc.CoordinatorStub(wire.channel(coordinator))
+        self.coordinator = coordinator
+        self._connect()
         self.request = pb.RegisterRequest(
             address=address, host=host, device=device, memory_bytes=memory_bytes
         )
         self.stop = stop
+        self.service = service
+        self.orphan_timeout_s = orphan_timeout_s
         self.server_id = ""
+        self.last_contact = time.monotonic()
 
     def run(self) -> None:
         interval = 1.0
@@ -43,34 +63,73 @@ class Registrar(threading.Thread):
                     log.info("registered as %s", self.server_id)
                 else:
                     self.stub.Heartbeat(pb.HeartbeatRequest(server_id=self.server_id), timeout=RPC_TIMEOUT_S)
+                self.last_contact = time.monotonic()
             except grpc.RpcError as err:
                 if err.code() == grpc.StatusCode.NOT_FOUND:
-                    self.server_id = ""  # the coordinator restarted: register again
+                    # The coordinator restarted: a job it gave us is no one's now, and
+                    # holding it would refuse the next one ("busy").
+                    self.service.drop_job("the coordinator no longer knows this server (it restarted)")
+                    self.server_id = ""
                     continue
-                log.warning("coordinator unreachable: %s", err.details())
+                self._unreachable(err)
             self.stop.wait(interval)
+
+    def _unreachable(self, err: grpc.RpcError) -> None:
+        silent = time.monotonic() - self.last_contact
+        log.warning("coordinator unreachable for %.0f s: %s", silent, err.details())
+        if silent > self.orphan_timeout_s:
+            self.service.drop_job(f"the coordinator has been unreachable for {silent:.0f} s "
+                                  f"(--orphan-timeout {self.orphan_timeout_s:g})")
+        # A fresh channel tries at once: gRPC's reconnection backoff would otherwise grow
+        # to minutes and find a restarted coordinator late.
+        self.channel.close()
+        self._connect()
+
+    def _connect(self) -> None:
+        self.channel = wire.channel(self.coordinator)
+        self.stub = rpc.CoordinatorStub(self.channel)
 
 
 def serve(coordinator: str, host: str, port: int, bind: str, threads: int, memory_bytes: int = 0,
-          device: str = "cpu", spool_dir: str | None = None) -> None:
+          device: str = "cpu", spool_dir: str | None = None, orphan_timeout_s: float = ORPHAN_TIMEOUT_S) -> None:
     if threads > 0:
         torch.set_num_threads(threads)
     where = resolve_device(device)
     if where.type == "cuda":
         torch.cuda.set_device(where)  # this thread's; the gRPC handlers set it on theirs
     server = wire.server()
-    rpc.add_StageServerServicer_to_server(StageServerService(host, where, pathlib.Path(spool_dir) if spool_dir else default_root()), server)
+    service = StageServerService(host, where, pathlib.Path(spool_dir) if spool_dir else default_root())
+    rpc.add_StageServerServicer_to_server(service, server)
     bound = server.add_insecure_port(f"{bind}:{port}")
     server.start()
     stop = threading.Event()
     Registrar(coordinator, f"{host}:{bound}", host, stop, memory_bytes or device_memory_bytes(where),
-              str(where)).start()
-    log.info("stage server on %s:%d (%s), coordinator %s", host, bound, where, coordinator)
+              str(where), service, orphan_timeout_s).start()
+    log.info("stage server on %s:%d (%s), coordinator %s, orphan timeout %g s", host, bound, where, coordinator,
+             orphan_timeout_s)
 
-    def shutdown(*_):
+    def shutdown(signum, _frame):
+        if stop.is_set():  # a second signal: no more waiting
+            _exit_now(signum)
         stop.set()
-        server.stop(grace=1.0)
+        name = signal.Signals(signum).name
+        log.info("%s: stopping (gone within %g s)", name, EXIT_BOUND_S)
+        # Armed first: closing a job may itself wait (an NCCL close gives its operations
+        # a grace period).
+        hard_stop = threading.Timer(EXIT_BOUND_S, _exit_now, args=(signum, f"still busy {EXIT_BOUND_S:g} s"))
+        hard_stop.daemon = True
+        hard_stop.start()
+        service.drop_job(f"the server got {name}")
+        server.stop(grace=EXIT_GRACE_S)
 
     signal.signal(signal.SIGTERM, shutdown)
     signal.signal(signal.SIGINT, shutdown)
     server.wait_for_termination()
+
+
+def _exit_now(signum: int, why: str = "a second signal") -> None:
+    """Ends the process without joining its threads (a handler thread waiting on a peer
+    that is gone would hold the interpreter's exit until the communication timeout)."""
+    log.warning("%s after %s: exiting now", why, signal.Signals(signum).name)
+    logging.shutdown()
+    os._exit(128 + signum)

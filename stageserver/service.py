@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 import pathlib
 import threading
 
@@ -13,6 +14,8 @@ from protos import interleaf_pb2 as pb
 from protos import interleaf_pb2_grpc as rpc
 from stageserver.job import JobRejected, StageJob
 from stageserver.spool import default_root, sees
+
+log = logging.getLogger("interleaf.stageserver")
 
 
 class StageServerService(rpc.StageServerServicer):
@@ -78,7 +81,9 @@ class StageServerService(rpc.StageServerServicer):
             try:
                 stats = job.run_step(step)
             except Exception as err:
-                context.abort(grpc.StatusCode.INTERNAL, str(err))
+                # A job closed mid-step (torn down, dropped, or the server stopping).
+                code = grpc.StatusCode.CANCELLED if job.cancelled.is_set() else grpc.StatusCode.INTERNAL
+                context.abort(code, str(err))
             yield pb.StepReport(
                 job_id=job.job_id,
                 step=step,
@@ -147,3 +152,14 @@ class StageServerService(rpc.StageServerServicer):
         if job is not None and job.job_id == request.job_id:
             job.close()
         return pb.Empty()
+
+    def drop_job(self, reason: str) -> None:
+        """Closes the job this server holds, if any, as Teardown would, when no one is
+        left to tear it down: its coordinator is gone or forgot us, or the server stops.
+        A step running in a handler stops at its next action."""
+        with self._lock:
+            job, self._job = self._job, None
+        if job is not None:
+            log.warning("dropping job %s: %s", job.job_id, reason)
+            self._use_device()
+            job.close()

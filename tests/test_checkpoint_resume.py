@@ -117,3 +117,12 @@ def test_interleaf_run_resume_continues_where_the_checkpoint_left_off(client, tm
     assert "resumed at step 4" in result.stderr
     assert [s["step"] for s in steps] == [4, 5, 6, 7]
     assert [s["loss"] for s in steps] == pytest.approx([s.loss for s in whole[4:]], rel=LOSS_RTOL)
+
+
+def test_a_checkpoint_dir_the_coordinator_cannot_write_fails_the_job_naming_it(client, tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    final, steps = run_job(client, TINY + STEPS + [f"checkpoint.dir={blocker / 'ck'}"])
+    assert final.state == "FAILED" and steps == []
+    assert final.error == (f"checkpoint.dir={str(blocker / 'ck')!r} cannot be written by the coordinator: "
+                           f"Not a directory")
