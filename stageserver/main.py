@@ -33,9 +33,10 @@ EXIT_GRACE_S = 1.0
 """After a signal, how long RPCs in flight (a RunSteps told its job was cancelled) get
 to end before the gRPC server cancels them."""
 EXIT_BOUND_S = 5.0
-"""After a signal the process is gone within this, whatever still holds on: a rank
-waiting on a peer that is gone is released only by the peer's socket closing or the
-communication timeout, and the interpreter would join its handler thread at exit."""
+"""After a signal the process is gone within this, whatever still holds on. No
+cancellation reaches a wait already posted: a peer that exits closes its sockets and
+so ends the wait, but one that hangs (alive, not answering) leaves it to the
+communication timeout, and the interpreter would join that handler thread at exit."""
 
 
 class Registrar(threading.Thread):

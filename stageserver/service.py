@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import itertools
 import logging
 import pathlib
@@ -79,11 +80,15 @@ class StageServerService(rpc.StageServerServicer):
                 context.abort(grpc.StatusCode.CANCELLED, f"job {job.job_id} was torn down")
             self._use_device()  # each step: a streaming handler may resume on another thread
             try:
-                stats = job.run_step(step)
+                stats, stopped = job.run_step(step), ""
             except Exception as err:
-                # A job closed mid-step (torn down, dropped, or the server stopping).
-                code = grpc.StatusCode.CANCELLED if job.cancelled.is_set() else grpc.StatusCode.INTERNAL
-                context.abort(code, str(err))
+                if not job.cancelled.is_set():
+                    context.abort(grpc.StatusCode.INTERNAL, str(err))
+                stopped = str(err)
+            if stopped:  # closed mid-step: torn down, dropped, or the server stopping
+                log.info("job %s stopped in step %d: %s", job.job_id, step, stopped)
+                _collect()  # out of the except block: the step's frames are no longer held
+                context.abort(grpc.StatusCode.CANCELLED, stopped)
             yield pb.StepReport(
                 job_id=job.job_id,
                 step=step,
@@ -151,6 +156,7 @@ class StageServerService(rpc.StageServerServicer):
                 self._job = None
         if job is not None and job.job_id == request.job_id:
             job.close()
+            _collect()
         return pb.Empty()
 
     def drop_job(self, reason: str) -> None:
@@ -163,3 +169,12 @@ class StageServerService(rpc.StageServerServicer):
             log.warning("dropping job %s: %s", job.job_id, reason)
             self._use_device()
             job.close()
+            _collect()
+
+
+def _collect() -> None:
+    """Frees a closed job's memory now: its executor holds itself in a reference cycle
+    (its table of bound handlers), which only the cyclic collector frees, and that may
+    not run for a long time on an idle server. Called where the job lets go and where a
+    step that was running lets go, whichever comes last."""
+    gc.collect()

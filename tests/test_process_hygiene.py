@@ -1,0 +1,220 @@
+"""Processes never outlive their purpose (DESIGN.md, "Failures"), shown with real
+processes and real signals: `interleaf run --local` stopped by SIGTERM, SIGHUP or SIGKILL
+leaves nothing running; a stage server whose coordinator is gone drops its job; a busy
+stage server given SIGTERM ends within its bound."""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import gc
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+import uuid
+import weakref
+from concurrent.futures import ThreadPoolExecutor
+
+import torch.distributed as dist
+
+from clients.client import Client
+from clients.launcher import LocalCluster
+from protos import interleaf_pb2 as pb
+from protos import interleaf_pb2_grpc as rpc
+from protos import wire
+from stageserver.main import EXIT_BOUND_S
+from stageserver.service import StageServerService
+from tests.conftest import TINY
+from tests.test_group_ids import _connect, _setup, _teardown
+from tests.test_launcher import SMALL, _marked_processes, _start
+
+LAYOUT = ["parallel.pp=2", "parallel.vpp=1"]
+RUN_GONE_S = 10.0
+"""`interleaf run` and every process it started are gone this long after SIGTERM or
+SIGHUP (its stop kills what is left at 10 s; measured about 2.5 s). After SIGKILL its
+children are gone within EXIT_BOUND_S (the servers' bound; measured under 2 s)."""
+SLACK_S = 2.0
+"""Allowance for two loaded cores on top of a stated bound."""
+ORPHAN_TIMEOUT_S = 3.0
+
+
+def _wait_until(condition, timeout_s: float, what: str, poll_s: float = 0.1):
+    deadline = time.monotonic() + timeout_s
+    while not (result := condition()):
+        assert time.monotonic() < deadline, f"{what}: not within {timeout_s:g} s"
+        time.sleep(poll_s)
+    return result
+
+
+def _lines(path: pathlib.Path) -> int:
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def test_run_stopped_by_sigterm_sighup_or_sigkill_leaves_nothing(tmp_path):
+    # The three runs go side by side: each waits mostly on its processes' start.
+    runs = {}
+    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGKILL):
+        marker, metrics = uuid.uuid4().hex, tmp_path / f"{sig.name}.jsonl"
+        process = _start(["run", *SMALL, "--set", "train.steps=100000", "--metrics-out", str(metrics),
+                          "--log-dir", str(tmp_path / sig.name)], marker)
+        runs[sig] = (marker, metrics, process)
+    try:
+        for sig, (marker, metrics, process) in runs.items():
+            _wait_until(lambda: _lines(metrics) >= 1 or process.poll() is not None, 240, f"{sig.name} run training")
+            assert process.poll() is None, process.communicate()[1]
+            assert len(_marked_processes(marker)) == 4  # interleaf run, a coordinator, two servers
+        sent = {}
+        for sig, (_, _, process) in runs.items():
+            process.send_signal(sig)
+            sent[sig] = time.monotonic()
+        for sig, (marker, _, process) in runs.items():
+            bound = (EXIT_BOUND_S if sig is signal.SIGKILL else RUN_GONE_S) + SLACK_S
+            _, err = process.communicate(timeout=bound)
+            if sig is signal.SIGKILL:
+                assert process.returncode == -signal.SIGKILL
+            else:
+                assert process.returncode == 128 + sig, err
+                assert f"{sig.name}: stopping the local servers" in err
+            _wait_until(lambda: not _marked_processes(marker), bound - (time.monotonic() - sent[sig]),
+                        f"every process of the run stopped by {sig.name} gone")
+    finally:
+        for _, _, process in runs.values():
+            if process.poll() is None:
+                process.kill()
+                process.communicate()
+
+
+@contextlib.contextmanager
+def _cluster(tmp_path, orphan_timeout_s: float | None = None, steps_per_call: int | None = None):
+    extra = ["--orphan-timeout", str(orphan_timeout_s)] if orphan_timeout_s else []
+    cluster = LocalCluster(2, threads_per_server=1, log_dir=str(tmp_path), steps_per_call=steps_per_call,
+                           server_command=lambda i, command: command + extra)
+    with cluster:
+        try:
+            yield cluster
+        finally:
+            for process in cluster.processes:  # none left stopped, for the cluster's own stop
+                if process.poll() is None:
+                    process.send_signal(signal.SIGCONT)
+
+
+@contextlib.contextmanager
+def _coordinator(address: str, log: pathlib.Path):
+    """A coordinator started again on `address` (the one the servers know)."""
+    port = address.rsplit(":", 1)[1]
+    process = subprocess.Popen([sys.executable, "-m", "clients.cli", "coordinator", "--host", "127.0.0.1",
+                                "--port", port], stdout=subprocess.PIPE, stderr=log.open("ab"),
+                               start_new_session=True)
+    try:
+        assert f"listening on {address}" in process.stdout.readline().decode()
+        yield Client(address)
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+
+
+def _start_long_job(client: Client) -> str:
+    job_id = client.submit("", TINY + LAYOUT + ["train.steps=100000"]).job_id
+    _wait_until(lambda: client.status(job_id).step >= 1, 120, "training under way")
+    return job_id
+
+
+def _runs_a_job(client: Client) -> None:
+    _wait_until(lambda: sum(s.state == "IDLE" for s in client.servers()) == 2, 30, "both servers registered")
+    final, steps = client.wait(client.submit("", TINY + LAYOUT).job_id, timeout_s=120)
+    assert final.state == "SUCCEEDED", final.error
+    assert [s.step for s in steps] == [0, 1, 2]
+
+
+def _log(cluster: LocalCluster, server: int) -> str:
+    return (pathlib.Path(cluster.log_dir) / f"stage-server-{server}.log").read_text()
+
+
+def _logged(cluster: LocalCluster, text: str) -> bool:
+    return all(text in _log(cluster, i) for i in range(2))
+
+
+def test_orphaned_server_drops_its_job_within_the_timeout(tmp_path):
+    with _cluster(tmp_path, ORPHAN_TIMEOUT_S) as cluster:
+        client = Client(cluster.address)
+        job_id = _start_long_job(client)
+        cluster.processes[0].kill()  # the coordinator, mid-job
+        killed = time.monotonic()
+        # Dropped by the first heartbeat (one a second) that finds the coordinator silent
+        # past the timeout since the last one it answered: within the timeout +-1 s of its death.
+        _wait_until(lambda: _logged(cluster, f"dropping job {job_id}: the coordinator has been unreachable"),
+                    ORPHAN_TIMEOUT_S + 1 + SLACK_S, "both servers dropped the job")
+        assert time.monotonic() - killed > ORPHAN_TIMEOUT_S - 1
+        # Free again: a new coordinator gets both back and runs a job on them.
+        with _coordinator(cluster.address, tmp_path / "coordinator-2.log") as client:
+            _runs_a_job(client)
+
+
+def test_servers_of_a_restarted_coordinator_drop_the_stale_job(tmp_path):
+    # Before the orphan timeout (30 s): the new coordinator's NOT_FOUND is what frees them.
+    with _cluster(tmp_path) as cluster:
+        client = Client(cluster.address)
+        _start_long_job(client)
+        cluster.processes[0].kill()
+        with _coordinator(cluster.address, tmp_path / "coordinator-2.log") as client:
+            _runs_a_job(client)
+        assert _logged(cluster, "the coordinator no longer knows this server (it restarted)")
+
+
+def test_busy_server_exits_on_sigterm_within_the_bound(tmp_path):
+    # One RunSteps call for the whole job: the servers are never between calls.
+    with _cluster(tmp_path, steps_per_call=100000) as cluster:
+        _start_long_job(Client(cluster.address))
+        first, second = cluster.processes[1:]
+        # The second server hangs: the first then waits on it inside a step, where no
+        # cancellation reaches; only the hard exit ends it.
+        second.send_signal(signal.SIGSTOP)
+        time.sleep(0.5)
+        first.send_signal(signal.SIGTERM)
+        signalled = time.monotonic()
+        assert first.wait(timeout=EXIT_BOUND_S + SLACK_S) == 128 + signal.SIGTERM
+        assert time.monotonic() - signalled >= EXIT_BOUND_S - 0.5
+        assert f"still busy {EXIT_BOUND_S:g} s after SIGTERM: exiting now" in _log(cluster, 0)
+        # The hung one, resumed and stopped, finds its peer gone and exits at once.
+        second.send_signal(signal.SIGCONT)
+        second.send_signal(signal.SIGTERM)
+        signalled = time.monotonic()
+        second.wait(timeout=EXIT_BOUND_S + SLACK_S)
+        assert time.monotonic() - signalled < EXIT_BOUND_S
+
+
+def test_dropped_job_frees_its_memory_at_once():
+    """drop_job, as the registrar calls it, on two in-process services over real gloo:
+    the job's model (weights, optimizer state, groups) is gone when it returns, without
+    waiting for the cyclic garbage collector (disabled here so it cannot help)."""
+    services = [StageServerService("127.0.0.1") for _ in range(2)]
+    servers, stubs = [], []
+    for service in services:
+        server = wire.server(threads=4)
+        rpc.add_StageServerServicer_to_server(service, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        server.start()
+        servers.append(server)
+        stubs.append(rpc.StageServerStub(wire.channel(f"127.0.0.1:{port}")))
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=30))
+    gc.disable()
+    try:
+        _, replies = _setup(stubs, store, "drop-1", comm_timeout_s=20)
+        relayed = {g.name: g.id for g in replies[0].group_ids}
+        assert _connect(stubs, "drop-1", [relayed, relayed]) == ["connected", "connected"]
+        request = pb.RunStepsRequest(job_id="drop-1", first_step=0, num_steps=1)
+        with ThreadPoolExecutor(2) as pool:
+            assert [len(r) for r in pool.map(lambda stub: list(stub.RunSteps(request, timeout=60)), stubs)] == [1, 1]
+        models = [weakref.ref(service._job.model) for service in services]
+        for service in services:
+            service.drop_job("the test drops it")
+        assert [model() for model in models] == [None, None]
+        _setup(stubs, store, "drop-2", comm_timeout_s=20)  # free for the next job
+        _teardown(stubs, "drop-2")
+    finally:
+        gc.enable()
+        for server in servers:
+            server.stop(grace=None)
