@@ -103,17 +103,37 @@ class LocalCluster:
                 raise RuntimeError(f"coordinator did not start: {line.strip() or 'no output'}")
             self.address = line.split("listening on ")[1].split()[0]
             for i in range(self.count):
-                self._spawn(
-                    ["stage-server", "--coordinator", self.address, "--host", "127.0.0.1",
-                     "--port", "0", "--threads", str(self.threads),
-                     "--memory-bytes", str(self.memory_per_server), "--device", self.devices[i]],
-                    f"stage-server-{i}", command=partial(self.server_command, i),
-                )
+                self._spawn_server(i)
             self._wait_for_servers(timeout_s)
         except BaseException:
             self.stop()
             raise
         return self
+
+    def _spawn_server(self, i: int) -> subprocess.Popen:
+        return self._spawn(
+            ["stage-server", "--coordinator", self.address, "--host", "127.0.0.1",
+             "--port", "0", "--threads", str(self.threads),
+             "--memory-bytes", str(self.memory_per_server), "--device", self.devices[i % len(self.devices)]],
+            f"stage-server-{i}", command=partial(self.server_command, i),
+        )
+
+    def add_server(self, timeout_s: float = 60.0) -> tuple[subprocess.Popen, str]:
+        """One more stage server (a replacement or a spare), once it has registered:
+        (its process, its address)."""
+        client = Client(self.address)
+        try:
+            before = {s.address for s in client.servers()}
+            process = self._spawn_server(self.count)
+            self.count += 1
+            deadline = time.monotonic() + timeout_s
+            while not (new := {s.address for s in client.servers()} - before):
+                if process.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"stage server {process.args} did not register")
+                time.sleep(0.1)
+        finally:
+            client.close()
+        return process, new.pop()
 
     def _wait_for_servers(self, timeout_s: float) -> None:
         client = Client(self.address)

@@ -52,6 +52,7 @@ class Checkpointing:
         config = job.config.checkpoint
         self.root = pathlib.Path(config.dir).resolve() if config.dir else None
         self.resume_from: Checkpoint | None = None
+        self.restart_from = config.resume  # checkpoint.resume, then after a recovery the newest saved
         self.probe: pathlib.Path | None = None
         self.shares_root: list[bool] = []    # per rank: reads checkpoint.dir in place
         self.shares_resume: list[bool] = []  # per rank: reads the resumed checkpoint in place
@@ -76,8 +77,8 @@ class Checkpointing:
                 raise CheckpointError(f"checkpoint.dir={job.config.checkpoint.dir!r} cannot be written by the "
                                       f"coordinator: {err.strerror}") from None
             probes.append(pb.FileRef(path=str(self.probe), sha256=hashlib.sha256(token).hexdigest()))
-        if job.config.checkpoint.resume:
-            self.resume_from = self._check_resume(job.config.checkpoint.resume)
+        self.resume_from = self._check_resume(self.restart_from) if self.restart_from else None
+        if self.resume_from is not None:
             manifest = self.resume_from.manifest_path
             probes.append(pb.FileRef(path=str(manifest), sha256=hashlib.sha256(manifest.read_bytes()).hexdigest()))
         return probes
@@ -93,6 +94,16 @@ class Checkpointing:
             raise CheckpointError(f"checkpoint.resume={where!r} is at step {checkpoint.step}: nothing is "
                                   f"left of train.steps={config.train.steps}")
         return checkpoint
+
+    def recover(self) -> None:
+        """After a lost server: the next attempt starts from the newest complete
+        checkpoint this job saved, else from where the job started."""
+        self.saved_step = None
+        if self.root is not None:
+            try:
+                self.restart_from = str(find(self.root).manifest_path)
+            except CheckpointError:
+                pass  # none complete yet
 
     def set_up(self, replies: list[pb.SetupReply]) -> None:
         """Takes each server's answer to the probes."""

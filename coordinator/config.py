@@ -170,9 +170,9 @@ class DataConfig:
 @dataclass(frozen=True)
 class CheckpointConfig:
     dir: str = ""
-    """When set, checkpoints are written here (per rank a parameter file and a state
-    file, and a manifest), at the end and every `every` steps, on the machines running
-    the stage servers."""
+    """When set, checkpoints are written here (per rank a state file, and a manifest),
+    at the end and every `every` steps, on the coordinator's machine (servers that do
+    not share its filesystem send their files over gRPC)."""
     every: int = 0
     """Save every this many steps as well as at the end (0: at the end only)."""
     keep: int = 0
@@ -191,12 +191,25 @@ class CheckpointConfig:
 
 
 @dataclass(frozen=True)
+class RecoveryConfig:
+    max_restarts: int = 3
+    """When a stage server dies (its calls fail and it no longer answers), the job is
+    set up again on registered servers, continues from its newest checkpoint (or the
+    start) and may do so this many times; 0 fails the job at the first loss."""
+
+    def __post_init__(self):
+        if self.max_restarts < 0:
+            raise ConfigError(f"recovery.max_restarts={self.max_restarts} must be 0 or more")
+
+
+@dataclass(frozen=True)
 class JobConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
 
     def __post_init__(self):
         m, p, t = self.model, self.parallel, self.train
@@ -226,6 +239,7 @@ _SECTION_TYPES = {
     "train": TrainConfig,
     "data": DataConfig,
     "checkpoint": CheckpointConfig,
+    "recovery": RecoveryConfig,
 }
 
 

@@ -2,7 +2,9 @@
 one RunSteps call per server per block of steps, save, tear down.
 
 Anything that fails tears the job down on every server it touched, so a failed or
-cancelled job leaves no server holding state.
+cancelled job leaves no server holding state. A failure after which some of the job's
+servers no longer answer is a lost server: the job goes to RECOVERING, forgets them,
+and runs again on registered servers from its newest checkpoint (recovery.max_restarts).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import queue
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from functools import partial
 
 import grpc
@@ -30,6 +33,16 @@ log = logging.getLogger("interleaf.coordinator")
 SETUP_TIMEOUT_S = 120.0
 COMM_TIMEOUT_S = 120.0
 STEP_TIMEOUT_S = 600.0
+LOST_AFTER_S = 10.0  # a server that answers no Teardown in this long after a failure is lost
+
+
+@dataclass
+class _Recovery:
+    attempt: int
+    failure: str
+    lost: list[str]
+    detected_unix: float
+    started: float  # perf_counter at detection
 
 
 class JobFailed(RuntimeError):
@@ -52,6 +65,7 @@ class JobDriver(threading.Thread):
         self.registry = registry
         self.store = store
         self.stubs: list[rpc.StageServerStub] = []
+        self.plan: JobPlan | None = None
         self.addresses: list[str] = []
         self.checkpoints = Checkpointing(job, _fan_out, self._rpc_error)
 
@@ -59,24 +73,10 @@ class JobDriver(threading.Thread):
         job = self.job
         state, error = "SUCCEEDED", ""
         try:
-            probes = self.checkpoints.probes()
-            plan = self._claim_and_plan()
-            if plan is not None:
-                self._setup(plan, probes)
-                first = self.checkpoints.resume(self.stubs) if self.checkpoints.resume_from else 0
-                job.set_state("RUNNING")
-                self._train(plan, first)
-                if job.config.checkpoint.dir and not job.cancel_requested.is_set():
-                    if self.checkpoints.saved_step != job.step:
-                        self._save(plan)  # the end, unless a periodic save just took it
-                    self.checkpoints.finish()
+            self._run_with_recovery()
         except Exception as err:
             log.exception("job %s failed", job.job_id)
             state, error = "FAILED", str(err)
-            try:  # a save already under way still completes, if the servers allow
-                self.checkpoints.finish()
-            except Exception as late:
-                log.warning("job %s: the save under way failed too: %s", job.job_id, late)
         if job.cancel_requested.is_set():
             state = "CANCELLED"
         # Servers are freed before the final state is published: whoever sees it may
@@ -87,6 +87,75 @@ class JobDriver(threading.Thread):
         finally:
             self.registry.release(job.job_id)
             job.set_state(state, error)
+
+    def _run_with_recovery(self) -> None:
+        """Runs the job; when it fails and some of its servers no longer answer, sets it
+        up again on registered servers from its newest checkpoint (the data order and
+        learning rate being functions of the step, the result is the uninterrupted
+        run's), up to recovery.max_restarts times."""
+        job, recovery = self.job, None
+        while True:
+            try:
+                self._attempt(recovery)
+                return
+            except Exception as err:
+                self._finish_save_quietly()
+                if job.cancel_requested.is_set():
+                    raise
+                detected, started = time.time(), time.perf_counter()
+                lost = self._lost_servers()
+                attempt = (recovery.attempt if recovery else 0) + 1
+                if not lost or attempt > job.config.recovery.max_restarts:
+                    raise
+                addresses = [slot.address for slot in lost]
+                log.warning("job %s lost %s: %s; recovering (attempt %d)", job.job_id, addresses, err, attempt)
+                job.set_state("RECOVERING", reason=f"lost {', '.join(addresses)}: {err}")
+                self.registry.forget([slot.server_id for slot in lost])
+                self.registry.release(job.job_id)
+                self.checkpoints.recover()
+                recovery = _Recovery(attempt, str(err), addresses, detected, started)
+
+    def _attempt(self, recovery: "_Recovery | None") -> None:
+        job = self.job
+        probes = self.checkpoints.probes()
+        plan = self._claim_and_plan()
+        if plan is None:
+            return  # cancelled while waiting for servers
+        self._setup(plan, probes)
+        first = self.checkpoints.resume(self.stubs) if self.checkpoints.resume_from else 0
+        job.step = first
+        job.set_state("RUNNING")
+        if recovery is not None:
+            job.add_recovery(pb.RecoveryEvent(
+                attempt=recovery.attempt, failure=recovery.failure, lost=recovery.lost, restart_step=first,
+                detected_unix=recovery.detected_unix, recover_seconds=time.perf_counter() - recovery.started))
+        self._train(plan, first)
+        if job.config.checkpoint.dir and not job.cancel_requested.is_set():
+            if self.checkpoints.saved_step != job.step:
+                self._save(plan)  # the end, unless a periodic save just took it
+            self.checkpoints.finish()
+
+    def _finish_save_quietly(self) -> None:
+        try:  # a save already under way still completes, if the servers allow
+            self.checkpoints.finish()
+        except Exception as late:
+            log.warning("job %s: the save under way failed too: %s", self.job.job_id, late)
+
+    def _lost_servers(self) -> list:
+        """Tears the failed attempt down on every server; those that do not answer are
+        lost (a server that fails a call and then no longer answers is dead)."""
+        def teardown(rank, stub):
+            try:
+                stub.Teardown(pb.JobRef(job_id=self.job.job_id), timeout=LOST_AFTER_S)
+            except grpc.RpcError as err:
+                if err.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                    return True
+            return False
+
+        if not self.stubs:
+            return []
+        lost = _fan_out(teardown, self.stubs)
+        return [slot for slot, gone in zip(self.plan.servers, lost) if gone]
 
     def _rpc_error(self, rank: int, err: grpc.RpcError) -> JobFailed:
         address = self.addresses[rank] if rank < len(self.addresses) else "?"
@@ -110,6 +179,7 @@ class JobDriver(threading.Thread):
         if slots is None:
             return None
         plan = plan_job(job.config, slots, planned)
+        self.plan = plan
         job.layout, job.ranks, job.groups = plan.layout(), plan.rank_infos(), plan.groups()
         self.addresses = [s.address for s in plan.servers]
         self.stubs = [rpc.StageServerStub(wire.channel(a)) for a in self.addresses]

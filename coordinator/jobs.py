@@ -19,6 +19,7 @@ class JobRecord:
     state: str = "PENDING"
     step: int = 0
     error: str = ""
+    reason: str = ""
     layout: str = ""
     checkpoint: str = ""
     ranks: list = field(default_factory=list)
@@ -40,20 +41,23 @@ class JobRecord:
                 job_id=self.job_id, state=self.state, step=self.step,
                 steps=self.config.train.steps, error=self.error, ranks=self.ranks,
                 groups=self.groups, layout=self.layout, last=self.last,
-                checkpoint=self.checkpoint,
+                checkpoint=self.checkpoint, reason=self.reason,
             )
 
-    def set_state(self, state: str, error: str = "") -> None:
+    def set_state(self, state: str, error: str = "", reason: str = "") -> None:
         with self._changed:
             if self.final:
                 return
-            self.state, self.error = state, error
+            self.state, self.error, self.reason = state, error, reason
         self._publish(pb.JobEvent(status=self.status()))
 
     def add_step(self, event: pb.StepEvent) -> None:
         with self._changed:
             self.step, self.last = event.step + 1, event
         self._publish(pb.JobEvent(step=event))
+
+    def add_recovery(self, event: pb.RecoveryEvent) -> None:
+        self._publish(pb.JobEvent(recovery=event))
 
     def add_checkpoint(self, event: pb.CheckpointEvent) -> None:
         self._publish(pb.JobEvent(checkpoint=event))

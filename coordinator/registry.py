@@ -87,6 +87,14 @@ class Registry:
                     return None
                 self.changed.wait(min(remaining, HEARTBEAT_INTERVAL_S))
 
+    def forget(self, server_ids: list[str]) -> None:
+        """Drops servers declared dead: never claimed again; one that was alive after
+        all hears NOT_FOUND at its next heartbeat and registers afresh, without a job."""
+        with self._lock:
+            for server_id in server_ids:
+                self._servers.pop(server_id, None)
+            self.changed.notify_all()
+
     def release(self, job_id: str) -> None:
         with self._lock:
             for entry in self._servers.values():
