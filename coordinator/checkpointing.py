@@ -181,6 +181,11 @@ class Checkpointing:
                                             name=f"checkpoint-{job.job_id}-{job.step}", daemon=True)
         self._completing.start()
 
+    def abandon(self) -> None:
+        """Leaves the save under way behind (a server it waits on is lost): it fails, or
+        completes a valid checkpoint, on its own; nothing waits for it."""
+        self._completing, self._failure = None, None
+
     def finish(self) -> None:
         """Waits for the save in progress; a save that failed fails the job here."""
         if self._completing is not None:

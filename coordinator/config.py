@@ -196,10 +196,16 @@ class RecoveryConfig:
     """When a stage server dies (its calls fail and it no longer answers), the job is
     set up again on registered servers, continues from its newest checkpoint (or the
     start) and may do so this many times; 0 fails the job at the first loss."""
+    progress_timeout_s: float = 60.0
+    """A job in which no rank finishes a step for this long (or for ten times the slowest
+    step so far, when that is longer) is stuck: a server that then answers no call is
+    lost (hung, or cut off) and the job recovers; otherwise it fails."""
 
     def __post_init__(self):
         if self.max_restarts < 0:
             raise ConfigError(f"recovery.max_restarts={self.max_restarts} must be 0 or more")
+        if not self.progress_timeout_s > 0:
+            raise ConfigError(f"recovery.progress_timeout_s={self.progress_timeout_s} must be more than 0")
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ from coordinator.jobs import JobRecord
 from coordinator.admission import needed_bytes
 from coordinator.checkpointing import Checkpointing
 from coordinator.plan import JobPlan, place_servers, plan_job, plan_programs, setup_requests
-from coordinator.registry import Registry
+from coordinator.registry import DEAD_AFTER_S, HEARTBEAT_INTERVAL_S, Registry
 from protos import interleaf_pb2 as pb
 from protos import interleaf_pb2_grpc as rpc
 from protos import wire
@@ -66,6 +66,10 @@ class JobDriver(threading.Thread):
         self.store = store
         self.stubs: list[rpc.StageServerStub] = []
         self.plan: JobPlan | None = None
+        self.channels: list = []
+        self.silent: dict[int, str] = {}  # rank -> why its server was declared dead by heartbeat
+        self.slowest_step_s = 0.0  # the longest any rank took for a step so far (warm-ups aside)
+        self.first_step = 0  # of the current attempt: its warm-up
         self.addresses: list[str] = []
         self.checkpoints = Checkpointing(job, _fan_out, self._rpc_error)
 
@@ -98,19 +102,25 @@ class JobDriver(threading.Thread):
             try:
                 self._attempt(recovery)
                 return
-            except Exception as err:
-                self._finish_save_quietly()
-                if job.cancel_requested.is_set():
-                    raise
+            except Exception as caught:
+                err = caught
+                if self.silent:  # the cause, rather than what it broke
+                    err = JobFailed("; ".join(self.silent[r] for r in sorted(self.silent)))
                 detected, started = time.time(), time.perf_counter()
                 lost = self._lost_servers()
+                if lost:  # a save under way cannot complete: it is left behind
+                    self.checkpoints.abandon()
+                else:
+                    self._finish_save_quietly()
+                if job.cancel_requested.is_set():
+                    raise err
+                self.registry.forget([slot.server_id for slot in lost])  # whether or not the job goes on
                 attempt = (recovery.attempt if recovery else 0) + 1
                 if not lost or attempt > job.config.recovery.max_restarts:
-                    raise
+                    raise err
                 addresses = [slot.address for slot in lost]
                 log.warning("job %s lost %s: %s; recovering (attempt %d)", job.job_id, addresses, err, attempt)
                 job.set_state("RECOVERING", reason=f"lost {', '.join(addresses)}: {err}")
-                self.registry.forget([slot.server_id for slot in lost])
                 self.registry.release(job.job_id)
                 self.checkpoints.recover()
                 recovery = _Recovery(attempt, str(err), addresses, detected, started)
@@ -121,9 +131,36 @@ class JobDriver(threading.Thread):
         plan = self._claim_and_plan()
         if plan is None:
             return  # cancelled while waiting for servers
+        watch = threading.Event()
+        threading.Thread(target=self._watch_heartbeats, args=(plan, watch), daemon=True,
+                         name=f"heartbeats-{job.job_id}").start()
+        try:
+            self._run_attempt(plan, probes, recovery)
+        finally:
+            watch.set()
+
+    def _watch_heartbeats(self, plan: JobPlan, done: threading.Event) -> None:
+        """A server of the job that misses its heartbeats (dead, stopped, or cut off from
+        us) is declared dead at once: closing its channel fails every call in flight to
+        it, wherever the driver waits, instead of at that call's deadline."""
+        while not done.wait(HEARTBEAT_INTERVAL_S / 2):
+            for rank, slot in enumerate(plan.servers):
+                silence = self.registry.silence(slot.server_id)
+                if silence is not None and silence < DEAD_AFTER_S:
+                    continue
+                self.silent[rank] = (f"rank {rank} ({slot.address}) stopped heartbeating: none for "
+                                     f"{DEAD_AFTER_S:.0f} s" if silence is not None else
+                                     f"rank {rank} ({slot.address}) is no longer registered")
+                log.warning("job %s: %s", self.job.job_id, self.silent[rank])
+                self.channels[rank].close()
+            if self.silent:
+                return
+
+    def _run_attempt(self, plan: JobPlan, probes: list[pb.FileRef], recovery: "_Recovery | None") -> None:
+        job = self.job
         self._setup(plan, probes)
         first = self.checkpoints.resume(self.stubs) if self.checkpoints.resume_from else 0
-        job.step = first
+        job.step = self.first_step = first
         job.set_state("RUNNING")
         if recovery is not None:
             job.add_recovery(pb.RecoveryEvent(
@@ -142,19 +179,24 @@ class JobDriver(threading.Thread):
             log.warning("job %s: the save under way failed too: %s", self.job.job_id, late)
 
     def _lost_servers(self) -> list:
-        """Tears the failed attempt down on every server; those that do not answer are
-        lost (a server that fails a call and then no longer answers is dead)."""
-        def teardown(rank, stub):
+        """Tears the failed attempt down on every server; those declared dead by their
+        heartbeats, and those that do not answer, are lost."""
+        def teardown(rank, address):
+            if rank in self.silent:
+                return True
+            channel = wire.channel(address)  # its own: the job's may have been closed
             try:
-                stub.Teardown(pb.JobRef(job_id=self.job.job_id), timeout=LOST_AFTER_S)
+                rpc.StageServerStub(channel).Teardown(pb.JobRef(job_id=self.job.job_id), timeout=LOST_AFTER_S)
             except grpc.RpcError as err:
-                if err.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-                    return True
+                return err.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+            finally:
+                channel.close()
             return False
 
-        if not self.stubs:
+        if self.plan is None:
             return []
-        lost = _fan_out(teardown, self.stubs)
+        lost = _fan_out(teardown, self.addresses)
+        self.silent = {}
         return [slot for slot, gone in zip(self.plan.servers, lost) if gone]
 
     def _rpc_error(self, rank: int, err: grpc.RpcError) -> JobFailed:
@@ -182,7 +224,8 @@ class JobDriver(threading.Thread):
         self.plan = plan
         job.layout, job.ranks, job.groups = plan.layout(), plan.rank_infos(), plan.groups()
         self.addresses = [s.address for s in plan.servers]
-        self.stubs = [rpc.StageServerStub(wire.channel(a)) for a in self.addresses]
+        self.channels = [wire.channel(a) for a in self.addresses]
+        self.stubs = [rpc.StageServerStub(c) for c in self.channels]
         job.set_state("SETTING_UP")
         return plan
 
@@ -259,7 +302,13 @@ class JobDriver(threading.Thread):
         inside = [0.0] * world  # per rank, seconds inside its steps
         finished, last_time, held = 0, started, None
         while finished < world:
-            item = reports.get()
+            patience = self._progress_deadline()
+            try:
+                item = reports.get(timeout=patience)
+            except queue.Empty:
+                silent = sorted(set(range(world)) - {r.rank for r in pending.get(min(pending, default=first), [])})
+                raise JobFailed(f"no progress: no rank finished a step within {patience:.1f} s (step "
+                                f"{min(pending, default=first)} not reported by ranks {silent})") from None
             if item is None:
                 finished += 1
                 continue
@@ -268,6 +317,8 @@ class JobDriver(threading.Thread):
                     job.add_step(held)
                 raise item
             inside[item.rank] += item.step_seconds
+            if item.step != self.first_step:
+                self.slowest_step_s = max(self.slowest_step_s, item.step_seconds)
             pending.setdefault(item.step, []).append(item)
             if len(pending[item.step]) == world:
                 now = time.perf_counter()
@@ -283,6 +334,12 @@ class JobDriver(threading.Thread):
         job.add_step(held)
         log.info("steps %d-%d: control %.4fs beyond the slowest rank", first, first + count - 1,
                  held.block_control_seconds)
+
+    def _progress_deadline(self) -> float:
+        """How long a block may go without any rank finishing a step before the job is
+        declared stuck: recovery.progress_timeout_s, or ten times the slowest step seen
+        when that is longer (an attempt's first step, which warms up, does not count)."""
+        return max(self.job.config.recovery.progress_timeout_s, 10 * self.slowest_step_s)
 
     def _step_event(self, reports: list[pb.StepReport], wall_s: float) -> pb.StepEvent:
         config = self.job.config
@@ -312,6 +369,8 @@ class JobDriver(threading.Thread):
                 stub.Teardown(pb.JobRef(job_id=self.job.job_id), timeout=30)
             except grpc.RpcError as err:  # a dead server holds nothing to free
                 log.warning("teardown of rank %d: %s", rank, err.details())
+            except ValueError:  # its channel was closed: it was declared dead
+                pass
 
         if self.stubs:
             _fan_out(teardown, self.stubs)

@@ -11,11 +11,15 @@ import torch.distributed as dist
 from coordinator.service import CoordinatorService
 from protos import interleaf_pb2_grpc as rpc
 from protos import wire
+from protos.security import Security
 
 log = logging.getLogger("interleaf.coordinator")
 
 
-def serve(host: str, port: int, bind: str, store_port: int, steps_per_call: int = 8) -> None:
+def serve(host: str, port: int, bind: str, store_port: int, steps_per_call: int = 8,
+          security: Security | None = None) -> None:
+    if security is not None:  # set first: the drivers' channels to stage servers take it.
+        wire.configure(security)
     # Stage servers rendezvous here to build their gloo groups; each job attempt uses
     # its own key prefix, so one store serves every job.
     store = dist.TCPStore(
@@ -25,7 +29,7 @@ def serve(host: str, port: int, bind: str, store_port: int, steps_per_call: int 
     service = CoordinatorService((host, store.port), steps_per_call)
     server = wire.server(threads=64)
     rpc.add_CoordinatorServicer_to_server(service, server)
-    bound = server.add_insecure_port(f"{bind}:{port}")
+    bound = wire.listen(server, f"{bind}:{port}")
     server.start()
     print(f"coordinator listening on {host}:{bound} (rendezvous store on port {store.port})", flush=True)
 

@@ -87,6 +87,12 @@ class Registry:
                     return None
                 self.changed.wait(min(remaining, HEARTBEAT_INTERVAL_S))
 
+    def silence(self, server_id: str) -> float | None:
+        """Seconds since the server's last heartbeat; None once it is forgotten."""
+        with self._lock:
+            entry = self._servers.get(server_id)
+            return None if entry is None else time.monotonic() - entry.last_seen
+
     def forget(self, server_ids: list[str]) -> None:
         """Drops servers declared dead: never claimed again; one that was alive after
         all hears NOT_FOUND at its next heartbeat and registers afresh, without a job."""

@@ -11,7 +11,6 @@ import time
 
 import pytest
 
-from clients.client import Client
 from clients.launcher import LocalCluster
 from tests.conftest import TINY, layout_free, reference
 from tests.test_equivalence import LOSS_RTOL
@@ -24,7 +23,7 @@ def spares(tmp_path_factory):
     """A coordinator and four servers, each process known by its address."""
     logs = tmp_path_factory.mktemp("recovery-logs")
     with LocalCluster(4, threads_per_server=1, log_dir=str(logs), steps_per_call=1) as cluster:
-        client = Client(cluster.address)
+        client = cluster.client()
         # Each server logs the address it serves on; the coordinator is process 0.
         by_address = {re.search(r"stage server on (\S+) ", (logs / f"stage-server-{i}.log").read_text())[1]:
                       cluster.processes[1 + i] for i in range(4)}
@@ -104,4 +103,50 @@ def test_no_recovery_without_a_lost_server_and_none_when_max_restarts_is_0(spare
     final = client.status(status.job_id)
     assert final.state == "FAILED" and "RECOVERING" not in states
     assert final.error.startswith("rank "), final.error  # the failed call, naming its rank
-    cluster.add_server()
+    process, address = cluster.add_server()
+    by_address[address] = process
+
+
+@pytest.mark.parametrize("every,found_by,within", [
+    # Stopped while the driver waits for steps: no rank finishes one within the progress
+    # deadline (2 s), before the heartbeats (5 s) say anything.
+    (3, "no progress: no rank finished a step within 2.0 s", (1.5, 5)),  # timed from the last report
+    # Stopped before a save: the driver waits on the stopped server's copy, and its
+    # missed heartbeats (one a second, dead after 5 s of silence) end that wait.
+    (2, "stopped heartbeating: none for 5 s", (4, 8)),  # the last heartbeat came up to 1 s before
+])
+def test_a_hung_server_is_found_and_replaced(spares, tmp_path, every, found_by, within):
+    """SIGSTOP: the process is alive and its sockets open, so no call fails by itself.
+    The job finds it by its progress deadline or the server's missed heartbeats, the
+    stopped server answers nothing and is lost, and the job recovers on a spare."""
+    cluster, client, by_address = spares
+    settings = TINY + ["train.steps=8", "parallel.pp=2", "parallel.vpp=1", "parallel.schedule=1f1b"]
+    status = client.submit("", settings + [f"checkpoint.dir={tmp_path}", f"checkpoint.every={every}",
+                                           "recovery.progress_timeout_s=2"])
+    events, stopped = [], {}
+    for event in client.watch(status.job_id, timeout_s=300):
+        events.append(event)
+        if not stopped and event.HasField("step") and event.step.step == 3:
+            address = client.status(status.job_id).ranks[1].server_address
+            by_address[address].send_signal(signal.SIGSTOP)
+            stopped.update(address=address, at=time.time())
+    try:
+        final = client.status(status.job_id)
+        assert final.state == "SUCCEEDED", final.error
+        (recovery,) = [e.recovery for e in events if e.HasField("recovery")]
+        assert list(recovery.lost) == [stopped["address"]]
+        assert found_by in recovery.failure, recovery.failure
+        detection = recovery.detected_unix - stopped["at"]
+        print(f"a hung server ({found_by}): detected {detection:.2f} s after SIGSTOP, running again "
+              f"{recovery.recover_seconds:.2f} s later")
+        assert within[0] <= detection < within[1]
+        history, _ = reference(layout_free(settings))
+        last = {e.step.step: e.step for e in events if e.HasField("step")}
+        assert sorted(last) == list(range(8))
+        for step, got in last.items():
+            assert got.loss == pytest.approx(history[step].loss, rel=LOSS_RTOL), step
+    finally:
+        by_address[stopped["address"]].kill()
+        by_address[stopped["address"]].wait()
+    process, address = cluster.add_server()
+    by_address[address] = process
