@@ -67,6 +67,24 @@ def _config_text(path: str | None) -> str:
     return file.read_text()
 
 
+def _security(args):
+    """The token and TLS files of --token-file and --tls-* (the token, without
+    --token-file, from $INTERLEAF_TOKEN)."""
+    from protos.security import Security, SecurityError
+
+    try:
+        return Security.from_options(args.token_file, args.tls_cert, args.tls_key, args.tls_ca,
+                                     getattr(args, "tls_client_ca", None))
+    except SecurityError as err:
+        raise UsageError(str(err)) from None
+
+
+def _client(args):
+    from clients.client import Client
+
+    return Client(args.coordinator, _security(args))
+
+
 def _load(args):
     from coordinator.config import ConfigError, load_config
 
@@ -80,7 +98,6 @@ def _load(args):
 
 
 def cmd_run(args) -> int:
-    from clients.client import Client
     from clients.launcher import LocalCluster
 
     text, config = _load(args)
@@ -89,6 +106,11 @@ def cmd_run(args) -> int:
     servers = args.local if args.local is not None else world
     if not remote and servers != world:
         raise UsageError(f"--local {servers} must equal parallel.dp*parallel.tp*parallel.pp={world}")
+    given = [f for f in ("token_file", "tls_cert", "tls_key", "tls_ca") if getattr(args, f)]
+    if not remote and given:
+        raise UsageError(f"--{given[0].replace('_', '-')} goes with --coordinator: a local cluster talks "
+                         "over loopback, guarded by a random token of its own")
+    client = _client(args) if remote else None  # a bad --token-file or --tls-* stops it here
     if not remote:
         _admit_locally(config, servers, args.device)
     metrics = MetricsOut(args.metrics_out)
@@ -96,7 +118,6 @@ def cmd_run(args) -> int:
     try:
         with _StopSignals(note) as signals:
             if remote:
-                client = Client(args.coordinator)
                 job = client.submit(text, args.set)
                 print(f"submitted {job.job_id}", file=sys.stderr)
                 return follow(client, job.job_id, config.train.steps, metrics)
@@ -104,7 +125,7 @@ def cmd_run(args) -> int:
             cluster = LocalCluster(servers, log_dir=args.log_dir, device=args.device)
             try:
                 cluster.start()  # stops what it started should it fail or be stopped
-                client = Client(cluster.address)
+                client = cluster.client()
                 job = client.submit(text, args.set)
                 status = follow(client, job.job_id, config.train.steps, metrics)
             finally:
@@ -202,7 +223,7 @@ _LINKS = {
 def cmd_coordinator(args) -> int:
     from coordinator.main import serve
 
-    serve(args.host, args.port, args.bind, args.store_port, args.steps_per_call)
+    serve(args.host, args.port, args.bind, args.store_port, args.steps_per_call, _security(args))
     return 0
 
 
@@ -212,47 +233,37 @@ def cmd_stage_server(args) -> int:
     if not args.orphan_timeout > 0:
         raise UsageError(f"--orphan-timeout={args.orphan_timeout:g} must be a positive number of seconds")
     serve(args.coordinator, args.host, args.port, args.bind, args.threads, args.memory_bytes, args.device,
-          args.spool_dir, args.orphan_timeout)
+          args.spool_dir, args.orphan_timeout, _security(args))
     return 0
 
 
 def cmd_submit(args) -> int:
-    from clients.client import Client
-
     text, _ = _load(args)
-    print(Client(args.coordinator).submit(text, args.set).job_id)
+    print(_client(args).submit(text, args.set).job_id)
     return 0
 
 
 def cmd_status(args) -> int:
     from google.protobuf import json_format
 
-    from clients.client import Client
-
-    status = Client(args.coordinator).status(args.job)
+    status = _client(args).status(args.job)
     print(json_format.MessageToJson(status, preserving_proto_field_name=True,
                                     always_print_fields_with_no_presence=True))
     return 0
 
 
 def cmd_watch(args) -> int:
-    from clients.client import Client
-
-    client = Client(args.coordinator)
+    client = _client(args)
     return follow(client, args.job, client.status(args.job).steps, MetricsOut(args.metrics_out))
 
 
 def cmd_cancel(args) -> int:
-    from clients.client import Client
-
-    print(Client(args.coordinator).cancel(args.job).state)
+    print(_client(args).cancel(args.job).state)
     return 0
 
 
 def cmd_servers(args) -> int:
-    from clients.client import Client
-
-    for s in Client(args.coordinator).servers():
+    for s in _client(args).servers():
         print(f"{s.server_id}  {s.address:<22} {s.host:<16} {s.device:<6} {s.state:<5} {s.job_id}")
     return 0
 
@@ -319,12 +330,29 @@ def _parser() -> argparse.ArgumentParser:
     def with_coordinator(p, required=False):
         p.add_argument("--coordinator", default=None if required else DEFAULT_COORDINATOR, metavar="HOST:PORT",
                        help=f"coordinator address (default {DEFAULT_COORDINATOR}, or $INTERLEAF_COORDINATOR)")
+        with_security(p)
+
+    def with_security(p, serves=False):
+        p.add_argument("--token-file", metavar="PATH",
+                       help="file holding the shared token every RPC carries and every server requires "
+                            "(default: $INTERLEAF_TOKEN; neither: no token, for trusted networks only)")
+        p.add_argument("--tls-ca", metavar="PEM", help="CA certificates that verify the servers called; "
+                                                       "calls then go over TLS")
+        p.add_argument("--tls-cert", metavar="PEM",
+                       help="this server's certificate chain (it then serves TLS), also presented to servers "
+                            "that require client certificates" if serves
+                       else "client certificate, for a coordinator that requires one (mutual TLS)")
+        p.add_argument("--tls-key", metavar="PEM", help="the private key of --tls-cert")
+        if serves:
+            p.add_argument("--tls-client-ca", metavar="PEM",
+                           help="require every caller to present a certificate these CAs signed (mutual TLS)")
 
     p = sub.add_parser("run", help="run a job (local servers unless --coordinator is given)")
     with_config(p)
     with_resume(p)
     p.add_argument("--local", type=int, metavar="N", help="start a coordinator and N stage servers here (default: as many as the layout needs)")
     p.add_argument("--coordinator", metavar="HOST:PORT", help="submit to a running coordinator instead")
+    with_security(p)
     p.add_argument("--metrics-out", metavar="FILE.jsonl")
     p.add_argument("--log-dir", help="write the local processes' logs here")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
@@ -353,6 +381,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--store-port", type=int, default=0, help="gloo rendezvous store port (0: any free port)")
     p.add_argument("--steps-per-call", type=int, default=8,
                    help="steps per RunSteps call to each server (control traffic is per call)")
+    with_security(p, serves=True)
     p.set_defaults(fn=cmd_coordinator)
 
     p = sub.add_parser("stage-server", help="serve a stage server")
@@ -372,6 +401,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--orphan-timeout", type=float, default=30.0, metavar="SECONDS",
                    help="drop the job held (freeing its memory) once the coordinator has been unreachable "
                         "this long (default 30)")
+    with_security(p, serves=True)
     p.set_defaults(fn=cmd_stage_server)
 
     p = sub.add_parser("submit", help="submit a job, print its id")

@@ -5,14 +5,17 @@ from __future__ import annotations
 from protos import interleaf_pb2 as pb
 from protos import interleaf_pb2_grpc as rpc
 from protos import wire
+from protos.security import Security
 
 RPC_TIMEOUT_S = 30.0
 
 
 class Client:
-    def __init__(self, address: str):
+    def __init__(self, address: str, security: Security | None = None):
+        """`security`: the token and TLS files to call with (default: this process's,
+        which unless configured is $INTERLEAF_TOKEN's token, without TLS)."""
         self.address = address
-        self._channel = wire.channel(address)
+        self._channel = wire.channel(address, security)
         self._stub = rpc.CoordinatorStub(self._channel)
 
     def submit(self, config_toml: str = "", overrides: list[str] = ()) -> pb.JobStatus:

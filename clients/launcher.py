@@ -3,12 +3,18 @@
 Children die with us: they run in their own session (a terminal's Ctrl-C reaches only
 this process, which then stops them in order), and each asks the kernel to send it
 SIGTERM should this process vanish without cleaning up.
+
+The cluster is guarded as any deployment is: a random token of its own (unless given
+one), handed to the children in their environment, never on their command lines (which
+every user of the machine can read in /proc), and TLS when given certificates.
 """
 
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -19,6 +25,7 @@ from typing import Callable
 import torch
 
 from clients.client import Client
+from protos.security import TOKEN_ENV, Security
 from stageserver.device import device_memory_bytes, physical_memory_bytes
 
 PR_SET_PDEATHSIG = 1
@@ -65,8 +72,13 @@ def _nccl_installed() -> bool:
 class LocalCluster:
     def __init__(self, servers: int, threads_per_server: int | None = None, log_dir: str | None = None,
                  steps_per_call: int | None = None, memory_per_server: int | None = None,
-                 device: str = "cpu", server_command: Callable[[int, list[str]], list[str]] | None = None):
+                 device: str = "cpu", server_command: Callable[[int, list[str]], list[str]] | None = None,
+                 security: Security | None = None):
         self.count = servers
+        # Every process of the cluster serves and calls with these: one certificate
+        # (valid as server and client) and one token, a fresh random one by default.
+        security = security or Security()
+        self.security = dataclasses.replace(security, token=security.token or secrets.token_urlsafe(32))
         # Rewrites server i's command line (e.g. to start it in a namespace of its own).
         self.server_command = server_command or (lambda i, command: command)
         self.devices = local_devices(device, servers)
@@ -86,8 +98,9 @@ class LocalCluster:
             os.makedirs(self.log_dir, exist_ok=True)
             stderr = open(os.path.join(self.log_dir, f"{name}.log"), "ab")
         process = subprocess.Popen(
-            command([sys.executable, "-m", "clients.cli", *args]),
+            command([sys.executable, "-m", "clients.cli", *args, *self.security.tls_flags()]),
             stdout=stdout, stderr=stderr, start_new_session=True, preexec_fn=partial(_die_with_parent, os.getpid()),
+            env={**os.environ, TOKEN_ENV: self.security.token},
         )
         self.processes.append(process)
         return process
@@ -121,7 +134,7 @@ class LocalCluster:
     def add_server(self, timeout_s: float = 60.0) -> tuple[subprocess.Popen, str]:
         """One more stage server (a replacement or a spare), once it has registered:
         (its process, its address)."""
-        client = Client(self.address)
+        client = self.client()
         try:
             before = {s.address for s in client.servers()}
             process = self._spawn_server(self.count)
@@ -135,8 +148,12 @@ class LocalCluster:
             client.close()
         return process, new.pop()
 
+    def client(self) -> Client:
+        """A client of this cluster's coordinator, with the cluster's token (and TLS)."""
+        return Client(self.address, self.security)
+
     def _wait_for_servers(self, timeout_s: float) -> None:
-        client = Client(self.address)
+        client = self.client()
         deadline = time.monotonic() + timeout_s
         try:
             while sum(s.state == "IDLE" for s in client.servers()) < self.count:

@@ -21,6 +21,7 @@ import torch
 from protos import interleaf_pb2 as pb
 from protos import interleaf_pb2_grpc as rpc
 from protos import wire
+from protos.security import Security
 from stageserver.device import device_memory_bytes, resolve_device
 from stageserver.service import StageServerService
 from stageserver.spool import default_root
@@ -77,7 +78,10 @@ class Registrar(threading.Thread):
 
     def _unreachable(self, err: grpc.RpcError) -> None:
         silent = time.monotonic() - self.last_contact
-        log.warning("coordinator unreachable for %.0f s: %s", silent, err.details())
+        if err.code() == grpc.StatusCode.UNAUTHENTICATED:  # as good as unreachable, but ours to fix
+            log.error("the coordinator refuses this server's token (for %.0f s): %s", silent, err.details())
+        else:
+            log.warning("coordinator unreachable for %.0f s: %s", silent, err.details())
         if silent > self.orphan_timeout_s:
             self.service.drop_job(f"the coordinator has been unreachable for {silent:.0f} s "
                                   f"(--orphan-timeout {self.orphan_timeout_s:g})")
@@ -92,7 +96,10 @@ class Registrar(threading.Thread):
 
 
 def serve(coordinator: str, host: str, port: int, bind: str, threads: int, memory_bytes: int = 0,
-          device: str = "cpu", spool_dir: str | None = None, orphan_timeout_s: float = ORPHAN_TIMEOUT_S) -> None:
+          device: str = "cpu", spool_dir: str | None = None, orphan_timeout_s: float = ORPHAN_TIMEOUT_S,
+          security: Security | None = None) -> None:
+    if security is not None:  # set first: the registrar's channel to the coordinator takes it.
+        wire.configure(security)
     if threads > 0:
         torch.set_num_threads(threads)
     where = resolve_device(device)
@@ -101,7 +108,7 @@ def serve(coordinator: str, host: str, port: int, bind: str, threads: int, memor
     server = wire.server()
     service = StageServerService(host, where, pathlib.Path(spool_dir) if spool_dir else default_root())
     rpc.add_StageServerServicer_to_server(service, server)
-    bound = server.add_insecure_port(f"{bind}:{port}")
+    bound = wire.listen(server, f"{bind}:{port}")
     server.start()
     stop = threading.Event()
     Registrar(coordinator, f"{host}:{bound}", host, stop, memory_bytes or device_memory_bytes(where),

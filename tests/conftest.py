@@ -40,7 +40,7 @@ def cluster(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def client(cluster):
-    c = Client(cluster.address)
+    c = cluster.client()
     yield c
     c.close()
 

@@ -51,8 +51,8 @@ def test_grpc_submit_answers_invalid_argument(client, overrides, message):
     assert all(s.state == "IDLE" for s in client.servers())
 
 
-def _holds_job(address: str, job_id: str) -> bool:
-    stub = rpc.StageServerStub(wire.channel(address))
+def _holds_job(cluster, address: str, job_id: str) -> bool:
+    stub = rpc.StageServerStub(wire.channel(address, cluster.security))
     try:
         list(stub.RunSteps(pb.RunStepsRequest(job_id=job_id, first_step=0, num_steps=1), timeout=10))
     except grpc.RpcError as err:
@@ -61,25 +61,25 @@ def _holds_job(address: str, job_id: str) -> bool:
     return True
 
 
-def test_job_rejected_by_servers_fails_cleanly(client, tmp_path):
+def test_job_rejected_by_servers_fails_cleanly(cluster, client, tmp_path):
     missing = tmp_path / "absent.tokens"
     final, steps = run_job(client, TINY + ["parallel.pp=2", "parallel.vpp=1", f"data.source={missing}"])
     assert final.state == "FAILED"
     assert steps == []
     assert f"data.source={str(missing)!r}: no token file" in final.error
     assert final.error.startswith("rank ")
-    assert not any(_holds_job(r.server_address, final.job_id) for r in final.ranks)
+    assert not any(_holds_job(cluster, r.server_address, final.job_id) for r in final.ranks)
     assert all(s.state == "IDLE" for s in client.servers())
 
 
-def test_vocabulary_smaller_than_data_is_refused(client):
+def test_vocabulary_smaller_than_data_is_refused(cluster, client):
     final, _ = run_job(client, TINY + ["parallel.pp=2", "parallel.vpp=1", "model.vocab_size=128"])
     assert final.state == "FAILED"
     assert "model.vocab_size=128 must exceed every token id" in final.error
-    assert not any(_holds_job(r.server_address, final.job_id) for r in final.ranks)
+    assert not any(_holds_job(cluster, r.server_address, final.job_id) for r in final.ranks)
 
 
-def test_cancel_stops_a_running_job_and_frees_servers(client):
+def test_cancel_stops_a_running_job_and_frees_servers(cluster, client):
     status = client.submit("", TINY + ["parallel.pp=2", "parallel.vpp=1", "train.steps=100000"])
     events = client.watch(status.job_id, timeout_s=120)
     for event in events:
@@ -90,7 +90,7 @@ def test_cancel_stops_a_running_job_and_frees_servers(client):
     final = client.status(status.job_id)
     assert final.state == "CANCELLED" and states[-1] == "CANCELLED"
     assert final.step < 100000
-    assert not any(_holds_job(r.server_address, status.job_id) for r in final.ranks)
+    assert not any(_holds_job(cluster, r.server_address, status.job_id) for r in final.ranks)
     assert all(s.state == "IDLE" for s in client.servers())
 
 

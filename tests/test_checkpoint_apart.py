@@ -15,7 +15,6 @@ import subprocess
 
 import pytest
 
-from clients.client import Client
 from clients.launcher import LocalCluster
 from coordinator.checkpoints import find
 from stageserver.spool import Spool
@@ -41,7 +40,7 @@ def apart(tmp_path_factory):
     disk = tmp_path_factory.mktemp("coordinator-disk")
     logs = tmp_path_factory.mktemp("apart-logs")
     with LocalCluster(2, threads_per_server=1, log_dir=str(logs), server_command=_apart(disk)) as cluster:
-        client = Client(cluster.address)
+        client = cluster.client()
         yield cluster, client, disk
         client.close()
 

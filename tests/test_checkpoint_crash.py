@@ -15,7 +15,6 @@ import time
 
 import pytest
 
-from clients.client import Client
 from clients.launcher import LocalCluster
 from coordinator.checkpoints import MANIFEST, find
 from tests.conftest import TINY, layout_free, reference, run_job
@@ -28,7 +27,7 @@ SETTINGS = TINY + ["train.steps=40"]
 def test_a_process_killed_mid_save_leaves_the_last_complete_checkpoint_resumable(client, tmp_path, victim, delay_s):
     root = tmp_path / "ckpt"
     with LocalCluster(2, threads_per_server=1, log_dir=str(tmp_path / "logs")) as doomed:
-        doomed_client = Client(doomed.address)
+        doomed_client = doomed.client()
         job = doomed_client.submit("", SETTINGS + [f"checkpoint.dir={root}", "checkpoint.every=1"])
         deadline = time.monotonic() + 120
         while not any((p / MANIFEST).exists() for p in root.glob("step-*")):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import gc
+import os
 import pathlib
 import signal
 import subprocess
@@ -24,6 +25,7 @@ from clients.launcher import LocalCluster
 from protos import interleaf_pb2 as pb
 from protos import interleaf_pb2_grpc as rpc
 from protos import wire
+from protos.security import TOKEN_ENV
 from stageserver.main import EXIT_BOUND_S
 from stageserver.service import StageServerService
 from tests.conftest import TINY
@@ -101,15 +103,17 @@ def _cluster(tmp_path, orphan_timeout_s: float | None = None, steps_per_call: in
 
 
 @contextlib.contextmanager
-def _coordinator(address: str, log: pathlib.Path):
-    """A coordinator started again on `address` (the one the servers know)."""
+def _coordinator(cluster: LocalCluster, log: pathlib.Path):
+    """A coordinator started again on the cluster's address (the one the servers know),
+    with its token."""
+    address = cluster.address
     port = address.rsplit(":", 1)[1]
     process = subprocess.Popen([sys.executable, "-m", "clients.cli", "coordinator", "--host", "127.0.0.1",
                                 "--port", port], stdout=subprocess.PIPE, stderr=log.open("ab"),
-                               start_new_session=True)
+                               start_new_session=True, env={**os.environ, TOKEN_ENV: cluster.security.token})
     try:
         assert f"listening on {address}" in process.stdout.readline().decode()
-        yield Client(address)
+        yield cluster.client()
     finally:
         process.terminate()
         process.wait(timeout=30)
@@ -138,7 +142,7 @@ def _logged(cluster: LocalCluster, text: str) -> bool:
 
 def test_orphaned_server_drops_its_job_within_the_timeout(tmp_path):
     with _cluster(tmp_path, ORPHAN_TIMEOUT_S) as cluster:
-        client = Client(cluster.address)
+        client = cluster.client()
         job_id = _start_long_job(client)
         cluster.processes[0].kill()  # the coordinator, mid-job
         killed = time.monotonic()
@@ -148,17 +152,17 @@ def test_orphaned_server_drops_its_job_within_the_timeout(tmp_path):
                     ORPHAN_TIMEOUT_S + 1 + SLACK_S, "both servers dropped the job")
         assert time.monotonic() - killed > ORPHAN_TIMEOUT_S - 1
         # Free again: a new coordinator gets both back and runs a job on them.
-        with _coordinator(cluster.address, tmp_path / "coordinator-2.log") as client:
+        with _coordinator(cluster, tmp_path / "coordinator-2.log") as client:
             _runs_a_job(client)
 
 
 def test_servers_of_a_restarted_coordinator_drop_the_stale_job(tmp_path):
     # Before the orphan timeout (30 s): the new coordinator's NOT_FOUND is what frees them.
     with _cluster(tmp_path) as cluster:
-        client = Client(cluster.address)
+        client = cluster.client()
         _start_long_job(client)
         cluster.processes[0].kill()
-        with _coordinator(cluster.address, tmp_path / "coordinator-2.log") as client:
+        with _coordinator(cluster, tmp_path / "coordinator-2.log") as client:
             _runs_a_job(client)
         assert _logged(cluster, "the coordinator no longer knows this server (it restarted)")
 
@@ -166,7 +170,7 @@ def test_servers_of_a_restarted_coordinator_drop_the_stale_job(tmp_path):
 def test_busy_server_exits_on_sigterm_within_the_bound(tmp_path):
     # One RunSteps call for the whole job: the servers are never between calls.
     with _cluster(tmp_path, steps_per_call=100000) as cluster:
-        _start_long_job(Client(cluster.address))
+        _start_long_job(cluster.client())
         first, second = cluster.processes[1:]
         # The second server hangs: the first then waits on it inside a step, where no
         # cancellation reaches; only the hard exit ends it.

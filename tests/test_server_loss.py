@@ -17,7 +17,7 @@ from tests.conftest import TINY
 
 def test_killed_server_fails_the_job_and_frees_the_rest(tmp_path):
     with LocalCluster(2, threads_per_server=1, log_dir=str(tmp_path)) as cluster:
-        client = Client(cluster.address)
+        client = cluster.client()
         job = client.submit("", TINY + ["parallel.pp=2", "parallel.vpp=1", "train.steps=100000"])
         events = client.watch(job.job_id, timeout_s=180)
         for event in events:
@@ -37,7 +37,7 @@ def test_killed_server_fails_the_job_and_frees_the_rest(tmp_path):
         assert any(r.server_address in final.error for r in final.ranks), final.error
 
         survivors = [r.server_address for r in final.ranks if r.server_address != dead]
-        stub = rpc.StageServerStub(wire.channel(survivors[0]))
+        stub = rpc.StageServerStub(wire.channel(survivors[0], cluster.security))
         try:
             list(stub.RunSteps(pb.RunStepsRequest(job_id=job.job_id, num_steps=1), timeout=10))
             raise AssertionError("the surviving server still holds the failed job")
