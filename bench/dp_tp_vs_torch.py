@@ -57,7 +57,7 @@ def main() -> None:
         cluster.start()
         ddp_world.start()
         solo_world.start()
-        client = Client(cluster.address)
+        client = cluster.client()
         try:
             dp = run_pair(client, ddp_world, torch_ddp.train, overrides(2, 1, args.steps), args.warmup)
             tp = run_pair(client, solo_world, single_process.train, overrides(1, 2, args.steps), args.warmup)

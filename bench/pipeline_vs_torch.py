@@ -54,7 +54,7 @@ def main() -> None:
     try:
         cluster.start()
         peers.start()
-        client = Client(cluster.address)
+        client = cluster.client()
         try:
             for schedule, vpp in LAYOUTS:
                 results.append(run_schedule(client, peers, schedule, vpp, args.steps, args.warmup))

@@ -24,7 +24,6 @@ one-thread processes on each core, on both sides alike.
 
 from __future__ import annotations
 
-from clients.client import Client
 from clients.launcher import LocalCluster
 from coordinator.config import load_config
 
@@ -85,7 +84,7 @@ def run_stage(dp: int, zero: int, args) -> list[tuple[str, dict]]:
     cluster = LocalCluster(dp, threads_per_server=1, steps_per_call=args.steps_per_call)
     try:
         cluster.start()
-        client = Client(cluster.address)
+        client = cluster.client()
         try:
             ours = run_job(client, sets)
         finally:
