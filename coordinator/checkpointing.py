@@ -29,6 +29,8 @@ import secrets
 import tempfile
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Callable
 
 import grpc
@@ -57,8 +59,8 @@ class Checkpointing:
         self.shares_root: list[bool] = []    # per rank: reads checkpoint.dir in place
         self.shares_resume: list[bool] = []  # per rank: reads the resumed checkpoint in place
         self.saved_step: int | None = None   # the newest save started
-        self._completing: threading.Thread | None = None
-        self._failure: Exception | None = None
+        self._save: _Save | None = None  # the save under way
+        self._lock = threading.Lock()  # a save's end (manifest, prune, events) against its abandonment
 
     # -- before setup ---------------------------------------------------------------
 
@@ -96,14 +98,11 @@ class Checkpointing:
         return checkpoint
 
     def recover(self) -> None:
-        """After a lost server: the next attempt starts from the newest complete
-        checkpoint this job saved, else from where the job started."""
+        """After a lost server: the next attempt starts from the newest checkpoint this
+        job completed, else from where the job started."""
         self.saved_step = None
-        if self.root is not None:
-            try:
-                self.restart_from = str(find(self.root).manifest_path)
-            except CheckpointError:
-                pass  # none complete yet
+        if self.job.checkpoint:
+            self.restart_from = self.job.checkpoint
 
     def set_up(self, replies: list[pb.SetupReply]) -> None:
         """Takes each server's answer to the probes."""
@@ -123,7 +122,7 @@ class Checkpointing:
         its step. The data order and learning rate are functions of the step alone."""
         job, checkpoint = self.job, self.resume_from
         started = time.perf_counter()
-        paths = checkpoint.paths()  # each file checked against its size and SHA-256
+        paths = checkpoint.files()
         entries = checkpoint.manifest["state"]
 
         def load(rank, stub):
@@ -138,7 +137,16 @@ class Checkpointing:
             except grpc.RpcError as err:
                 raise self.rpc_error(rank, err) from None
 
-        self.fan_out(load, stubs)
+        # Every file is checked against its size and SHA-256 while the ranks load (a
+        # failed check fails the job before it trains on what was loaded).
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            verified = pool.submit(checkpoint.paths)
+            try:
+                self.fan_out(load, stubs)
+            except Exception:
+                verified.result()  # a damaged file explains a failed load best
+                raise
+            verified.result()
         seconds = time.perf_counter() - started
         job.step = checkpoint.step
         job.add_checkpoint(pb.CheckpointEvent(
@@ -153,11 +161,11 @@ class Checkpointing:
     def save(self, stubs: list[rpc.StageServerStub], layout: dict) -> None:
         """Every rank copies its state out of the training buffers (all that training
         waits for) and writes it in the background; the rest happens on a thread."""
+        started = time.perf_counter()  # training waits from here: for the previous save too
         self.finish()
         job = self.job
         folder = self.root / f"step-{job.step:06d}"
         names = [f"{folder.name}/state-{r:05d}.safetensors" for r in range(len(stubs))]
-        started = time.perf_counter()
 
         def copy(rank, stub):
             path = str(self.root / names[rank]) if self.shares_root[rank] else names[rank]
@@ -177,25 +185,27 @@ class Checkpointing:
             "precision": job.config.train.precision,
             "stall_seconds": stall,  # training waited this long
         }
-        self._completing = threading.Thread(target=self._complete, args=(stubs, folder, names, manifest),
-                                            name=f"checkpoint-{job.job_id}-{job.step}", daemon=True)
-        self._completing.start()
+        save = self._save = _Save()
+        save.thread = threading.Thread(target=self._complete, args=(save, stubs, folder, names, manifest),
+                                       name=f"checkpoint-{job.job_id}-{job.step}", daemon=True)
+        save.thread.start()
 
-    def abandon(self) -> None:
-        """Leaves the save under way behind (a server it waits on is lost): it fails, or
-        completes a valid checkpoint, on its own; nothing waits for it."""
-        self._completing, self._failure = None, None
+    def finish(self, timeout_s: float | None = None) -> None:
+        """Waits for the save under way; a save that failed fails the job here. One still
+        running after `timeout_s` is abandoned: it writes no manifest, prunes nothing,
+        reports nothing (its files stay, unlisted, in a folder without a manifest)."""
+        save, self._save = self._save, None
+        if save is None:
+            return
+        save.thread.join(timeout_s)
+        with self._lock:
+            if save.thread.is_alive():
+                save.abandoned = True
+                raise CheckpointError(f"the checkpoint of step {save.step} did not complete in {timeout_s:.0f} s")
+        if save.failure is not None:
+            raise save.failure
 
-    def finish(self) -> None:
-        """Waits for the save in progress; a save that failed fails the job here."""
-        if self._completing is not None:
-            self._completing.join()
-            self._completing = None
-        failure, self._failure = self._failure, None
-        if failure is not None:
-            raise failure
-
-    def _complete(self, stubs, folder: pathlib.Path, names: list[str], manifest: dict) -> None:
+    def _complete(self, save: "_Save", stubs, folder: pathlib.Path, names: list[str], manifest: dict) -> None:
         """Waits for every rank's write, moves the files of ranks that do not share
         checkpoint.dir, then writes the manifest (last) and prunes."""
         job, started = self.job, time.perf_counter()
@@ -212,18 +222,22 @@ class Checkpointing:
             except grpc.RpcError as err:
                 raise self.rpc_error(rank, err) from None
 
+        save.step = manifest["step"]
         try:
             written = self.fan_out(complete, stubs)
-            manifest["state"] = [{"rank": r, "path": pathlib.PurePosixPath(names[r]).name, "sha256": w.sha256, "bytes": w.bytes}
-                                 for r, w in enumerate(written)]
+            manifest["state"] = [{"rank": r, "path": pathlib.PurePosixPath(names[r]).name, "sha256": w.sha256,
+                                  "bytes": w.bytes} for r, w in enumerate(written)]
             manifest["write_seconds"] = time.perf_counter() - started  # in the background
-            path = write_manifest(folder / "manifest.json", manifest)
+            with self._lock:
+                if save.abandoned:
+                    return
+                path = write_manifest(folder / "manifest.json", manifest)
+                removed = prune(self.root, job.config.checkpoint.keep)
+                job.checkpoint = path
         except Exception as err:  # raised to the driver by finish()
             log.error("job %s: the checkpoint of step %d failed: %s", job.job_id, manifest["step"], err)
-            self._failure = err
+            save.failure = err
             return
-        removed = prune(self.root, job.config.checkpoint.keep)
-        job.checkpoint = path
         job.add_checkpoint(pb.CheckpointEvent(
             kind="saved", step=manifest["step"], manifest=path, stall_seconds=manifest["stall_seconds"],
             write_seconds=manifest["write_seconds"], bytes=sum(w.bytes for w in written)))
@@ -236,6 +250,15 @@ class Checkpointing:
                 self.probe.unlink(missing_ok=True)
             except OSError as err:  # never written: checkpoint.dir was not a folder
                 log.debug("probe %s: %s", self.probe, err)
+
+
+@dataclass
+class _Save:
+    """One save's completion, which the driver may wait for or abandon."""
+    thread: threading.Thread | None = None
+    step: int = 0
+    failure: Exception | None = None
+    abandoned: bool = False
 
 
 def _chunks(job_id: str, path: pathlib.Path, name: str, sha256: str):

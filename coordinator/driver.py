@@ -83,6 +83,7 @@ class JobDriver(threading.Thread):
             state, error = "FAILED", str(err)
         if job.cancel_requested.is_set():
             state = "CANCELLED"
+            self._finish_save_quietly()  # nothing of the job's after its final state
         # Servers are freed before the final state is published: whoever sees it may
         # submit the next job at once. The state is published whatever the cleanup meets.
         try:
@@ -108,10 +109,6 @@ class JobDriver(threading.Thread):
                     err = JobFailed("; ".join(self.silent[r] for r in sorted(self.silent)))
                 detected, started = time.time(), time.perf_counter()
                 lost = self._lost_servers()
-                if lost:  # a save under way cannot complete: it is left behind
-                    self.checkpoints.abandon()
-                else:
-                    self._finish_save_quietly()
                 if job.cancel_requested.is_set():
                     raise err
                 self.registry.forget([slot.server_id for slot in lost])  # whether or not the job goes on
@@ -122,6 +119,7 @@ class JobDriver(threading.Thread):
                 log.warning("job %s lost %s: %s; recovering (attempt %d)", job.job_id, addresses, err, attempt)
                 job.set_state("RECOVERING", reason=f"lost {', '.join(addresses)}: {err}")
                 self.registry.release(job.job_id)
+                self._forget_attempt()
                 self.checkpoints.recover()
                 recovery = _Recovery(attempt, str(err), addresses, detected, started)
 
@@ -136,6 +134,11 @@ class JobDriver(threading.Thread):
                          name=f"heartbeats-{job.job_id}").start()
         try:
             self._run_attempt(plan, probes, recovery)
+        except Exception:
+            # Before any teardown (which empties the servers' spools), and while the
+            # heartbeat watch still ends calls to a silent server.
+            self._finish_save_quietly()
+            raise
         finally:
             watch.set()
 
@@ -172,9 +175,14 @@ class JobDriver(threading.Thread):
                 self._save(plan)  # the end, unless a periodic save just took it
             self.checkpoints.finish()
 
+    def _forget_attempt(self) -> None:
+        for channel in self.channels:
+            channel.close()
+        self.plan, self.addresses, self.stubs, self.channels = None, [], [], []
+
     def _finish_save_quietly(self) -> None:
         try:  # a save already under way still completes, if the servers allow
-            self.checkpoints.finish()
+            self.checkpoints.finish(timeout_s=self.job.config.recovery.progress_timeout_s)
         except Exception as late:
             log.warning("job %s: the save under way failed too: %s", self.job.job_id, late)
 
@@ -292,6 +300,8 @@ class JobDriver(threading.Thread):
                     reports.put(report)
             except grpc.RpcError as err:
                 reports.put(self._rpc_error(rank, err))
+            except ValueError as err:  # its channel was closed: the server was declared dead
+                reports.put(JobFailed(f"rank {rank} ({self.addresses[rank]}): {err}"))
             reports.put(None)
 
         threads = [threading.Thread(target=stream, args=(r, s), daemon=True) for r, s in enumerate(self.stubs)]
@@ -300,15 +310,16 @@ class JobDriver(threading.Thread):
             t.start()
         pending: dict[int, list[pb.StepReport]] = {}
         inside = [0.0] * world  # per rank, seconds inside its steps
-        finished, last_time, held = 0, started, None
+        finished, last_time, held, next_step = 0, started, None, first
         while finished < world:
             patience = self._progress_deadline()
             try:
                 item = reports.get(timeout=patience)
             except queue.Empty:
-                silent = sorted(set(range(world)) - {r.rank for r in pending.get(min(pending, default=first), [])})
+                stuck = min(pending, default=next_step)
+                silent = sorted(set(range(world)) - {r.rank for r in pending.get(stuck, [])})
                 raise JobFailed(f"no progress: no rank finished a step within {patience:.1f} s (step "
-                                f"{min(pending, default=first)} not reported by ranks {silent})") from None
+                                f"{stuck} not reported by ranks {silent})") from None
             if item is None:
                 finished += 1
                 continue
@@ -323,6 +334,7 @@ class JobDriver(threading.Thread):
             if len(pending[item.step]) == world:
                 now = time.perf_counter()
                 event = self._step_event(pending.pop(item.step), now - last_time)
+                next_step = item.step + 1
                 last_time = now
                 if held is not None:
                     job.add_step(held)

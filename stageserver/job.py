@@ -133,7 +133,10 @@ class StageJob:
 
     def _local(self, path: str) -> str:
         """A checkpoint path as this server reads it: in place, or (relative) in the spool."""
-        return path if pathlib.PurePath(path).is_absolute() else str(self.spool.path(path))
+        if pathlib.PurePath(path).is_absolute():
+            return path
+        self.spool.folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+        return str(self.spool.path(path))
 
     def save_state(self, path: str, background: bool = False) -> tuple[str, int]:
         """Writes this rank's training state (stageserver/state_io.py); in the background:

@@ -10,23 +10,38 @@ import tempfile
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file, save
 
 
 def write(path: str | os.PathLike, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> str:
-    """Writes atomically (temporary name, then rename); returns the file's SHA-256."""
+    """Writes durably and atomically (a temporary name, fsync, rename, the folder
+    fsynced); returns the file's SHA-256, hashed from the bytes written rather than
+    read back."""
     path = pathlib.Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    data = save({name: t.detach().contiguous() for name, t in tensors.items()}, metadata=metadata)
+    digest = hashlib.sha256(data).hexdigest()
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    os.close(fd)
     try:
-        save_file({name: t.detach().contiguous() for name, t in tensors.items()}, tmp, metadata=metadata)
-        digest = hashlib.sha256(pathlib.Path(tmp).read_bytes()).hexdigest()
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         os.unlink(tmp)
         raise
+    fsync_folder(path.parent)
     return digest
+
+
+def fsync_folder(folder: pathlib.Path) -> None:
+    """Makes a rename in `folder` durable."""
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def open(path: str | os.PathLike):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import os
 import pathlib
+import secrets
 import shutil
 import tempfile
 
@@ -20,7 +21,8 @@ CHUNK_BYTES = 1 << 20  # under gRPC's default message limit, large enough to str
 
 
 def default_root() -> pathlib.Path:
-    return pathlib.Path(tempfile.gettempdir()) / "interleaf-spool"
+    """Per user: another user's server on the host neither blocks nor reads ours."""
+    return pathlib.Path(tempfile.gettempdir()) / f"interleaf-spool-{os.getuid()}"
 
 
 def sees(path: str, sha256: str) -> bool:
@@ -33,8 +35,10 @@ def sees(path: str, sha256: str) -> bool:
 
 class Spool:
     def __init__(self, root: pathlib.Path, job_id: str, rank: int):
-        # Per rank: servers on one host share the root, and each removes its own folder.
-        self.folder = pathlib.Path(root) / f"{job_id.replace('/', '_')}-rank{rank}"
+        # Per server and job: servers on one host share the root, and each removes only
+        # its own folder (a rank handed to another server after this one was declared
+        # lost keeps its files).
+        self.folder = pathlib.Path(root) / f"{job_id.replace('/', '_')}-rank{rank}-{secrets.token_hex(4)}"
 
     def path(self, relative: str) -> pathlib.Path:
         """A file in the spool; `relative` must stay inside it."""
@@ -50,12 +54,13 @@ class Spool:
         with open(path, "rb") as f:
             while chunk := f.read(CHUNK_BYTES):
                 yield chunk
-        path.unlink()
+        path.unlink(missing_ok=True)  # the job may have been torn down meanwhile
 
     def receive(self, relative: str, sha256: str, chunks) -> tuple[pathlib.Path, int]:
         """Writes `chunks` to the file (a temporary name, renamed once complete);
         refused, and nothing kept, unless the bytes have `sha256`."""
         path = self.path(relative)
+        self.folder.mkdir(mode=0o700, parents=True, exist_ok=True)
         path.parent.mkdir(parents=True, exist_ok=True)
         digest, size = hashlib.sha256(), 0
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")

@@ -66,10 +66,12 @@ def collect(model: ModelState) -> tuple[dict[str, torch.Tensor], dict[str, str]]
 
 
 class Pieces:
-    """The pieces of the parameters in `wanted` (None: all) from every file, indexed to
-    rebuild full tensors; only those pieces are read."""
+    """The pieces of `kinds` of every parameter, or of those `wanted` names (each with
+    the kinds it needs), from every file, indexed to rebuild full tensors; only those
+    pieces are read."""
 
-    def __init__(self, paths: list[str], wanted: set[str] | None = None, kinds: tuple[str, ...] = KINDS):
+    def __init__(self, paths: list[str], wanted: dict[str, set[str]] | None = None,
+                 kinds: tuple[str, ...] = KINDS):
         self.pieces: dict[tuple[str, str], list[tuple[int, int, torch.Tensor]]] = {}
         self.shapes: dict[str, tuple[list[int], int | None, int]] = {}
         self.steps = None
@@ -84,7 +86,7 @@ class Pieces:
                 for name, (shape, dim, _, size) in shapes.items():
                     if wanted is None or name in wanted:
                         self.shapes[name] = (shape, dim, size)
-                        for kind in kinds:
+                        for kind in (kinds if wanted is None else wanted[name]):
                             self.pieces.setdefault((name, kind), [])
                 for key in f.keys():
                     name, kind, offset = key.split("|")
@@ -113,17 +115,33 @@ class Pieces:
         return views[0] if dim is None else torch.cat(views, dim=dim)
 
 
+def _needed(bucket, name: str) -> set[str]:
+    """What this rank keeps of a parameter: the moments of its window; the master
+    weights of its window under ZeRO-3, else of the whole bucket (the working
+    parameters, replicated below stage 3, are their cast)."""
+    start, n = bucket.layout.offsets[name]
+    lo, hi = bucket.window
+    mine = start < hi and start + n > lo
+    kinds = {"exp_avg", "exp_avg_sq"} if mine else set()
+    return kinds | {"master"} if mine or bucket.zero < 3 else kinds
+
+
 def restore(model: ModelState, paths: list[str]) -> int:
-    """Loads the state in `paths` into this rank's buckets; returns the optimizer step."""
-    wanted = {name for index in model.chunks for bucket in model.buckets[index] for name in bucket.layout.names}
-    pieces = Pieces(paths, wanted)
+    """Loads the state in `paths` into this rank's buckets, reading only the pieces it
+    keeps; returns the optimizer step."""
+    wanted: dict[str, set[str]] = {}
+    for index in model.chunks:
+        for bucket in model.buckets[index]:
+            for name in bucket.layout.names:
+                wanted.setdefault(name, set()).update(_needed(bucket, name))
+    pieces = Pieces(paths, {name: kinds for name, kinds in wanted.items() if kinds})
     for index in sorted(model.chunks):
         specs = model.chunks[index].param_specs()
         for bucket in model.buckets[index]:
-            flat = {kind: torch.zeros(bucket.layout.padded, dtype=torch.float64) for kind in KINDS}
+            flat = {kind: torch.zeros(bucket.layout.padded, dtype=bucket.md) for kind in KINDS}
             for name in bucket.layout.names:
                 start, n = bucket.layout.offsets[name]
-                for kind in KINDS:
+                for kind in _needed(bucket, name):
                     mine = tp_shard(pieces.full(name, kind), specs[name].tp_dim, model.tp)
                     flat[kind][start:start + n] = mine.reshape(-1)
             bucket.load_state(flat["master"], flat["exp_avg"], flat["exp_avg_sq"], pieces.steps)
