@@ -205,7 +205,7 @@ def main() -> None:
     phases = {}
     try:
         with LocalCluster(RANKS, threads_per_server=1) as cluster, PeerWorld(RANKS) as world:
-            client = Client(cluster.address)
+            client = cluster.client()
             try:
                 _phase(phases, "interleaf saves")
                 ours = interleaf_saves(client, os.path.join(root, "interleaf"), args)
@@ -235,12 +235,14 @@ def main() -> None:
           f"load seconds), DCP 2; one torch thread each, on the same {before['cpus']} CPUs and disk, one side "
           f"at a time")
     print(f"{before['cpus']} CPUs, load average {before['load_average_1m']} before, {after['load_average_1m']} after; "
-          f"{args.saves} saves every {args.every} steps, Interleaf zero={args.zero} dp={RANKS}, DCP over FSDP2 dp={RANKS}")
+          f"{args.saves} saves every {args.every} steps, Interleaf zero={args.zero} dp={RANKS}, "
+          f"DCP over FSDP2 dp={RANKS}")
     print("load average at each phase's start: " + ", ".join(f"{name} {load}" for name, load in phases.items()))
     found = problems(ours, loads, peers)
     write_json(args.out, {
         "benchmark": "checkpoint_vs_dcp", "machine_before": before, "machine_after": after,
-        "saves": args.saves, "every": args.every, "zero": args.zero, "overrides": overrides(args.zero, args.saves * args.every),
+        "saves": args.saves, "every": args.every, "zero": args.zero,
+        "overrides": overrides(args.zero, args.saves * args.every),
         "load_average_at_phase_start": phases, "interleaf": {"saves": ours, "loads": loads}, "dcp": peers,
         "problems": found,
     })

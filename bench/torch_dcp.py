@@ -107,7 +107,6 @@ def checkpoints(rank: int, config: JobConfig, folder: str, saves: int, every: in
     fully_shard(model, mesh=init_device_mesh("cpu", (replicas,)))
     params = list(model.parameters())
     optimizer, lr_schedule, sampler = torch_training.training_setup(config, [model])
-    writes = dist.new_group(backend="gloo")
 
     def train(first: int, count: int) -> None:
         for step in range(first, first + count):
@@ -120,13 +119,35 @@ def checkpoints(rank: int, config: JobConfig, folder: str, saves: int, every: in
             torch_training.clip_global_norm(grads, grads, t.grad_clip, across_ranks=True)
             torch_training.step(optimizer, lr_schedule, step)
 
-    def writer(path: str):
+    def writer(path: str) -> dcp.FileSystemWriter:
         return dcp.FileSystemWriter(path, sync_files=sync_files)
 
     train(0, every)
-    async_saves = []
-    for k in range(saves):
-        path = os.path.join(folder, f"async-{k}")
+    async_saves = _async_saves(model, optimizer, train, [os.path.join(folder, f"async-{k}") for k in range(saves)],
+                               every, writer)
+    sizes = _state_bytes(_state(model, optimizer))
+
+    sync_saves, paths = [], [os.path.join(folder, f"sync-{k}") for k in range(saves)]
+    for path in paths:
+        dist.barrier()
+        started = time.perf_counter()
+        dcp.save(_state(model, optimizer), storage_writer=writer(path))
+        sync_saves.append(time.perf_counter() - started)
+    disk_bytes = sum(entry.stat().st_size for entry in os.scandir(paths[-1])) if rank == 0 else 0
+    expected = {key: tensor.clone() for key, tensor in _tensors(_state(model, optimizer)).items()}
+    loads, mismatched = _loads(model, optimizer, paths[-1], saves, expected)
+    _remove(rank, paths)
+    return {"async_saves": async_saves, "sync_save_seconds": sync_saves, "load_seconds": loads,
+            "state_bytes": sizes["state"], "other_bytes": sizes["other"], "disk_bytes": disk_bytes,
+            "tensors": len(expected), "mismatched": sorted(mismatched)}
+
+
+def _async_saves(model, optimizer, train, paths: list[str], every: int, writer) -> list[dict]:
+    """One async save into each of `paths`, `every` training steps after each but the
+    last; the saves' collectives go through a gloo group of their own."""
+    writes = dist.new_group(backend="gloo")
+    saves = []
+    for k, path in enumerate(paths):
         dist.barrier()
         started = time.perf_counter()
         state = _state(model, optimizer)
@@ -139,37 +160,28 @@ def checkpoints(rank: int, config: JobConfig, folder: str, saves: int, every: in
         returned = time.perf_counter()
         written = _Stamp()
         future.add_done_callback(written)
-        if k < saves - 1:
+        if k < len(paths) - 1:
             train(every * (k + 1), every)
         waiting = time.perf_counter()
         future.result()
         waited = time.perf_counter() - waiting
         end = written.wait()
-        async_saves.append({"state_dict_seconds": stated - started, "stall_seconds": returned - started,
-                            "write_seconds": end - returned, "total_seconds": end - started,
-                            "waited_seconds": waited})
-    state = _state(model, optimizer)
-    sizes = _state_bytes(state)
-    dist.barrier()
-    if rank == 0:  # measured; no need to keep them on disk
-        for k in range(saves):
-            shutil.rmtree(os.path.join(folder, f"async-{k}"))
+        saves.append({"state_dict_seconds": stated - started, "stall_seconds": returned - started,
+                      "write_seconds": end - returned, "total_seconds": end - started, "waited_seconds": waited})
+    dist.destroy_process_group(writes)
+    _remove(dist.get_rank(), paths)
+    return saves
 
-    sync_saves = []
-    for k in range(saves):
-        path = os.path.join(folder, f"sync-{k}")
-        dist.barrier()
-        started = time.perf_counter()
-        dcp.save(_state(model, optimizer), storage_writer=writer(path))
-        sync_saves.append(time.perf_counter() - started)
-    disk_bytes = sum(entry.stat().st_size for entry in os.scandir(path)) if rank == 0 else 0
-    expected = {key: tensor.clone() for key, tensor in _tensors(_state(model, optimizer)).items()}
 
-    loads, mismatched = [], set()
-    for k in range(saves):
+def _loads(model, optimizer, path: str, count: int, expected: dict) -> tuple[list[float], set[str]]:
+    """`count` loads of the checkpoint at `path`, each after overwriting the live
+    parameters and moments with NaN; returns their times and the keys of the tensors
+    that did not come back equal to `expected`."""
+    times, mismatched = [], set()
+    for _ in range(count):
         with torch.no_grad():
-            for q in params:
-                q.to_local().fill_(float("nan"))
+            for param in model.parameters():
+                param.to_local().fill_(float("nan"))
             for moments in optimizer.state.values():
                 moments["exp_avg"].to_local().fill_(float("nan"))
                 moments["exp_avg_sq"].to_local().fill_(float("nan"))
@@ -178,10 +190,17 @@ def checkpoints(rank: int, config: JobConfig, folder: str, saves: int, every: in
         state = _state(model, optimizer)
         dcp.load(state, checkpoint_id=path)
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-        loads.append(time.perf_counter() - started)
+        times.append(time.perf_counter() - started)
         loaded = _tensors(_state(model, optimizer))
-        mismatched |= {key for key, tensor in expected.items() if key not in loaded or not torch.equal(loaded[key], tensor)}
-    dist.destroy_process_group(writes)
-    return {"async_saves": async_saves, "sync_save_seconds": sync_saves, "load_seconds": loads,
-            "state_bytes": sizes["state"], "other_bytes": sizes["other"], "disk_bytes": disk_bytes,
-            "tensors": len(expected), "mismatched": sorted(mismatched)}
+        mismatched |= {key for key, tensor in expected.items()
+                       if key not in loaded or not torch.equal(loaded[key], tensor)}
+    return times, mismatched
+
+
+def _remove(rank: int, paths: list[str]) -> None:
+    """Measured checkpoints need not take the disk any longer (one rank removes them,
+    once every rank is done with them)."""
+    dist.barrier()
+    if rank == 0:
+        for path in paths:
+            shutil.rmtree(path)
