@@ -8,7 +8,7 @@ import signal
 
 import torch.distributed as dist
 
-from coordinator.service import CoordinatorService
+from coordinator.service import SERVER_THREADS, CoordinatorService
 from protos import interleaf_pb2_grpc as rpc
 from protos import wire
 from protos.security import Security
@@ -27,7 +27,7 @@ def serve(host: str, port: int, bind: str, store_port: int, steps_per_call: int 
         timeout=datetime.timedelta(seconds=300),
     )
     service = CoordinatorService((host, store.port), steps_per_call)
-    server = wire.server(threads=64)
+    server = wire.server(threads=SERVER_THREADS)
     rpc.add_CoordinatorServicer_to_server(service, server)
     bound = wire.listen(server, f"{bind}:{port}")
     server.start()

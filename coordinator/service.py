@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import grpc
 
 from coordinator.config import ConfigError, load_config
@@ -14,8 +16,15 @@ from protos import interleaf_pb2 as pb
 from protos import interleaf_pb2_grpc as rpc
 
 
+SERVER_THREADS = 64
+MAX_WATCHERS = SERVER_THREADS // 2
+"""Each WatchJob stream holds one of the server's threads for its job's life; beyond
+this many the next is refused, so heartbeats and every other call always find a thread."""
+
+
 class CoordinatorService(rpc.CoordinatorServicer):
     def __init__(self, store_address: tuple[str, int], steps_per_call: int = 8):
+        self.watchers = threading.BoundedSemaphore(MAX_WATCHERS)
         self.steps_per_call = steps_per_call
         self.registry = Registry()
         self.jobs = JobTable()
@@ -75,7 +84,14 @@ class CoordinatorService(rpc.CoordinatorServicer):
 
     def WatchJob(self, request: pb.JobRef, context):
         record = self._job(request.job_id, context)
-        yield from record.follow(alive=context.is_active)
+        if not self.watchers.acquire(blocking=False):
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"{MAX_WATCHERS} watchers already follow jobs on this coordinator (the most it serves "
+                          f"at once): poll GetJob, or watch later")
+        try:
+            yield from record.follow(alive=context.is_active)
+        finally:
+            self.watchers.release()
 
     def CancelJob(self, request: pb.JobRef, context):
         record = self._job(request.job_id, context)
