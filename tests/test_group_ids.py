@@ -27,16 +27,22 @@ CONFIG = ["model.n_layers=2", "model.d_model=16", "model.n_heads=2", "model.seq_
           "parallel.microbatches=2", "train.global_batch=4", "train.steps=1"]
 
 
-@pytest.fixture(scope="module")
-def servers():
+def serve_in_process(services: list[StageServerService]):
+    """Real gRPC stage servers on loopback, in this process: (servers, stubs)."""
     running, stubs = [], []
-    for _ in range(2):
+    for service in services:
         server = wire.server(threads=4)
-        rpc.add_StageServerServicer_to_server(StageServerService("127.0.0.1"), server)
+        rpc.add_StageServerServicer_to_server(service, server)
         port = server.add_insecure_port("127.0.0.1:0")
         server.start()
         running.append(server)
         stubs.append(rpc.StageServerStub(wire.channel(f"127.0.0.1:{port}")))
+    return running, stubs
+
+
+@pytest.fixture(scope="module")
+def servers():
+    running, stubs = serve_in_process([StageServerService("127.0.0.1") for _ in range(2)])
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=30))
     yield stubs, store

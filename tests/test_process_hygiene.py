@@ -23,13 +23,11 @@ import torch.distributed as dist
 from clients.client import Client
 from clients.launcher import LocalCluster
 from protos import interleaf_pb2 as pb
-from protos import interleaf_pb2_grpc as rpc
-from protos import wire
 from protos.security import TOKEN_ENV
 from stageserver.main import EXIT_BOUND_S
 from stageserver.service import StageServerService
 from tests.conftest import TINY
-from tests.test_group_ids import _connect, _setup, _teardown
+from tests.test_group_ids import _connect, _setup, _teardown, serve_in_process
 from tests.test_launcher import SMALL, _marked_processes, _start
 
 LAYOUT = ["parallel.pp=2", "parallel.vpp=1"]
@@ -194,14 +192,7 @@ def test_dropped_job_frees_its_memory_at_once():
     the job's model (weights, optimizer state, groups) is gone when it returns, without
     waiting for the cyclic garbage collector (disabled here so it cannot help)."""
     services = [StageServerService("127.0.0.1") for _ in range(2)]
-    servers, stubs = [], []
-    for service in services:
-        server = wire.server(threads=4)
-        rpc.add_StageServerServicer_to_server(service, server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        server.start()
-        servers.append(server)
-        stubs.append(rpc.StageServerStub(wire.channel(f"127.0.0.1:{port}")))
+    servers, stubs = serve_in_process(services)
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=30))
     gc.disable()
