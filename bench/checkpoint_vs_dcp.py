@@ -37,9 +37,9 @@ import shutil
 import statistics
 import tempfile
 
-from clients.client import Client
-from clients.launcher import LocalCluster
-from coordinator.config import load_config
+from interleaf.clients.client import Client
+from interleaf.clients.launcher import LocalCluster
+from interleaf.coordinator.config import load_config
 
 # Siblings in bench/ (the script's own directory is first on sys.path).
 import torch_dcp

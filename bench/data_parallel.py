@@ -16,7 +16,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from coordinator.config import JobConfig
+from interleaf.coordinator.config import JobConfig
 
 import memory  # siblings in bench/
 import torch_training

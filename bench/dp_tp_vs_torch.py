@@ -14,9 +14,9 @@ Every process runs one torch thread; each Interleaf run is followed at once by i
 from __future__ import annotations
 
 
-from clients.client import Client
-from clients.launcher import LocalCluster
-from coordinator.config import load_config
+from interleaf.clients.client import Client
+from interleaf.clients.launcher import LocalCluster
+from interleaf.coordinator.config import load_config
 
 # Siblings in bench/ (the script's own directory is first on sys.path).
 import single_process

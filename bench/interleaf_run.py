@@ -3,7 +3,7 @@ end through the public client, reduced to its per-step and per-block figures."""
 
 from __future__ import annotations
 
-from clients.client import Client
+from interleaf.clients.client import Client
 
 JOB_TIMEOUT_S = 600.0
 

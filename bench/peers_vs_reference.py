@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import argparse
 
-from coordinator.config import load_config
+from interleaf.coordinator.config import load_config
 
 # Siblings in bench/ (the script's own directory is first on sys.path).
 import single_process

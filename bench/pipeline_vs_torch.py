@@ -12,9 +12,9 @@ of a schedule follow each other, so both see the machine in the same state.
 from __future__ import annotations
 
 
-from clients.client import Client
-from clients.launcher import LocalCluster
-from coordinator.config import load_config
+from interleaf.clients.client import Client
+from interleaf.clients.launcher import LocalCluster
+from interleaf.coordinator.config import load_config
 
 # Siblings in bench/ (the script's own directory is first on sys.path).
 import torch_pipeline

@@ -4,8 +4,8 @@ run on a one-process peer_world so it too has exactly one torch thread."""
 
 from __future__ import annotations
 
-from clients.reference import train as reference_train
-from coordinator.config import JobConfig
+from interleaf.clients.reference import train as reference_train
+from interleaf.coordinator.config import JobConfig
 
 
 def train(rank: int, config: JobConfig) -> dict:

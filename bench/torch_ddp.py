@@ -12,8 +12,8 @@ import contextlib
 
 from torch.nn.parallel import DistributedDataParallel
 
-from coordinator.config import JobConfig
-from stageserver.model import GPTConfig, full_model
+from interleaf.coordinator.config import JobConfig
+from interleaf.stageserver.model import GPTConfig, full_model
 
 import data_parallel  # siblings in bench/
 import memory

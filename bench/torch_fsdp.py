@@ -32,8 +32,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from coordinator.config import JobConfig
-from stageserver.model import GPTConfig, full_model
+from interleaf.coordinator.config import JobConfig
+from interleaf.stageserver.model import GPTConfig, full_model
 
 import data_parallel  # siblings in bench/
 import memory

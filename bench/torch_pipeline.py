@@ -22,10 +22,10 @@ from torch.distributed.pipelining import (
 )
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti
 
-from coordinator.config import JobConfig
-from coordinator.partition import chunks_of, partition
-from stageserver.model import GPTChunk, GPTConfig
-from stageserver.transport import SoloTransport
+from interleaf.coordinator.config import JobConfig
+from interleaf.coordinator.partition import chunks_of, partition
+from interleaf.stageserver.model import GPTChunk, GPTConfig
+from interleaf.stageserver.transport import SoloTransport
 
 import torch_training  # sibling in bench/
 

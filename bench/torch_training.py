@@ -12,10 +12,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from coordinator.config import JobConfig
-from stageserver.data import Sampler, resolve_source
-from stageserver.model import GPTChunk
-from stageserver.optim import BETAS, EPS, Schedule, clip_coefficient
+from interleaf.coordinator.config import JobConfig
+from interleaf.stageserver.data import Sampler, resolve_source
+from interleaf.stageserver.model import GPTChunk
+from interleaf.stageserver.optim import BETAS, EPS, Schedule, clip_coefficient
 
 
 def param_groups(chunks: list[GPTChunk], weight_decay: float) -> list[dict]:

@@ -16,9 +16,9 @@ from __future__ import annotations
 import torch
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
-from coordinator.config import JobConfig
-from stageserver.model import GPTChunk
-from stageserver.optim import BETAS, EPS
+from interleaf.coordinator.config import JobConfig
+from interleaf.stageserver.model import GPTChunk
+from interleaf.stageserver.optim import BETAS, EPS
 
 import torch_ddp  # siblings in bench/
 import torch_training

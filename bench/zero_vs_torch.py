@@ -24,8 +24,8 @@ one-thread processes on each core, on both sides alike.
 
 from __future__ import annotations
 
-from clients.launcher import LocalCluster
-from coordinator.config import load_config
+from interleaf.clients.launcher import LocalCluster
+from interleaf.coordinator.config import load_config
 
 # Siblings in bench/ (the script's own directory is first on sys.path).
 import torch_ddp

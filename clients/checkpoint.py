@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import torch
 
-from coordinator.checkpoints import Checkpoint, CheckpointError, find
-from stageserver.model import GPTConfig
-from stageserver.state_io import Pieces
+from interleaf.coordinator.checkpoints import Checkpoint, CheckpointError, find
+from interleaf.stageserver.model import GPTConfig
+from interleaf.stageserver.state_io import Pieces
 
 __all__ = ["Checkpoint", "CheckpointError", "find", "load_parameters", "model_config"]
 

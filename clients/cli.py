@@ -9,7 +9,7 @@ import pathlib
 import signal
 import sys
 
-from clients.follow import MetricsOut, follow
+from interleaf.clients.follow import MetricsOut, follow
 
 DEFAULT_COORDINATOR = os.environ.get("INTERLEAF_COORDINATOR", "127.0.0.1:50051")
 
@@ -70,7 +70,7 @@ def _config_text(path: str | None) -> str:
 def _security(args):
     """The token and TLS files of --token-file and --tls-* (the token, without
     --token-file, from $INTERLEAF_TOKEN)."""
-    from protos.security import Security, SecurityError
+    from interleaf.protos.security import Security, SecurityError
 
     try:
         return Security.from_options(args.token_file, args.tls_cert, args.tls_key, args.tls_ca,
@@ -80,13 +80,13 @@ def _security(args):
 
 
 def _client(args):
-    from clients.client import Client
+    from interleaf.clients.client import Client
 
     return Client(args.coordinator, _security(args))
 
 
 def _load(args):
-    from coordinator.config import ConfigError, load_config
+    from interleaf.coordinator.config import ConfigError, load_config
 
     if getattr(args, "resume", None):  # --resume DIR is checkpoint.resume, made absolute
         args.set.append(f"checkpoint.resume={os.path.abspath(args.resume)}")
@@ -98,7 +98,7 @@ def _load(args):
 
 
 def cmd_run(args) -> int:
-    from clients.launcher import LocalCluster
+    from interleaf.clients.launcher import LocalCluster
 
     text, config = _load(args)
     world = config.parallel.world_size
@@ -141,9 +141,9 @@ def cmd_run(args) -> int:
 def _admit_locally(config, servers: int, device: str) -> None:
     """The coordinator's admission check, made before any local process starts: each
     local server would offer its GPU's memory, or its share of this machine's."""
-    from clients.launcher import local_devices, memory_per_local_server
-    from coordinator.admission import AdmissionError, check_fits, needed_bytes
-    from coordinator.plan import plan_programs
+    from interleaf.clients.launcher import local_devices, memory_per_local_server
+    from interleaf.coordinator.admission import AdmissionError, check_fits, needed_bytes
+    from interleaf.coordinator.plan import plan_programs
 
     try:
         devices = local_devices(device, servers)
@@ -158,8 +158,8 @@ def _admit_locally(config, servers: int, device: str) -> None:
 
 
 def cmd_reference(args) -> int:
-    from clients.progress import Progress
-    from clients.reference import train
+    from interleaf.clients.progress import Progress
+    from interleaf.clients.reference import train
 
     _, config = _load(args)
     metrics, progress = MetricsOut(args.metrics_out), Progress(config.train.steps)
@@ -176,13 +176,13 @@ def cmd_reference(args) -> int:
 
 
 def cmd_schedule(args) -> int:
-    from coordinator.grid import RankGrid
-    from coordinator.partition import describe, partition
-    from coordinator.plan import describe_state, plan_programs
-    from coordinator.memory_model import memory_table, predict
-    from coordinator.schedule import CostModel, DeadlockError, simulate, timeline_table, write_png
-    from coordinator.schedule.zero import max_gathered
-    from protos.actions import format_program
+    from interleaf.coordinator.grid import RankGrid
+    from interleaf.coordinator.partition import describe, partition
+    from interleaf.coordinator.plan import describe_state, plan_programs
+    from interleaf.coordinator.memory_model import memory_table, predict
+    from interleaf.coordinator.schedule import CostModel, DeadlockError, simulate, timeline_table, write_png
+    from interleaf.coordinator.schedule.zero import max_gathered
+    from interleaf.protos.actions import format_program
 
     _, config = _load(args)
     p = config.parallel
@@ -221,14 +221,14 @@ _LINKS = {
 
 
 def cmd_coordinator(args) -> int:
-    from coordinator.main import serve
+    from interleaf.coordinator.main import serve
 
     serve(args.host, args.port, args.bind, args.store_port, args.steps_per_call, _security(args))
     return 0
 
 
 def cmd_stage_server(args) -> int:
-    from stageserver.main import serve
+    from interleaf.stageserver.main import serve
 
     if not args.orphan_timeout > 0:
         raise UsageError(f"--orphan-timeout={args.orphan_timeout:g} must be a positive number of seconds")
@@ -269,7 +269,7 @@ def cmd_servers(args) -> int:
 
 
 def cmd_data_prepare(args) -> int:
-    from stageserver.data import prepare
+    from interleaf.stageserver.data import prepare
 
     missing = [t for t in args.texts if not os.path.isfile(t)]
     if missing:
@@ -280,7 +280,7 @@ def cmd_data_prepare(args) -> int:
 
 
 def _checkpoint(path: str):
-    from clients.checkpoint import CheckpointError, find
+    from interleaf.clients.checkpoint import CheckpointError, find
 
     try:
         return find(path)
@@ -289,8 +289,8 @@ def _checkpoint(path: str):
 
 
 def cmd_export(args) -> int:
-    from clients.checkpoint import CheckpointError
-    from clients.generate import export
+    from interleaf.clients.checkpoint import CheckpointError
+    from interleaf.clients.generate import export
 
     checkpoint = _checkpoint(args.checkpoint)
     try:
@@ -302,8 +302,8 @@ def cmd_export(args) -> int:
 
 
 def cmd_generate(args) -> int:
-    from clients.checkpoint import CheckpointError
-    from clients.generate import check_sampling, generate, load_model
+    from interleaf.clients.checkpoint import CheckpointError
+    from interleaf.clients.generate import check_sampling, generate, load_model
 
     try:
         check_sampling(args.tokens, args.temperature, args.top_k)

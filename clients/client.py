@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from protos import interleaf_pb2 as pb
-from protos import interleaf_pb2_grpc as rpc
-from protos import wire
-from protos.security import Security
+from interleaf.protos import interleaf_pb2 as pb
+from interleaf.protos import interleaf_pb2_grpc as rpc
+from interleaf.protos import wire
+from interleaf.protos.security import Security
 
 RPC_TIMEOUT_S = 30.0
 

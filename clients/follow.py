@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import sys
 
-from clients.progress import Progress
+from interleaf.clients.progress import Progress
 
 
 def _block_control(s) -> dict:

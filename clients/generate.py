@@ -9,10 +9,10 @@ import pathlib
 
 import torch
 
-from clients.checkpoint import Checkpoint, load_parameters, model_config
-from stageserver import safetensors
-from stageserver.data.tokenizer import decode, encode
-from stageserver.model.gpt import GPTChunk, full_model, next_token_logits
+from interleaf.clients.checkpoint import Checkpoint, load_parameters, model_config
+from interleaf.stageserver import safetensors
+from interleaf.stageserver.data.tokenizer import decode, encode
+from interleaf.stageserver.model.gpt import GPTChunk, full_model, next_token_logits
 
 
 EXPORT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp64": torch.float64}

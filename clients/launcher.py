@@ -24,9 +24,9 @@ from typing import Callable
 
 import torch
 
-from clients.client import Client
-from protos.security import TOKEN_ENV, Security
-from stageserver.device import device_memory_bytes, physical_memory_bytes
+from interleaf.clients.client import Client
+from interleaf.protos.security import TOKEN_ENV, Security
+from interleaf.stageserver.device import device_memory_bytes, physical_memory_bytes
 
 PR_SET_PDEATHSIG = 1
 
@@ -98,7 +98,7 @@ class LocalCluster:
             os.makedirs(self.log_dir, exist_ok=True)
             stderr = open(os.path.join(self.log_dir, f"{name}.log"), "ab")
         process = subprocess.Popen(
-            command([sys.executable, "-m", "clients.cli", *args, *self.security.tls_flags()]),
+            command([sys.executable, "-m", "interleaf.clients.cli", *args, *self.security.tls_flags()]),
             stdout=stdout, stderr=stderr, start_new_session=True, preexec_fn=partial(_die_with_parent, os.getpid()),
             env={**os.environ, TOKEN_ENV: self.security.token},
         )

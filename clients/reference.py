@@ -13,15 +13,15 @@ from dataclasses import dataclass
 
 import torch
 
-from coordinator.config import JobConfig
-from stageserver.data import Sampler, resolve_source
-from stageserver.buckets import BucketLayout
-from stageserver.memory import MemoryLedger
-from stageserver.model import GPTConfig, full_model
-from stageserver.model_state import DTYPES, MASTER_DTYPES
-from stageserver.optim import Schedule, clip_coefficient, squared_norm
-from stageserver.sharded_bucket import ShardedBucket
-from stageserver.transport import SoloTransport
+from interleaf.coordinator.config import JobConfig
+from interleaf.stageserver.data import Sampler, resolve_source
+from interleaf.stageserver.buckets import BucketLayout
+from interleaf.stageserver.memory import MemoryLedger
+from interleaf.stageserver.model import GPTConfig, full_model
+from interleaf.stageserver.model_state import DTYPES, MASTER_DTYPES
+from interleaf.stageserver.optim import Schedule, clip_coefficient, squared_norm
+from interleaf.stageserver.sharded_bucket import ShardedBucket
+from interleaf.stageserver.transport import SoloTransport
 
 
 @dataclass

@@ -20,7 +20,7 @@ mask). Parameters are excluded (the memory model counts them as parameters).
 
 from __future__ import annotations
 
-from coordinator.config import PRECISION_BYTES as _BYTES
+from interleaf.coordinator.config import PRECISION_BYTES as _BYTES
 
 _INT64 = 8
 _BOOL = 1

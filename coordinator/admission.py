@@ -3,10 +3,10 @@ model and admission"), checked before any server allocates anything."""
 
 from __future__ import annotations
 
-from coordinator.config import ConfigError, JobConfig
-from coordinator.grid import RankGrid
-from coordinator.memory_model import predict
-from protos.actions import Action
+from interleaf.coordinator.config import ConfigError, JobConfig
+from interleaf.coordinator.grid import RankGrid
+from interleaf.coordinator.memory_model import predict
+from interleaf.protos.actions import Action
 
 RUNTIME_RESERVE_BYTES = 512 << 20
 """What a stage server's process needs beside the job's tensors: an idle server (Python,

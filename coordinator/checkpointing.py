@@ -35,10 +35,10 @@ from typing import Callable
 
 import grpc
 
-from coordinator.checkpoints import Checkpoint, CheckpointError, find, prune, write_manifest
-from coordinator.jobs import JobRecord
-from protos import interleaf_pb2 as pb
-from protos import interleaf_pb2_grpc as rpc
+from interleaf.coordinator.checkpoints import Checkpoint, CheckpointError, find, prune, write_manifest
+from interleaf.coordinator.jobs import JobRecord
+from interleaf.protos import interleaf_pb2 as pb
+from interleaf.protos import interleaf_pb2_grpc as rpc
 
 log = logging.getLogger("interleaf.coordinator")
 

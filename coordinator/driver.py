@@ -19,14 +19,14 @@ from functools import partial
 
 import grpc
 
-from coordinator.jobs import JobRecord
-from coordinator.admission import needed_bytes
-from coordinator.checkpointing import Checkpointing
-from coordinator.plan import JobPlan, place_servers, plan_job, plan_programs, setup_requests
-from coordinator.registry import DEAD_AFTER_S, HEARTBEAT_INTERVAL_S, Registry
-from protos import interleaf_pb2 as pb
-from protos import interleaf_pb2_grpc as rpc
-from protos import wire
+from interleaf.coordinator.jobs import JobRecord
+from interleaf.coordinator.admission import needed_bytes
+from interleaf.coordinator.checkpointing import Checkpointing
+from interleaf.coordinator.plan import JobPlan, place_servers, plan_job, plan_programs, setup_requests
+from interleaf.coordinator.registry import DEAD_AFTER_S, HEARTBEAT_INTERVAL_S, Registry
+from interleaf.protos import interleaf_pb2 as pb
+from interleaf.protos import interleaf_pb2_grpc as rpc
+from interleaf.protos import wire
 
 log = logging.getLogger("interleaf.coordinator")
 

@@ -6,8 +6,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from coordinator.config import JobConfig
-from protos import interleaf_pb2 as pb
+from interleaf.coordinator.config import JobConfig
+from interleaf.protos import interleaf_pb2 as pb
 
 FINAL_STATES = ("SUCCEEDED", "FAILED", "CANCELLED")
 

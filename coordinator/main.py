@@ -8,10 +8,10 @@ import signal
 
 import torch.distributed as dist
 
-from coordinator.service import SERVER_THREADS, CoordinatorService
-from protos import interleaf_pb2_grpc as rpc
-from protos import wire
-from protos.security import Security
+from interleaf.coordinator.service import SERVER_THREADS, CoordinatorService
+from interleaf.protos import interleaf_pb2_grpc as rpc
+from interleaf.protos import wire
+from interleaf.protos.security import Security
 
 log = logging.getLogger("interleaf.coordinator")
 

@@ -23,11 +23,11 @@ staging buffers of reductions and gathers until they are waited.
 
 from __future__ import annotations
 
-from coordinator.activation_bytes import chunk_activation_bytes, chunk_input_bytes
-from coordinator.config import MASTER_BYTES, PRECISION_BYTES, JobConfig
-from coordinator.partition import Chunk, chunks_of, partition
-from protos.actions import RECVS, SENDS, Action, Kind
-from protos.memory import MemoryLedger
+from interleaf.coordinator.activation_bytes import chunk_activation_bytes, chunk_input_bytes
+from interleaf.coordinator.config import MASTER_BYTES, PRECISION_BYTES, JobConfig
+from interleaf.coordinator.partition import Chunk, chunks_of, partition
+from interleaf.protos.actions import RECVS, SENDS, Action, Kind
+from interleaf.protos.memory import MemoryLedger
 
 
 def bucket_sizes(config: JobConfig, chunk: Chunk) -> list[int]:

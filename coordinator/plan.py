@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from coordinator import partition as partitioning
-from coordinator.config import ConfigError, JobConfig
-from coordinator.grid import RankGrid, place
-from coordinator.schedule import CostModel, build_programs, simulate, validate_programs
-from protos.actions import Action
-from protos import interleaf_pb2 as pb
+from interleaf.coordinator import partition as partitioning
+from interleaf.coordinator.config import ConfigError, JobConfig
+from interleaf.coordinator.grid import RankGrid, place
+from interleaf.coordinator.schedule import CostModel, build_programs, simulate, validate_programs
+from interleaf.protos.actions import Action
+from interleaf.protos import interleaf_pb2 as pb
 
 
 @dataclass(frozen=True)

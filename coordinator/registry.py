@@ -7,7 +7,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from coordinator.plan import ServerSlot
+from interleaf.coordinator.plan import ServerSlot
 
 HEARTBEAT_INTERVAL_S = 1.0
 DEAD_AFTER_S = 5 * HEARTBEAT_INTERVAL_S

@@ -6,14 +6,14 @@ import threading
 
 import grpc
 
-from coordinator.config import ConfigError, load_config
-from coordinator.driver import JobDriver
-from coordinator.admission import check_fits, needed_bytes
-from coordinator.jobs import JobTable
-from coordinator.plan import plan_programs
-from coordinator.registry import HEARTBEAT_INTERVAL_S, Registry
-from protos import interleaf_pb2 as pb
-from protos import interleaf_pb2_grpc as rpc
+from interleaf.coordinator.config import ConfigError, load_config
+from interleaf.coordinator.driver import JobDriver
+from interleaf.coordinator.admission import check_fits, needed_bytes
+from interleaf.coordinator.jobs import JobTable
+from interleaf.coordinator.plan import plan_programs
+from interleaf.coordinator.registry import HEARTBEAT_INTERVAL_S, Registry
+from interleaf.protos import interleaf_pb2 as pb
+from interleaf.protos import interleaf_pb2_grpc as rpc
 
 
 SERVER_THREADS = 64

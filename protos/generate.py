@@ -1,9 +1,11 @@
 """Regenerates the *_pb2 modules from the .proto sources.
 
-    python -m protos.generate            # rewrite protos/*_pb2*.py
-    python -m protos.generate --out DIR  # write them elsewhere (the up-to-date test)
+    python -m interleaf.protos.generate            # rewrite protos/*_pb2*.py
+    python -m interleaf.protos.generate --out DIR  # write them into DIR/protos (the up-to-date test)
 
-Run from the repository root so generated imports read `from protos import ...`.
+protoc names a generated module's imports after the .proto's path under its include root,
+so the sources are compiled from a staging folder where they sit at `interleaf/protos/`:
+the generated code then reads `from interleaf.protos import ...`, the installed namespace.
 Needs grpcio-tools (the `test` extra pins the version the checked-in files came from).
 """
 
@@ -11,19 +13,30 @@ from __future__ import annotations
 
 import argparse
 import pathlib
+import shutil
 import sys
+import tempfile
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-SOURCES = sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "protos").glob("*.proto"))
+PROTOS = ROOT / "protos"
 
 
 def generate(out: pathlib.Path) -> None:
     from grpc_tools import protoc  # imported here: only generation needs grpcio-tools
 
-    out.mkdir(parents=True, exist_ok=True)
-    args = ["protoc", f"-I{ROOT}", f"--python_out={out}", f"--grpc_python_out={out}", *SOURCES]
-    if protoc.main(args) != 0:
-        raise SystemExit(f"protoc failed on {SOURCES}")
+    with tempfile.TemporaryDirectory() as staging:
+        staged = pathlib.Path(staging) / "interleaf" / "protos"
+        staged.mkdir(parents=True)
+        sources = []
+        for proto in sorted(PROTOS.glob("*.proto")):
+            shutil.copy(proto, staged / proto.name)
+            sources.append(f"interleaf/protos/{proto.name}")
+        args = ["protoc", f"-I{staging}", f"--python_out={staging}", f"--grpc_python_out={staging}", *sources]
+        if protoc.main(args) != 0:
+            raise SystemExit(f"protoc failed on {sources}")
+        (out / "protos").mkdir(parents=True, exist_ok=True)
+        for made in staged.glob("*_pb2*.py"):
+            shutil.copy(made, out / "protos" / made.name)
 
 
 def main() -> None:

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from protos import interleaf_pb2 as protos_dot_interleaf__pb2
+from interleaf.protos import interleaf_pb2 as interleaf_dot_protos_dot_interleaf__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in protos/interleaf_pb2_grpc.py depends on'
+        + ' but the generated code in interleaf/protos/interleaf_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,53 +36,53 @@ class StageServerStub:
         """
         self.Setup = channel.unary_unary(
                 '/interleaf.StageServer/Setup',
-                request_serializer=protos_dot_interleaf__pb2.SetupRequest.SerializeToString,
-                response_deserializer=protos_dot_interleaf__pb2.SetupReply.FromString,
+                request_serializer=interleaf_dot_protos_dot_interleaf__pb2.SetupRequest.SerializeToString,
+                response_deserializer=interleaf_dot_protos_dot_interleaf__pb2.SetupReply.FromString,
                 _registered_method=True)
         self.Connect = channel.unary_unary(
                 '/interleaf.StageServer/Connect',
-                request_serializer=protos_dot_interleaf__pb2.ConnectRequest.SerializeToString,
-                response_deserializer=protos_dot_interleaf__pb2.Empty.FromString,
+                request_serializer=interleaf_dot_protos_dot_interleaf__pb2.ConnectRequest.SerializeToString,
+                response_deserializer=interleaf_dot_protos_dot_interleaf__pb2.Empty.FromString,
                 _registered_method=True)
         self.RunSteps = channel.unary_stream(
                 '/interleaf.StageServer/RunSteps',
-                request_serializer=protos_dot_interleaf__pb2.RunStepsRequest.SerializeToString,
-                response_deserializer=protos_dot_interleaf__pb2.StepReport.FromString,
+                request_serializer=interleaf_dot_protos_dot_interleaf__pb2.RunStepsRequest.SerializeToString,
+                response_deserializer=interleaf_dot_protos_dot_interleaf__pb2.StepReport.FromString,
                 _registered_method=True)
         self.SaveParameters = channel.unary_unary(
                 '/interleaf.StageServer/SaveParameters',
-                request_serializer=protos_dot_interleaf__pb2.SaveRequest.SerializeToString,
-                response_deserializer=protos_dot_interleaf__pb2.SaveReply.FromString,
+                request_serializer=interleaf_dot_protos_dot_interleaf__pb2.SaveRequest.SerializeToString,
+                response_deserializer=interleaf_dot_protos_dot_interleaf__pb2.SaveReply.FromString,
                 _registered_method=True)
         self.SaveState = channel.unary_unary(
                 '/interleaf.StageServer/SaveState',
-                request_serializer=protos_dot_interleaf__pb2.SaveRequest.SerializeToString,
-                response_deserializer=protos_dot_interleaf__pb2.SaveReply.FromString,
+                request_serializer=interleaf_dot_protos_dot_interleaf__pb2.SaveRequest.SerializeToString,
+                response_deserializer=interleaf_dot_protos_dot_interleaf__pb2.SaveReply.FromString,
                 _registered_method=True)
         self.LoadState = channel.unary_unary(
                 '/interleaf.StageServer/LoadState',
-                request_serializer=protos_dot_interleaf__pb2.LoadRequest.SerializeToString,
-                response_deserializer=protos_dot_interleaf__pb2.LoadReply.FromString,
+                request_serializer=interleaf_dot_protos_dot_interleaf__pb2.LoadRequest.SerializeToString,
+                response_deserializer=interleaf_dot_protos_dot_interleaf__pb2.LoadReply.FromString,
                 _registered_method=True)
         self.FinishSaves = channel.unary_unary(
                 '/interleaf.StageServer/FinishSaves',
-                request_serializer=protos_dot_interleaf__pb2.JobRef.SerializeToString,
-                response_deserializer=protos_dot_interleaf__pb2.SavedFiles.FromString,
+                request_serializer=interleaf_dot_protos_dot_interleaf__pb2.JobRef.SerializeToString,
+                response_deserializer=interleaf_dot_protos_dot_interleaf__pb2.SavedFiles.FromString,
                 _registered_method=True)
         self.ReadFile = channel.unary_stream(
                 '/interleaf.StageServer/ReadFile',
-                request_serializer=protos_dot_interleaf__pb2.FileRef.SerializeToString,
-                response_deserializer=protos_dot_interleaf__pb2.FileChunk.FromString,
+                request_serializer=interleaf_dot_protos_dot_interleaf__pb2.FileRef.SerializeToString,
+                response_deserializer=interleaf_dot_protos_dot_interleaf__pb2.FileChunk.FromString,
                 _registered_method=True)
         self.WriteFile = channel.stream_unary(
                 '/interleaf.StageServer/WriteFile',
-                request_serializer=protos_dot_interleaf__pb2.FileChunk.SerializeToString,
-                response_deserializer=protos_dot_interleaf__pb2.SavedFile.FromString,
+                request_serializer=interleaf_dot_protos_dot_interleaf__pb2.FileChunk.SerializeToString,
+                response_deserializer=interleaf_dot_protos_dot_interleaf__pb2.SavedFile.FromString,
                 _registered_method=True)
         self.Teardown = channel.unary_unary(
                 '/interleaf.StageServer/Teardown',
-                request_serializer=protos_dot_interleaf__pb2.JobRef.SerializeToString,
-                response_deserializer=protos_dot_interleaf__pb2.Empty.FromString,
+                request_serializer=interleaf_dot_protos_dot_interleaf__pb2.JobRef.SerializeToString,
+                response_deserializer=interleaf_dot_protos_dot_interleaf__pb2.Empty.FromString,
                 _registered_method=True)
 
 
@@ -168,53 +168,53 @@ def add_StageServerServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Setup': grpc.unary_unary_rpc_method_handler(
                     servicer.Setup,
-                    request_deserializer=protos_dot_interleaf__pb2.SetupRequest.FromString,
-                    response_serializer=protos_dot_interleaf__pb2.SetupReply.SerializeToString,
+                    request_deserializer=interleaf_dot_protos_dot_interleaf__pb2.SetupRequest.FromString,
+                    response_serializer=interleaf_dot_protos_dot_interleaf__pb2.SetupReply.SerializeToString,
             ),
             'Connect': grpc.unary_unary_rpc_method_handler(
                     servicer.Connect,
-                    request_deserializer=protos_dot_interleaf__pb2.ConnectRequest.FromString,
-                    response_serializer=protos_dot_interleaf__pb2.Empty.SerializeToString,
+                    request_deserializer=interleaf_dot_protos_dot_interleaf__pb2.ConnectRequest.FromString,
+                    response_serializer=interleaf_dot_protos_dot_interleaf__pb2.Empty.SerializeToString,
             ),
             'RunSteps': grpc.unary_stream_rpc_method_handler(
                     servicer.RunSteps,
-                    request_deserializer=protos_dot_interleaf__pb2.RunStepsRequest.FromString,
-                    response_serializer=protos_dot_interleaf__pb2.StepReport.SerializeToString,
+                    request_deserializer=interleaf_dot_protos_dot_interleaf__pb2.RunStepsRequest.FromString,
+                    response_serializer=interleaf_dot_protos_dot_interleaf__pb2.StepReport.SerializeToString,
             ),
             'SaveParameters': grpc.unary_unary_rpc_method_handler(
                     servicer.SaveParameters,
-                    request_deserializer=protos_dot_interleaf__pb2.SaveRequest.FromString,
-                    response_serializer=protos_dot_interleaf__pb2.SaveReply.SerializeToString,
+                    request_deserializer=interleaf_dot_protos_dot_interleaf__pb2.SaveRequest.FromString,
+                    response_serializer=interleaf_dot_protos_dot_interleaf__pb2.SaveReply.SerializeToString,
             ),
             'SaveState': grpc.unary_unary_rpc_method_handler(
                     servicer.SaveState,
-                    request_deserializer=protos_dot_interleaf__pb2.SaveRequest.FromString,
-                    response_serializer=protos_dot_interleaf__pb2.SaveReply.SerializeToString,
+                    request_deserializer=interleaf_dot_protos_dot_interleaf__pb2.SaveRequest.FromString,
+                    response_serializer=interleaf_dot_protos_dot_interleaf__pb2.SaveReply.SerializeToString,
             ),
             'LoadState': grpc.unary_unary_rpc_method_handler(
                     servicer.LoadState,
-                    request_deserializer=protos_dot_interleaf__pb2.LoadRequest.FromString,
-                    response_serializer=protos_dot_interleaf__pb2.LoadReply.SerializeToString,
+                    request_deserializer=interleaf_dot_protos_dot_interleaf__pb2.LoadRequest.FromString,
+                    response_serializer=interleaf_dot_protos_dot_interleaf__pb2.LoadReply.SerializeToString,
             ),
             'FinishSaves': grpc.unary_unary_rpc_method_handler(
                     servicer.FinishSaves,
-                    request_deserializer=protos_dot_interleaf__pb2.JobRef.FromString,
-                    response_serializer=protos_dot_interleaf__pb2.SavedFiles.SerializeToString,
+                    request_deserializer=interleaf_dot_protos_dot_interleaf__pb2.JobRef.FromString,
+                    response_serializer=interleaf_dot_protos_dot_interleaf__pb2.SavedFiles.SerializeToString,
             ),
             'ReadFile': grpc.unary_stream_rpc_method_handler(
                     servicer.ReadFile,
-                    request_deserializer=protos_dot_interleaf__pb2.FileRef.FromString,
-                    response_serializer=protos_dot_interleaf__pb2.FileChunk.SerializeToString,
+                    request_deserializer=interleaf_dot_protos_dot_interleaf__pb2.FileRef.FromString,
+                    response_serializer=interleaf_dot_protos_dot_interleaf__pb2.FileChunk.SerializeToString,
             ),
             'WriteFile': grpc.stream_unary_rpc_method_handler(
                     servicer.WriteFile,
-                    request_deserializer=protos_dot_interleaf__pb2.FileChunk.FromString,
-                    response_serializer=protos_dot_interleaf__pb2.SavedFile.SerializeToString,
+                    request_deserializer=interleaf_dot_protos_dot_interleaf__pb2.FileChunk.FromString,
+                    response_serializer=interleaf_dot_protos_dot_interleaf__pb2.SavedFile.SerializeToString,
             ),
             'Teardown': grpc.unary_unary_rpc_method_handler(
                     servicer.Teardown,
-                    request_deserializer=protos_dot_interleaf__pb2.JobRef.FromString,
-                    response_serializer=protos_dot_interleaf__pb2.Empty.SerializeToString,
+                    request_deserializer=interleaf_dot_protos_dot_interleaf__pb2.JobRef.FromString,
+                    response_serializer=interleaf_dot_protos_dot_interleaf__pb2.Empty.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -242,8 +242,8 @@ class StageServer:
             request,
             target,
             '/interleaf.StageServer/Setup',
-            protos_dot_interleaf__pb2.SetupRequest.SerializeToString,
-            protos_dot_interleaf__pb2.SetupReply.FromString,
+            interleaf_dot_protos_dot_interleaf__pb2.SetupRequest.SerializeToString,
+            interleaf_dot_protos_dot_interleaf__pb2.SetupReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -269,8 +269,8 @@ class StageServer:
             request,
             target,
             '/interleaf.StageServer/Connect',
-            protos_dot_interleaf__pb2.ConnectRequest.SerializeToString,
-            protos_dot_interleaf__pb2.Empty.FromString,
+            interleaf_dot_protos_dot_interleaf__pb2.ConnectRequest.SerializeToString,
+            interleaf_dot_protos_dot_interleaf__pb2.Empty.FromString,
             options,
             channel_credentials,
             insecure,
@@ -296,8 +296,8 @@ class StageServer:
             request,
             target,
             '/interleaf.StageServer/RunSteps',
-            protos_dot_interleaf__pb2.RunStepsRequest.SerializeToString,
-            protos_dot_interleaf__pb2.StepReport.FromString,
+            interleaf_dot_protos_dot_interleaf__pb2.RunStepsRequest.SerializeToString,
+            interleaf_dot_protos_dot_interleaf__pb2.StepReport.FromString,
             options,
             channel_credentials,
             insecure,
@@ -323,8 +323,8 @@ class StageServer:
             request,
             target,
             '/interleaf.StageServer/SaveParameters',
-            protos_dot_interleaf__pb2.SaveRequest.SerializeToString,
-            protos_dot_interleaf__pb2.SaveReply.FromString,
+            interleaf_dot_protos_dot_interleaf__pb2.SaveRequest.SerializeToString,
+            interleaf_dot_protos_dot_interleaf__pb2.SaveReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -350,8 +350,8 @@ class StageServer:
             request,
             target,
             '/interleaf.StageServer/SaveState',
-            protos_dot_interleaf__pb2.SaveRequest.SerializeToString,
-            protos_dot_interleaf__pb2.SaveReply.FromString,
+            interleaf_dot_protos_dot_interleaf__pb2.SaveRequest.SerializeToString,
+            interleaf_dot_protos_dot_interleaf__pb2.SaveReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -377,8 +377,8 @@ class StageServer:
             request,
             target,
             '/interleaf.StageServer/LoadState',
-            protos_dot_interleaf__pb2.LoadRequest.SerializeToString,
-            protos_dot_interleaf__pb2.LoadReply.FromString,
+            interleaf_dot_protos_dot_interleaf__pb2.LoadRequest.SerializeToString,
+            interleaf_dot_protos_dot_interleaf__pb2.LoadReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -404,8 +404,8 @@ class StageServer:
             request,
             target,
             '/interleaf.StageServer/FinishSaves',
-            protos_dot_interleaf__pb2.JobRef.SerializeToString,
-            protos_dot_interleaf__pb2.SavedFiles.FromString,
+            interleaf_dot_protos_dot_interleaf__pb2.JobRef.SerializeToString,
+            interleaf_dot_protos_dot_interleaf__pb2.SavedFiles.FromString,
             options,
             channel_credentials,
             insecure,
@@ -431,8 +431,8 @@ class StageServer:
             request,
             target,
             '/interleaf.StageServer/ReadFile',
-            protos_dot_interleaf__pb2.FileRef.SerializeToString,
-            protos_dot_interleaf__pb2.FileChunk.FromString,
+            interleaf_dot_protos_dot_interleaf__pb2.FileRef.SerializeToString,
+            interleaf_dot_protos_dot_interleaf__pb2.FileChunk.FromString,
             options,
             channel_credentials,
             insecure,
@@ -458,8 +458,8 @@ class StageServer:
             request_iterator,
             target,
             '/interleaf.StageServer/WriteFile',
-            protos_dot_interleaf__pb2.FileChunk.SerializeToString,
-            protos_dot_interleaf__pb2.SavedFile.FromString,
+            interleaf_dot_protos_dot_interleaf__pb2.FileChunk.SerializeToString,
+            interleaf_dot_protos_dot_interleaf__pb2.SavedFile.FromString,
             options,
             channel_credentials,
             insecure,
@@ -485,8 +485,8 @@ class StageServer:
             request,
             target,
             '/interleaf.StageServer/Teardown',
-            protos_dot_interleaf__pb2.JobRef.SerializeToString,
-            protos_dot_interleaf__pb2.Empty.FromString,
+            interleaf_dot_protos_dot_interleaf__pb2.JobRef.SerializeToString,
+            interleaf_dot_protos_dot_interleaf__pb2.Empty.FromString,
             options,
             channel_credentials,
             insecure,
@@ -509,38 +509,38 @@ class CoordinatorStub:
         """
         self.RegisterServer = channel.unary_unary(
                 '/interleaf.Coordinator/RegisterServer',
-                request_serializer=protos_dot_interleaf__pb2.RegisterRequest.SerializeToString,
-                response_deserializer=protos_dot_interleaf__pb2.RegisterReply.FromString,
+                request_serializer=interleaf_dot_protos_dot_interleaf__pb2.RegisterRequest.SerializeToString,
+                response_deserializer=interleaf_dot_protos_dot_interleaf__pb2.RegisterReply.FromString,
                 _registered_method=True)
         self.Heartbeat = channel.unary_unary(
                 '/interleaf.Coordinator/Heartbeat',
-                request_serializer=protos_dot_interleaf__pb2.HeartbeatRequest.SerializeToString,
-                response_deserializer=protos_dot_interleaf__pb2.Empty.FromString,
+                request_serializer=interleaf_dot_protos_dot_interleaf__pb2.HeartbeatRequest.SerializeToString,
+                response_deserializer=interleaf_dot_protos_dot_interleaf__pb2.Empty.FromString,
                 _registered_method=True)
         self.ListServers = channel.unary_unary(
                 '/interleaf.Coordinator/ListServers',
-                request_serializer=protos_dot_interleaf__pb2.Empty.SerializeToString,
-                response_deserializer=protos_dot_interleaf__pb2.ServerList.FromString,
+                request_serializer=interleaf_dot_protos_dot_interleaf__pb2.Empty.SerializeToString,
+                response_deserializer=interleaf_dot_protos_dot_interleaf__pb2.ServerList.FromString,
                 _registered_method=True)
         self.SubmitJob = channel.unary_unary(
                 '/interleaf.Coordinator/SubmitJob',
-                request_serializer=protos_dot_interleaf__pb2.SubmitJobRequest.SerializeToString,
-                response_deserializer=protos_dot_interleaf__pb2.JobStatus.FromString,
+                request_serializer=interleaf_dot_protos_dot_interleaf__pb2.SubmitJobRequest.SerializeToString,
+                response_deserializer=interleaf_dot_protos_dot_interleaf__pb2.JobStatus.FromString,
                 _registered_method=True)
         self.GetJob = channel.unary_unary(
                 '/interleaf.Coordinator/GetJob',
-                request_serializer=protos_dot_interleaf__pb2.JobRef.SerializeToString,
-                response_deserializer=protos_dot_interleaf__pb2.JobStatus.FromString,
+                request_serializer=interleaf_dot_protos_dot_interleaf__pb2.JobRef.SerializeToString,
+                response_deserializer=interleaf_dot_protos_dot_interleaf__pb2.JobStatus.FromString,
                 _registered_method=True)
         self.WatchJob = channel.unary_stream(
                 '/interleaf.Coordinator/WatchJob',
-                request_serializer=protos_dot_interleaf__pb2.JobRef.SerializeToString,
-                response_deserializer=protos_dot_interleaf__pb2.JobEvent.FromString,
+                request_serializer=interleaf_dot_protos_dot_interleaf__pb2.JobRef.SerializeToString,
+                response_deserializer=interleaf_dot_protos_dot_interleaf__pb2.JobEvent.FromString,
                 _registered_method=True)
         self.CancelJob = channel.unary_unary(
                 '/interleaf.Coordinator/CancelJob',
-                request_serializer=protos_dot_interleaf__pb2.JobRef.SerializeToString,
-                response_deserializer=protos_dot_interleaf__pb2.JobStatus.FromString,
+                request_serializer=interleaf_dot_protos_dot_interleaf__pb2.JobRef.SerializeToString,
+                response_deserializer=interleaf_dot_protos_dot_interleaf__pb2.JobStatus.FromString,
                 _registered_method=True)
 
 
@@ -594,38 +594,38 @@ def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'RegisterServer': grpc.unary_unary_rpc_method_handler(
                     servicer.RegisterServer,
-                    request_deserializer=protos_dot_interleaf__pb2.RegisterRequest.FromString,
-                    response_serializer=protos_dot_interleaf__pb2.RegisterReply.SerializeToString,
+                    request_deserializer=interleaf_dot_protos_dot_interleaf__pb2.RegisterRequest.FromString,
+                    response_serializer=interleaf_dot_protos_dot_interleaf__pb2.RegisterReply.SerializeToString,
             ),
             'Heartbeat': grpc.unary_unary_rpc_method_handler(
                     servicer.Heartbeat,
-                    request_deserializer=protos_dot_interleaf__pb2.HeartbeatRequest.FromString,
-                    response_serializer=protos_dot_interleaf__pb2.Empty.SerializeToString,
+                    request_deserializer=interleaf_dot_protos_dot_interleaf__pb2.HeartbeatRequest.FromString,
+                    response_serializer=interleaf_dot_protos_dot_interleaf__pb2.Empty.SerializeToString,
             ),
             'ListServers': grpc.unary_unary_rpc_method_handler(
                     servicer.ListServers,
-                    request_deserializer=protos_dot_interleaf__pb2.Empty.FromString,
-                    response_serializer=protos_dot_interleaf__pb2.ServerList.SerializeToString,
+                    request_deserializer=interleaf_dot_protos_dot_interleaf__pb2.Empty.FromString,
+                    response_serializer=interleaf_dot_protos_dot_interleaf__pb2.ServerList.SerializeToString,
             ),
             'SubmitJob': grpc.unary_unary_rpc_method_handler(
                     servicer.SubmitJob,
-                    request_deserializer=protos_dot_interleaf__pb2.SubmitJobRequest.FromString,
-                    response_serializer=protos_dot_interleaf__pb2.JobStatus.SerializeToString,
+                    request_deserializer=interleaf_dot_protos_dot_interleaf__pb2.SubmitJobRequest.FromString,
+                    response_serializer=interleaf_dot_protos_dot_interleaf__pb2.JobStatus.SerializeToString,
             ),
             'GetJob': grpc.unary_unary_rpc_method_handler(
                     servicer.GetJob,
-                    request_deserializer=protos_dot_interleaf__pb2.JobRef.FromString,
-                    response_serializer=protos_dot_interleaf__pb2.JobStatus.SerializeToString,
+                    request_deserializer=interleaf_dot_protos_dot_interleaf__pb2.JobRef.FromString,
+                    response_serializer=interleaf_dot_protos_dot_interleaf__pb2.JobStatus.SerializeToString,
             ),
             'WatchJob': grpc.unary_stream_rpc_method_handler(
                     servicer.WatchJob,
-                    request_deserializer=protos_dot_interleaf__pb2.JobRef.FromString,
-                    response_serializer=protos_dot_interleaf__pb2.JobEvent.SerializeToString,
+                    request_deserializer=interleaf_dot_protos_dot_interleaf__pb2.JobRef.FromString,
+                    response_serializer=interleaf_dot_protos_dot_interleaf__pb2.JobEvent.SerializeToString,
             ),
             'CancelJob': grpc.unary_unary_rpc_method_handler(
                     servicer.CancelJob,
-                    request_deserializer=protos_dot_interleaf__pb2.JobRef.FromString,
-                    response_serializer=protos_dot_interleaf__pb2.JobStatus.SerializeToString,
+                    request_deserializer=interleaf_dot_protos_dot_interleaf__pb2.JobRef.FromString,
+                    response_serializer=interleaf_dot_protos_dot_interleaf__pb2.JobStatus.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -653,8 +653,8 @@ class Coordinator:
             request,
             target,
             '/interleaf.Coordinator/RegisterServer',
-            protos_dot_interleaf__pb2.RegisterRequest.SerializeToString,
-            protos_dot_interleaf__pb2.RegisterReply.FromString,
+            interleaf_dot_protos_dot_interleaf__pb2.RegisterRequest.SerializeToString,
+            interleaf_dot_protos_dot_interleaf__pb2.RegisterReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -680,8 +680,8 @@ class Coordinator:
             request,
             target,
             '/interleaf.Coordinator/Heartbeat',
-            protos_dot_interleaf__pb2.HeartbeatRequest.SerializeToString,
-            protos_dot_interleaf__pb2.Empty.FromString,
+            interleaf_dot_protos_dot_interleaf__pb2.HeartbeatRequest.SerializeToString,
+            interleaf_dot_protos_dot_interleaf__pb2.Empty.FromString,
             options,
             channel_credentials,
             insecure,
@@ -707,8 +707,8 @@ class Coordinator:
             request,
             target,
             '/interleaf.Coordinator/ListServers',
-            protos_dot_interleaf__pb2.Empty.SerializeToString,
-            protos_dot_interleaf__pb2.ServerList.FromString,
+            interleaf_dot_protos_dot_interleaf__pb2.Empty.SerializeToString,
+            interleaf_dot_protos_dot_interleaf__pb2.ServerList.FromString,
             options,
             channel_credentials,
             insecure,
@@ -734,8 +734,8 @@ class Coordinator:
             request,
             target,
             '/interleaf.Coordinator/SubmitJob',
-            protos_dot_interleaf__pb2.SubmitJobRequest.SerializeToString,
-            protos_dot_interleaf__pb2.JobStatus.FromString,
+            interleaf_dot_protos_dot_interleaf__pb2.SubmitJobRequest.SerializeToString,
+            interleaf_dot_protos_dot_interleaf__pb2.JobStatus.FromString,
             options,
             channel_credentials,
             insecure,
@@ -761,8 +761,8 @@ class Coordinator:
             request,
             target,
             '/interleaf.Coordinator/GetJob',
-            protos_dot_interleaf__pb2.JobRef.SerializeToString,
-            protos_dot_interleaf__pb2.JobStatus.FromString,
+            interleaf_dot_protos_dot_interleaf__pb2.JobRef.SerializeToString,
+            interleaf_dot_protos_dot_interleaf__pb2.JobStatus.FromString,
             options,
             channel_credentials,
             insecure,
@@ -788,8 +788,8 @@ class Coordinator:
             request,
             target,
             '/interleaf.Coordinator/WatchJob',
-            protos_dot_interleaf__pb2.JobRef.SerializeToString,
-            protos_dot_interleaf__pb2.JobEvent.FromString,
+            interleaf_dot_protos_dot_interleaf__pb2.JobRef.SerializeToString,
+            interleaf_dot_protos_dot_interleaf__pb2.JobEvent.FromString,
             options,
             channel_credentials,
             insecure,
@@ -815,8 +815,8 @@ class Coordinator:
             request,
             target,
             '/interleaf.Coordinator/CancelJob',
-            protos_dot_interleaf__pb2.JobRef.SerializeToString,
-            protos_dot_interleaf__pb2.JobStatus.FromString,
+            interleaf_dot_protos_dot_interleaf__pb2.JobRef.SerializeToString,
+            interleaf_dot_protos_dot_interleaf__pb2.JobStatus.FromString,
             options,
             channel_credentials,
             insecure,

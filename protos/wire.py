@@ -16,7 +16,7 @@ from concurrent import futures
 
 import grpc
 
-from protos.security import AttachToken, RequireToken, Security
+from interleaf.protos.security import AttachToken, RequireToken, Security
 
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 OPTIONS = [

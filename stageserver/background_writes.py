@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from stageserver import safetensors
+from interleaf.stageserver import safetensors
 
 
 @dataclass

@@ -23,11 +23,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from protos.actions import RECVS, SENDS, Action, Kind
-from stageserver.activation_meter import ChunkActivations
-from stageserver.compute_clock import ComputeClock
-from stageserver.memory import device_peak_bytes, nbytes, reset_peaks, rss_peak_bytes
-from stageserver.model_state import ModelState
+from interleaf.protos.actions import RECVS, SENDS, Action, Kind
+from interleaf.stageserver.activation_meter import ChunkActivations
+from interleaf.stageserver.compute_clock import ComputeClock
+from interleaf.stageserver.memory import device_peak_bytes, nbytes, reset_peaks, rss_peak_bytes
+from interleaf.stageserver.model_state import ModelState
 
 
 def _check_finite(step: int, rank: int, losses: list[float], grad_norm: float) -> None:

@@ -15,16 +15,16 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from protos.actions import parse
-from protos import interleaf_pb2 as pb
-from stageserver import safetensors, state_io
-from stageserver.data import Sampler, resolve_source
-from stageserver.background_writes import BackgroundWrites
-from stageserver.executor import Executor, StepStats
-from stageserver.model import GPTConfig
-from stageserver.spool import Spool, default_root
-from stageserver.model_state import DTYPES, ChunkPlan, ModelState, TrainPlan
-from stageserver.transport.groups import TRANSPORTS, connect_group, make_group_id
+from interleaf.protos.actions import parse
+from interleaf.protos import interleaf_pb2 as pb
+from interleaf.stageserver import safetensors, state_io
+from interleaf.stageserver.data import Sampler, resolve_source
+from interleaf.stageserver.background_writes import BackgroundWrites
+from interleaf.stageserver.executor import Executor, StepStats
+from interleaf.stageserver.model import GPTConfig
+from interleaf.stageserver.spool import Spool, default_root
+from interleaf.stageserver.model_state import DTYPES, ChunkPlan, ModelState, TrainPlan
+from interleaf.stageserver.transport.groups import TRANSPORTS, connect_group, make_group_id
 
 
 class JobRejected(ValueError):

@@ -18,13 +18,13 @@ import time
 import grpc
 import torch
 
-from protos import interleaf_pb2 as pb
-from protos import interleaf_pb2_grpc as rpc
-from protos import wire
-from protos.security import Security
-from stageserver.device import device_memory_bytes, resolve_device
-from stageserver.service import StageServerService
-from stageserver.spool import default_root
+from interleaf.protos import interleaf_pb2 as pb
+from interleaf.protos import interleaf_pb2_grpc as rpc
+from interleaf.protos import wire
+from interleaf.protos.security import Security
+from interleaf.stageserver.device import device_memory_bytes, resolve_device
+from interleaf.stageserver.service import StageServerService
+from interleaf.stageserver.spool import default_root
 
 log = logging.getLogger("interleaf.stageserver")
 RPC_TIMEOUT_S = 10.0

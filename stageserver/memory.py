@@ -9,7 +9,7 @@ view of the same process, for comparison with peers that have no ledger (bench/)
 
 from __future__ import annotations
 
-from protos.memory import KINDS, MemoryLedger
+from interleaf.protos.memory import KINDS, MemoryLedger
 
 import torch
 

@@ -13,15 +13,15 @@ from dataclasses import dataclass
 
 import torch
 
-from protos.actions import Action
-from stageserver.data import Sampler
-from stageserver.buckets import BucketLayout
-from stageserver.memory import MemoryLedger
-from stageserver.model import GPTChunk, GPTConfig
-from stageserver.model.gpt import TIED
-from stageserver.optim import Schedule, clip_coefficient, squared_norm
-from stageserver.sharded_bucket import Pending, ShardedBucket
-from stageserver.transport import Transport
+from interleaf.protos.actions import Action
+from interleaf.stageserver.data import Sampler
+from interleaf.stageserver.buckets import BucketLayout
+from interleaf.stageserver.memory import MemoryLedger
+from interleaf.stageserver.model import GPTChunk, GPTConfig
+from interleaf.stageserver.model.gpt import TIED
+from interleaf.stageserver.optim import Schedule, clip_coefficient, squared_norm
+from interleaf.stageserver.sharded_bucket import Pending, ShardedBucket
+from interleaf.stageserver.transport import Transport
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
 MASTER_DTYPES = {torch.float32: torch.float32, torch.bfloat16: torch.float32, torch.float64: torch.float64}

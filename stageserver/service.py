@@ -11,10 +11,10 @@ import threading
 import grpc
 import torch
 
-from protos import interleaf_pb2 as pb
-from protos import interleaf_pb2_grpc as rpc
-from stageserver.job import JobRejected, StageJob
-from stageserver.spool import default_root, sees
+from interleaf.protos import interleaf_pb2 as pb
+from interleaf.protos import interleaf_pb2_grpc as rpc
+from interleaf.stageserver.job import JobRejected, StageJob
+from interleaf.stageserver.spool import default_root, sees
 
 log = logging.getLogger("interleaf.stageserver")
 

@@ -28,10 +28,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from stageserver.buckets import BucketLayout, clip_segments
-from stageserver.memory import MemoryLedger, nbytes
-from stageserver.optim import AdamW
-from stageserver.transport import Transport
+from interleaf.stageserver.buckets import BucketLayout, clip_segments
+from interleaf.stageserver.memory import MemoryLedger, nbytes
+from interleaf.stageserver.optim import AdamW
+from interleaf.stageserver.transport import Transport
 
 
 class Pending:

@@ -27,9 +27,9 @@ import math
 
 import torch
 
-from stageserver import safetensors
-from stageserver.model.tensor_parallel import tp_shard
-from stageserver.model_state import ModelState
+from interleaf.stageserver import safetensors
+from interleaf.stageserver.model.tensor_parallel import tp_shard
+from interleaf.stageserver.model_state import ModelState
 
 KINDS = ("master", "exp_avg", "exp_avg_sq")
 

@@ -9,11 +9,11 @@ import functools
 import pytest
 import torch
 
-from clients import checkpoint
-from clients.client import Client
-from clients.launcher import LocalCluster
-from clients.reference import train
-from coordinator.config import load_config
+from interleaf.clients import checkpoint
+from interleaf.clients.client import Client
+from interleaf.clients.launcher import LocalCluster
+from interleaf.clients.reference import train
+from interleaf.coordinator.config import load_config
 
 SERVERS = 8
 

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from stageserver.transport import connect_gloo
+from interleaf.stageserver.transport import connect_gloo
 
 TIMEOUT_S = 60.0
 """Bounds rendezvous, every collective, and (with slack for spawning) the whole run."""

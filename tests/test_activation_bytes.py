@@ -17,12 +17,12 @@ import pytest
 import torch
 from gloo_world import run_world
 
-from coordinator.activation_bytes import chunk_activation_bytes, chunk_input_bytes
-from stageserver.activation_meter import ActivationMeter, parameter_storages
-from stageserver.data.sampler import Sampler
-from stageserver.data.tokenfile import TokenFile, write_tokens
-from stageserver.model import GPTChunk, GPTConfig
-from stageserver.transport import SoloTransport
+from interleaf.coordinator.activation_bytes import chunk_activation_bytes, chunk_input_bytes
+from interleaf.stageserver.activation_meter import ActivationMeter, parameter_storages
+from interleaf.stageserver.data.sampler import Sampler
+from interleaf.stageserver.data.tokenfile import TokenFile, write_tokens
+from interleaf.stageserver.model import GPTChunk, GPTConfig
+from interleaf.stageserver.transport import SoloTransport
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
 ENDS = [(False, False), (True, False), (False, True), (True, True)]  # (embedding, head)

@@ -9,16 +9,16 @@ import sys
 import grpc
 import pytest
 
-from protos import interleaf_pb2 as pb
-from protos import interleaf_pb2_grpc as rpc
-from protos import wire
+from interleaf.protos import interleaf_pb2 as pb
+from interleaf.protos import interleaf_pb2_grpc as rpc
+from interleaf.protos import wire
 from tests.conftest import TINY, run_job
 from tests.test_config import BAD_CONFIGS
 
 
 
 def _cli(*args, timeout=120):
-    return subprocess.run([sys.executable, "-m", "clients.cli", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "interleaf.clients.cli", *args], capture_output=True,
                           text=True, timeout=timeout)
 
 

@@ -15,9 +15,9 @@ import subprocess
 
 import pytest
 
-from clients.launcher import LocalCluster
-from coordinator.checkpoints import find
-from stageserver.spool import Spool
+from interleaf.clients.launcher import LocalCluster
+from interleaf.coordinator.checkpoints import find
+from interleaf.stageserver.spool import Spool
 from tests.conftest import TINY, layout_free, reference
 from tests.test_equivalence import LOSS_RTOL
 

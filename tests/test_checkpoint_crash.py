@@ -15,8 +15,8 @@ import time
 
 import pytest
 
-from clients.launcher import LocalCluster
-from coordinator.checkpoints import MANIFEST, find
+from interleaf.clients.launcher import LocalCluster
+from interleaf.coordinator.checkpoints import MANIFEST, find
 from tests.conftest import TINY, layout_free, reference, run_job
 from tests.test_equivalence import LOSS_RTOL
 

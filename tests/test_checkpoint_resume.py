@@ -8,7 +8,7 @@ import pathlib
 
 import pytest
 
-from coordinator.checkpoints import find
+from interleaf.coordinator.checkpoints import find
 from tests.conftest import TINY, layout_free, reference, run_job
 from tests.test_equivalence import LOSS_RTOL
 
@@ -106,7 +106,7 @@ def test_interleaf_run_resume_continues_where_the_checkpoint_left_off(client, tm
     final, whole = run_job(client, TINY + STEPS + [f"checkpoint.dir={tmp_path / 'ck'}", "checkpoint.every=4"])
     assert final.state == "SUCCEEDED"
     sets = [a for s in TINY + STEPS for a in ("--set", s)]
-    result = subprocess.run([sys.executable, "-m", "clients.cli", "run", *sets, "--resume",
+    result = subprocess.run([sys.executable, "-m", "interleaf.clients.cli", "run", *sets, "--resume",
                              str(tmp_path / "ck" / "step-000004"), "--metrics-out", str(tmp_path / "m.jsonl")],
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr

@@ -9,7 +9,7 @@ import subprocess
 import sys
 import time
 
-from protos.security import TOKEN_ENV
+from interleaf.protos.security import TOKEN_ENV
 from tests.conftest import SERVERS, TINY
 
 LAYOUT = ["parallel.pp=2", "parallel.vpp=1", "parallel.schedule=1f1b"]
@@ -17,7 +17,7 @@ LAYOUT = ["parallel.pp=2", "parallel.vpp=1", "parallel.schedule=1f1b"]
 
 def _cli(cluster, *args, timeout=180):
     # The cluster's token, as a deployment passes it: in the environment.
-    result = subprocess.run([sys.executable, "-m", "clients.cli", *args, "--coordinator", cluster.address],
+    result = subprocess.run([sys.executable, "-m", "interleaf.clients.cli", *args, "--coordinator", cluster.address],
                             capture_output=True, text=True, timeout=timeout,
                             env={**os.environ, TOKEN_ENV: cluster.security.token})
     return result

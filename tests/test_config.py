@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from coordinator.config import ConfigError, JobConfig, load_config
+from interleaf.coordinator.config import ConfigError, JobConfig, load_config
 
 # (overrides, the exact message). Shared with the CLI and gRPC tests.
 BAD_CONFIGS = [

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from stageserver.data import (Sampler, TokenFile, builtin_corpus, decode, encode,
+from interleaf.stageserver.data import (Sampler, TokenFile, builtin_corpus, decode, encode,
                               prepare, resolve_source, write_tokens)
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -139,7 +139,7 @@ def cli_runs(tmp_path_factory) -> dict:
     }
     procs = {
         name: subprocess.Popen(
-            [sys.executable, "-m", "clients.cli", "data", "prepare", *map(str, texts), "--out", str(out)],
+            [sys.executable, "-m", "interleaf.clients.cli", "data", "prepare", *map(str, texts), "--out", str(out)],
             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )
         for name, (texts, out) in cases.items()

@@ -19,8 +19,8 @@ import functools
 import pytest
 import torch
 
-from coordinator.config import load_config
-from stageserver.model import GPTConfig, full_model
+from interleaf.coordinator.config import load_config
+from interleaf.stageserver.model import GPTConfig, full_model
 from tests.conftest import TINY, layout_free, load_parameters, reference, run_job
 
 LOSS_RTOL = 1e-5

@@ -12,20 +12,20 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from clients.checkpoint import CheckpointError, find, load_parameters
-from clients.generate import generate, generate_ids, load_model
-from coordinator.config import load_config
-from stageserver import safetensors
-from stageserver.data import Sampler, resolve_source
-from stageserver.model import GPTConfig
-from stageserver.model.gpt import full_model, next_token_logits
+from interleaf.clients.checkpoint import CheckpointError, find, load_parameters
+from interleaf.clients.generate import generate, generate_ids, load_model
+from interleaf.coordinator.config import load_config
+from interleaf.stageserver import safetensors
+from interleaf.stageserver.data import Sampler, resolve_source
+from interleaf.stageserver.model import GPTConfig
+from interleaf.stageserver.model.gpt import full_model, next_token_logits
 from tests.conftest import TINY, layout_free, reference, run_job
 
 LAYOUT = ["parallel.pp=2", "parallel.vpp=2", "parallel.tp=2", "parallel.dp=2", "parallel.zero=3"]
 
 
 def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "clients.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "interleaf.clients.cli", *args], capture_output=True, text=True,
                           timeout=120)
 
 

@@ -4,9 +4,9 @@ products (the blocks' projections and the tied head), counted from the module.""
 
 from __future__ import annotations
 
-from coordinator.flops import flops_per_token, matrix_parameters
-from stageserver.model import GPTConfig
-from stageserver.model.gpt import full_model
+from interleaf.coordinator.flops import flops_per_token, matrix_parameters
+from interleaf.stageserver.model import GPTConfig
+from interleaf.stageserver.model.gpt import full_model
 
 
 def test_matrix_parameters_are_the_models_matrix_weights():

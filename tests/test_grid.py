@@ -10,8 +10,8 @@ from collections import Counter
 
 import pytest
 
-from coordinator.grid import Coord, RankGrid, place
-from coordinator.partition import chunks_of, describe, partition
+from interleaf.coordinator.grid import Coord, RankGrid, place
+from interleaf.coordinator.partition import chunks_of, describe, partition
 
 LAYOUTS = [(1, 1, 1), (2, 1, 1), (1, 4, 1), (1, 1, 4), (2, 2, 2), (3, 2, 2), (2, 3, 1), (1, 3, 2), (2, 4, 2)]
 

@@ -35,7 +35,7 @@ def _marked_processes(marker: str) -> list[int]:
 
 def _start(args, marker, **kw):
     env = dict(os.environ, INTERLEAF_TEST_MARKER=marker)
-    return subprocess.Popen([sys.executable, "-m", "clients.cli", *args], env=env,
+    return subprocess.Popen([sys.executable, "-m", "interleaf.clients.cli", *args], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
 
 

@@ -16,11 +16,11 @@ import sys
 import grpc
 import pytest
 
-from coordinator.config import load_config
-from coordinator.grid import RankGrid
-from coordinator.memory_model import bucket_sizes, predict
-from coordinator.partition import chunks_of, partition
-from coordinator.plan import plan_programs
+from interleaf.coordinator.config import load_config
+from interleaf.coordinator.grid import RankGrid
+from interleaf.coordinator.memory_model import bucket_sizes, predict
+from interleaf.coordinator.partition import chunks_of, partition
+from interleaf.coordinator.plan import plan_programs
 from tests.conftest import TINY, run_job
 
 EXACT = ("parameters_bytes", "gradients_bytes", "optimizer_bytes", "parameters_peak_bytes",
@@ -129,7 +129,7 @@ def test_a_job_too_big_for_the_servers_is_refused_before_anything_runs(client):
 
 
 def test_cli_refuses_a_job_too_big_for_this_machine():
-    result = subprocess.run([sys.executable, "-m", "clients.cli", "run",
+    result = subprocess.run([sys.executable, "-m", "interleaf.clients.cli", "run",
                              *[a for o in TOO_BIG for a in ("--set", o)]],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 2

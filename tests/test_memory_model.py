@@ -11,16 +11,16 @@ import math
 import pytest
 import torch
 
-from coordinator.config import load_config
-from coordinator.memory_model import bucket_sizes, memory_table, predict, predict_rank
-from coordinator.partition import chunks_of, partition
-from coordinator.plan import plan_programs
-from stageserver.buckets import BucketLayout
-from stageserver.memory import KINDS, MemoryLedger, reset_rss_peak, rss_peak_bytes
-from stageserver.model import GPTChunk, GPTConfig
-from stageserver.model.gpt import TIED
-from stageserver.sharded_bucket import ShardedBucket
-from stageserver.transport import SoloTransport
+from interleaf.coordinator.config import load_config
+from interleaf.coordinator.memory_model import bucket_sizes, memory_table, predict, predict_rank
+from interleaf.coordinator.partition import chunks_of, partition
+from interleaf.coordinator.plan import plan_programs
+from interleaf.stageserver.buckets import BucketLayout
+from interleaf.stageserver.memory import KINDS, MemoryLedger, reset_rss_peak, rss_peak_bytes
+from interleaf.stageserver.model import GPTChunk, GPTConfig
+from interleaf.stageserver.model.gpt import TIED
+from interleaf.stageserver.sharded_bucket import ShardedBucket
+from interleaf.stageserver.transport import SoloTransport
 
 # --- MemoryLedger -----------------------------------------------------------------------------
 

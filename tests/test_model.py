@@ -10,9 +10,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from stageserver.model import GPTChunk, GPTConfig, ParamSpec, full_model
-from stageserver.model.config import INIT_STD
-from stageserver.model.tensor_parallel import (
+from interleaf.stageserver.model import GPTChunk, GPTConfig, ParamSpec, full_model
+from interleaf.stageserver.model.config import INIT_STD
+from interleaf.stageserver.model.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,

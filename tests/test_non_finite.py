@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 import re
 
-from coordinator.checkpoints import find
+from interleaf.coordinator.checkpoints import find
 from tests.conftest import TINY, run_job
 
 

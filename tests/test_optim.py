@@ -14,7 +14,7 @@ import math
 import pytest
 import torch
 
-from stageserver.optim import SLICE, AdamW, Schedule, clip_coefficient, squared_norm
+from interleaf.stageserver.optim import SLICE, AdamW, Schedule, clip_coefficient, squared_norm
 
 STATE_TOL = dict(atol=1e-7, rtol=2.4e-7)
 """Against torch's for-loop and foreach AdamW: the same formula, evaluated by another

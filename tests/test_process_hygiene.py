@@ -20,12 +20,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch.distributed as dist
 
-from clients.client import Client
-from clients.launcher import LocalCluster
-from protos import interleaf_pb2 as pb
-from protos.security import TOKEN_ENV
-from stageserver.main import EXIT_BOUND_S
-from stageserver.service import StageServerService
+from interleaf.clients.client import Client
+from interleaf.clients.launcher import LocalCluster
+from interleaf.protos import interleaf_pb2 as pb
+from interleaf.protos.security import TOKEN_ENV
+from interleaf.stageserver.main import EXIT_BOUND_S
+from interleaf.stageserver.service import StageServerService
 from tests.conftest import TINY
 from tests.test_group_ids import _connect, _setup, _teardown, serve_in_process
 from tests.test_launcher import SMALL, _marked_processes, _start
@@ -106,7 +106,7 @@ def _coordinator(cluster: LocalCluster, log: pathlib.Path):
     with its token."""
     address = cluster.address
     port = address.rsplit(":", 1)[1]
-    process = subprocess.Popen([sys.executable, "-m", "clients.cli", "coordinator", "--host", "127.0.0.1",
+    process = subprocess.Popen([sys.executable, "-m", "interleaf.clients.cli", "coordinator", "--host", "127.0.0.1",
                                 "--port", port], stdout=subprocess.PIPE, stderr=log.open("ab"),
                                start_new_session=True, env={**os.environ, TOKEN_ENV: cluster.security.token})
     try:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pathlib
 
-from protos.generate import ROOT, generate
+from interleaf.protos.generate import ROOT, generate
 
 
 def test_generated_modules_are_up_to_date(tmp_path):
@@ -13,5 +13,5 @@ def test_generated_modules_are_up_to_date(tmp_path):
     assert made == [pathlib.Path("protos/interleaf_pb2.py"), pathlib.Path("protos/interleaf_pb2_grpc.py")]
     for relative in made:
         assert (tmp_path / relative).read_text() == (ROOT / relative).read_text(), (
-            f"{relative} is stale: run `python -m protos.generate`"
+            f"{relative} is stale: run `python -m interleaf.protos.generate`"
         )

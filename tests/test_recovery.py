@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from clients.launcher import LocalCluster
+from interleaf.clients.launcher import LocalCluster
 from tests.conftest import TINY, layout_free, reference
 from tests.test_equivalence import LOSS_RTOL
 

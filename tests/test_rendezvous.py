@@ -10,10 +10,10 @@ import itertools
 
 import pytest
 
-from clients.cli import main
-from coordinator.config import load_config
-from coordinator.memory_model import predict_rank
-from coordinator.schedule import (
+from interleaf.clients.cli import main
+from interleaf.coordinator.config import load_config
+from interleaf.coordinator.memory_model import predict_rank
+from interleaf.coordinator.schedule import (
     CostModel,
     DeadlockError,
     build_programs,
@@ -21,10 +21,10 @@ from coordinator.schedule import (
     simulate,
     validate_programs,
 )
-from coordinator.schedule.fuse import place_p2p
-from coordinator.schedule.links import link_of
-from coordinator.schedule.lowering import add_gradient_sync, add_p2p
-from protos.actions import Action, Kind, format_program, parse, parse_program
+from interleaf.coordinator.schedule.fuse import place_p2p
+from interleaf.coordinator.schedule.links import link_of
+from interleaf.coordinator.schedule.lowering import add_gradient_sync, add_p2p
+from interleaf.protos.actions import Action, Kind, format_program, parse, parse_program
 from tests.conftest import TINY
 
 SA, RA, SG, RG = Kind.SEND_ACT, Kind.RECV_ACT, Kind.SEND_GRAD, Kind.RECV_GRAD
@@ -366,7 +366,7 @@ def test_schedule_links_eager_simulates_without_waiting_senders(capsys):
 
 def test_schedule_links_rendezvous_names_the_blocked_ranks(capsys, monkeypatch):
     # As if the coordinator still lowered with the old placement.
-    monkeypatch.setattr("coordinator.plan.build_programs",
+    monkeypatch.setattr("interleaf.coordinator.plan.build_programs",
                         lambda schedule, pp, vpp, m, dp, zero, prefetch:
                         _old_placement(schedule, pp, vpp, m, dp))
     assert _schedule(*LAYOUT) == 1

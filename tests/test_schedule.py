@@ -10,11 +10,11 @@ import math
 
 import pytest
 
-from coordinator.schedule import (CostModel, build_programs, compute_order,
+from interleaf.coordinator.schedule import (CostModel, build_programs, compute_order,
                                   peak_activations, simulate, validate_programs)
-from protos.actions import (Action, Kind, format_program, parse,
+from interleaf.protos.actions import (Action, Kind, format_program, parse,
                                           parse_program)
-from coordinator.schedule.lowering import add_gradient_sync, add_p2p
+from interleaf.coordinator.schedule.lowering import add_gradient_sync, add_p2p
 
 F, B = Kind.FORWARD, Kind.BACKWARD
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import pytest
 
-from coordinator.schedule import (CostModel, DeadlockError, ProgramError, build_programs,
+from interleaf.coordinator.schedule import (CostModel, DeadlockError, ProgramError, build_programs,
                                   simulate, validate_programs)
-from protos.actions import Action, Kind, parse, parse_program
+from interleaf.protos.actions import Action, Kind, parse, parse_program
 
 PP, VPP, M = 2, 2, 4
 

@@ -8,8 +8,8 @@ import zlib
 
 import numpy as np
 
-from coordinator.schedule import CostModel, build_programs, simulate, timeline_table, write_png
-from coordinator.schedule.render import encode_png
+from interleaf.coordinator.schedule import CostModel, build_programs, simulate, timeline_table, write_png
+from interleaf.coordinator.schedule.render import encode_png
 
 UNIFORM = CostModel(forward_s=1.0, backward_s=1.0)
 

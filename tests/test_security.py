@@ -14,13 +14,13 @@ import time
 import grpc
 import pytest
 
-from clients.launcher import LocalCluster
-from coordinator.service import CoordinatorService
-from protos import interleaf_pb2 as pb
-from protos import interleaf_pb2_grpc as rpc
-from protos import wire
-from protos.security import TOKEN_ENV, Security, SecurityError
-from stageserver.service import StageServerService
+from interleaf.clients.launcher import LocalCluster
+from interleaf.coordinator.service import CoordinatorService
+from interleaf.protos import interleaf_pb2 as pb
+from interleaf.protos import interleaf_pb2_grpc as rpc
+from interleaf.protos import wire
+from interleaf.protos.security import TOKEN_ENV, Security, SecurityError
+from interleaf.stageserver.service import StageServerService
 from tests.conftest import TINY
 from tests.pki import make_pki
 
@@ -182,7 +182,7 @@ def test_settings_that_cannot_work_are_refused_naming_the_flag(pki, tmp_path):
 # -- whole clusters, as processes ---------------------------------------------------
 
 def _cli(*args, env=None):
-    return subprocess.run([sys.executable, "-m", "clients.cli", *args], capture_output=True, text=True, timeout=60,
+    return subprocess.run([sys.executable, "-m", "interleaf.clients.cli", *args], capture_output=True, text=True, timeout=60,
                           env={k: v for k, v in {**os.environ, **(env or {})}.items() if v is not None})
 
 
@@ -243,7 +243,7 @@ def _runs_and_refuses(cluster: LocalCluster, pki, kind: str) -> None:
 
 
 def _stranger(coordinator: str, log: pathlib.Path) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "clients.cli", "stage-server", "--coordinator", coordinator,
+    return subprocess.Popen([sys.executable, "-m", "interleaf.clients.cli", "stage-server", "--coordinator", coordinator,
                              "--threads", "1", "--device", "cpu", "--memory-bytes", str(1 << 30)],
                             stderr=log.open("wb"), env={**os.environ, TOKEN_ENV: "not-the-token"},
                             start_new_session=True)

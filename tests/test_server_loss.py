@@ -9,10 +9,10 @@ import time
 
 import grpc
 
-from clients.launcher import LocalCluster
-from protos import interleaf_pb2 as pb
-from protos import interleaf_pb2_grpc as rpc
-from protos import wire
+from interleaf.clients.launcher import LocalCluster
+from interleaf.protos import interleaf_pb2 as pb
+from interleaf.protos import interleaf_pb2_grpc as rpc
+from interleaf.protos import wire
 from tests.conftest import TINY
 
 

@@ -28,10 +28,10 @@ import torch.distributed as dist
 from gloo_world import TIMEOUT_S, run_world
 from torch import nn
 
-from stageserver.buckets import BucketLayout, clip_segments
-from stageserver.memory import KINDS, MemoryLedger
-from stageserver.sharded_bucket import ShardedBucket
-from stageserver.transport import SoloTransport, connect_gloo
+from interleaf.stageserver.buckets import BucketLayout, clip_segments
+from interleaf.stageserver.memory import KINDS, MemoryLedger
+from interleaf.stageserver.sharded_bucket import ShardedBucket
+from interleaf.stageserver.transport import SoloTransport, connect_gloo
 
 DTYPES = {"fp32": (torch.float32, torch.float32), "bf16": (torch.bfloat16, torch.float32),
           "fp64": (torch.float64, torch.float64)}

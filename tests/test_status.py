@@ -6,7 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from coordinator.grid import RankGrid
+from interleaf.coordinator.grid import RankGrid
 from tests.conftest import TINY, run_job
 
 LAYOUT = ["parallel.dp=2", "parallel.tp=2", "parallel.pp=2", "parallel.vpp=2"]
@@ -32,7 +32,7 @@ def test_status_reports_coordinates_groups_and_layout(client):
 def test_schedule_command_prints_grid_programs_and_bubble(tmp_path):
     png = tmp_path / "t.png"
     args = [a for o in TINY + LAYOUT for a in ("--set", o)]
-    result = subprocess.run([sys.executable, "-m", "clients.cli", "schedule", *args, "--png", str(png)],
+    result = subprocess.run([sys.executable, "-m", "interleaf.clients.cli", "schedule", *args, "--png", str(png)],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     out = result.stdout

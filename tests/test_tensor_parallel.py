@@ -15,15 +15,15 @@ import torch.nn.functional as F
 from gloo_world import run_world
 from torch import nn
 
-from stageserver.model import GPTChunk, GPTConfig, full_model
-from stageserver.model.tensor_parallel import (
+from interleaf.stageserver.model import GPTChunk, GPTConfig, full_model
+from interleaf.stageserver.model.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
     tp_shard,
     vocab_parallel_cross_entropy,
 )
-from stageserver.transport import SoloTransport
+from interleaf.stageserver.transport import SoloTransport
 
 LAYER_TOL = dict(rtol=1e-5, atol=1e-6)
 GRAD_TOL = dict(rtol=1e-4, atol=1e-6)

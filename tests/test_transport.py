@@ -12,7 +12,7 @@ import pytest
 import torch
 from gloo_world import run_world
 
-from stageserver.transport import SoloTransport, connect_gloo
+from interleaf.stageserver.transport import SoloTransport, connect_gloo
 
 TAGS = (0, 1, 5, 9)
 ROOT = {2: 1, 3: 2}  # a non-zero broadcast root for each world size

@@ -10,12 +10,12 @@ import sys
 import pytest
 import torch
 
-from clients.launcher import local_devices
-from coordinator.config import ConfigError
-from coordinator.plan import choose_transport
-from stageserver.device import resolve_device
-from stageserver.job import JobRejected, _check_transport
-from stageserver.transport.nccl_dtypes import NCCL_TYPES, nccl_type
+from interleaf.clients.launcher import local_devices
+from interleaf.coordinator.config import ConfigError
+from interleaf.coordinator.plan import choose_transport
+from interleaf.stageserver.device import resolve_device
+from interleaf.stageserver.job import JobRejected, _check_transport
+from interleaf.stageserver.transport.nccl_dtypes import NCCL_TYPES, nccl_type
 from tests.conftest import TINY, run_job
 
 GPU = torch.cuda.is_available()
@@ -70,7 +70,7 @@ def test_local_servers_take_the_cpu_unless_told_cuda_which_needs_a_gpu_each():
     assert local_devices("auto", 3) == ["cpu"] * 3
     with pytest.raises(ValueError, match=r"device='cuda' needs one GPU per local server: 2 servers, 0 GPUs"):
         local_devices("cuda", 2)
-    result = subprocess.run([sys.executable, "-m", "clients.cli", "run", "--device", "cuda"],
+    result = subprocess.run([sys.executable, "-m", "interleaf.clients.cli", "run", "--device", "cuda"],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
     assert result.stderr == ("error: --device: device='cuda' needs one GPU per local server: "
@@ -98,8 +98,8 @@ def test_a_job_forcing_nccl_on_cpu_servers_fails_naming_the_setting_and_frees_th
 
 
 def test_two_ranks_on_one_gpu_are_refused_before_any_server_is_set_up():
-    from coordinator.config import load_config
-    from coordinator.plan import ServerSlot, plan_job
+    from interleaf.coordinator.config import load_config
+    from interleaf.coordinator.plan import ServerSlot, plan_job
 
     config = load_config("", ["parallel.pp=2", "parallel.vpp=1", "parallel.schedule=1f1b"])
     shared = [ServerSlot("a", "10.0.0.1:1", "gpu-host", device="cuda:0"),

@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 from gloo_world import run_world
 
-from stageserver.transport import connect_gloo
-from stageserver.transport.watchdog import Overrun, Watchdog
+from interleaf.stageserver.transport import connect_gloo
+from interleaf.stageserver.transport.watchdog import Overrun, Watchdog
 
 TIMEOUT_S = 0.5
 GLOO_TIMEOUT_S = 3.0

@@ -9,7 +9,7 @@ import time
 
 import grpc
 
-from coordinator.service import MAX_WATCHERS
+from interleaf.coordinator.service import MAX_WATCHERS
 from tests.conftest import TINY
 
 

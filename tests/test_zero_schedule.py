@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import pytest
 
-from coordinator.schedule import (ProgramError, build_programs, compute_order,
+from interleaf.coordinator.schedule import (ProgramError, build_programs, compute_order,
                                   validate_programs)
-from coordinator.schedule.zero import add_param_gathers, compute_runs, max_gathered
-from protos.actions import format_program, parse, parse_program
+from interleaf.coordinator.schedule.zero import add_param_gathers, compute_runs, max_gathered
+from interleaf.protos.actions import format_program, parse, parse_program
 from tests.zero_programs import (B, RS, F)
 
 # --- worked examples -------------------------------------------------------------------

@@ -8,9 +8,9 @@ import math
 
 import pytest
 
-from coordinator.schedule import (CostModel, build_programs, simulate, validate_programs)
-from coordinator.schedule.zero import compute_runs, max_gathered
-from protos.actions import Action
+from interleaf.coordinator.schedule import (CostModel, build_programs, simulate, validate_programs)
+from interleaf.coordinator.schedule.zero import compute_runs, max_gathered
+from interleaf.protos.actions import Action
 from tests.zero_programs import (AG, B, DP, DPS, LAYOUTS, OPT, RP, RS, SG, STAGES, built,
                                  gathered_peak, kinds, last_backward, owned)
 

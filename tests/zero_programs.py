@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import functools
 
-from coordinator.schedule import build_programs
-from protos.actions import Kind
+from interleaf.coordinator.schedule import build_programs
+from interleaf.protos.actions import Kind
 
 F, B = Kind.FORWARD, Kind.BACKWARD
 DP, RS = Kind.REDUCE_GRADS, Kind.REDUCE_SCATTER_GRADS

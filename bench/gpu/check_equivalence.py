@@ -37,7 +37,7 @@ CASES = [  # (name, settings, keys compared, (mean bound, largest bound))
 
 def run(args: list[str], settings: list[str], out: str) -> list[dict]:
     sets = [a for s in MODEL + settings for a in ("--set", s)]
-    subprocess.run([sys.executable, "-m", "clients.cli", *args, *sets, "--metrics-out", out], check=True,
+    subprocess.run([sys.executable, "-m", "interleaf.clients.cli", *args, *sets, "--metrics-out", out], check=True,
                    stdout=subprocess.DEVNULL)
     with open(out) as f:
         return [json.loads(line) for line in f if line.strip()]

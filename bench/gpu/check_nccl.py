@@ -19,8 +19,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from stageserver.transport.nccl import NcclTransport, make_unique_id
-from stageserver.transport.nccl_dtypes import NCCL_TYPES
+from interleaf.stageserver.transport.nccl import NcclTransport, make_unique_id
+from interleaf.stageserver.transport.nccl_dtypes import NCCL_TYPES
 
 DEVICE = torch.device("cuda", 0)
 DTYPES = (torch.float32, torch.bfloat16, torch.float64)

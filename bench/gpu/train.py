@@ -42,14 +42,14 @@ import torch
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))  # bench/ siblings
 
 from peak import bf16_matmul_peak  # noqa: E402  (bench/gpu/peak.py: this script's directory)
-from clients.client import Client  # noqa: E402
-from clients.launcher import LocalCluster  # noqa: E402
-from coordinator.flops import flops_per_token, matrix_parameters  # noqa: E402
+from interleaf.clients.client import Client  # noqa: E402
+from interleaf.clients.launcher import LocalCluster  # noqa: E402
+from interleaf.coordinator.flops import flops_per_token, matrix_parameters  # noqa: E402
 from interleaf_run import run_job  # noqa: E402
-from stageserver.data import Sampler, resolve_source  # noqa: E402
-from stageserver.model import GPTConfig  # noqa: E402
-from stageserver.model.gpt import full_model  # noqa: E402
-from stageserver.optim import BETAS, EPS, Schedule  # noqa: E402
+from interleaf.stageserver.data import Sampler, resolve_source  # noqa: E402
+from interleaf.stageserver.model import GPTConfig  # noqa: E402
+from interleaf.stageserver.model.gpt import full_model  # noqa: E402
+from interleaf.stageserver.optim import BETAS, EPS, Schedule  # noqa: E402
 from torch_training import param_groups  # noqa: E402
 
 MODEL = GPTConfig(n_layers=20, d_model=2048, n_heads=16, seq_len=2048, vocab_size=50304)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from protos.actions import Action, Kind
+from interleaf.protos.actions import Action, Kind
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from protos.actions import Action
+from interleaf.protos.actions import Action
 
 
 class ProgramError(ValueError):

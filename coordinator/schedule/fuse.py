@@ -46,7 +46,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from protos.actions import COMPUTE, RECVS, SENDS, Action, Kind
+from interleaf.protos.actions import COMPUTE, RECVS, SENDS, Action, Kind
 
 from .links import Link, link_of
 

@@ -20,7 +20,7 @@ Messages are matched by (message_key, source rank, destination rank).
 
 from __future__ import annotations
 
-from protos.actions import SENDS, Action, Kind
+from interleaf.protos.actions import SENDS, Action, Kind
 
 LINKS = ("rendezvous", "eager")
 

@@ -14,7 +14,7 @@ matched by `Action.message_key()` plus peer, never by arrival order.
 
 from __future__ import annotations
 
-from protos.actions import Action, Kind
+from interleaf.protos.actions import Action, Kind
 
 from .compute_order import compute_order
 from .fuse import place_p2p

@@ -16,7 +16,7 @@ import zlib
 
 import numpy as np
 
-from protos.actions import COMPUTE, Action, Kind
+from interleaf.protos.actions import COMPUTE, Action, Kind
 from .simulate import SimResult, Span
 
 _IDLE, _CONTINUED = ".", "-"

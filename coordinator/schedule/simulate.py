@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from protos.actions import COMPUTE, REDUCTIONS, Action, Kind
+from interleaf.protos.actions import COMPUTE, REDUCTIONS, Action, Kind
 
 from .links import make_links, partner_of
 

@@ -8,7 +8,7 @@ fails at run time.
 
 from __future__ import annotations
 
-from protos.actions import COMPUTE, PER_CHUNK, RECVS, SENDS, Action, Kind
+from interleaf.protos.actions import COMPUTE, PER_CHUNK, RECVS, SENDS, Action, Kind
 
 from .errors import ProgramError
 from .links import link_of

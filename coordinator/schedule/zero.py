@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from protos.actions import COMPUTE, Action, Kind
+from interleaf.protos.actions import COMPUTE, Action, Kind
 
 
 @dataclass(frozen=True)

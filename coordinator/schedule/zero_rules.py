@@ -12,7 +12,7 @@ Which reductions and gathers each stage uses:
 
 from __future__ import annotations
 
-from protos.actions import COMPUTE, Action, Kind
+from interleaf.protos.actions import COMPUTE, Action, Kind
 from .errors import ProgramError
 
 

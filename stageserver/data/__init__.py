@@ -1,9 +1,9 @@
 """Tokens on disk and the order samples are drawn in."""
 
-from stageserver.data.corpus import builtin_corpus, resolve_source
-from stageserver.data.sampler import Sampler
-from stageserver.data.tokenfile import TokenFile, prepare, write_tokens
-from stageserver.data.tokenizer import decode, encode
+from interleaf.stageserver.data.corpus import builtin_corpus, resolve_source
+from interleaf.stageserver.data.sampler import Sampler
+from interleaf.stageserver.data.tokenfile import TokenFile, prepare, write_tokens
+from interleaf.stageserver.data.tokenizer import decode, encode
 
 __all__ = [
     "Sampler", "TokenFile", "builtin_corpus", "decode", "encode", "prepare",

@@ -9,8 +9,8 @@ import pathlib
 import platform
 import sysconfig
 
-from stageserver.data.tokenfile import TokenFile, write_tokens
-from stageserver.data.tokenizer import encode
+from interleaf.stageserver.data.tokenfile import TokenFile, write_tokens
+from interleaf.stageserver.data.tokenizer import encode
 
 
 def cache_dir() -> pathlib.Path:

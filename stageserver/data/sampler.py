@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from stageserver.data.tokenfile import TokenFile
+from interleaf.stageserver.data.tokenfile import TokenFile
 
 
 class Sampler:

@@ -12,7 +12,7 @@ import tempfile
 
 import numpy as np
 
-from stageserver.data.tokenizer import encode
+from interleaf.stageserver.data.tokenizer import encode
 
 DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
 

@@ -17,8 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from stageserver.model.config import INIT_STD, GPTConfig
-from stageserver.model.tensor_parallel import (
+from interleaf.stageserver.model.config import INIT_STD, GPTConfig
+from interleaf.stageserver.model.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
@@ -26,7 +26,7 @@ from stageserver.model.tensor_parallel import (
     tp_shard,
     vocab_parallel_cross_entropy,
 )
-from stageserver.transport import SoloTransport, Transport
+from interleaf.stageserver.transport import SoloTransport, Transport
 
 TIED = "wte.weight"
 """The input embedding doubles as the output head (GPT-2's weight tying)."""

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from stageserver.transport import Transport
+from interleaf.stageserver.transport import Transport
 
 
 def _divide(n: int, tp: Transport, what: str) -> int:

@@ -8,7 +8,7 @@ import datetime
 import torch
 import torch.distributed as dist
 
-from stageserver.transport.solo import SoloTransport
+from interleaf.stageserver.transport.solo import SoloTransport
 
 
 class GlooTransport:

@@ -15,16 +15,16 @@ import os
 
 import torch
 
-from stageserver.transport.base import Transport
-from stageserver.transport.gloo import connect_gloo
-from stageserver.transport.solo import SoloTransport
+from interleaf.stageserver.transport.base import Transport
+from interleaf.stageserver.transport.gloo import connect_gloo
+from interleaf.stageserver.transport.solo import SoloTransport
 
 TRANSPORTS = ("gloo", "nccl")
 
 
 def make_group_id(transport: str) -> bytes:
     if transport == "nccl":
-        from stageserver.transport.nccl import make_unique_id
+        from interleaf.stageserver.transport.nccl import make_unique_id
         return make_unique_id()
     return os.urandom(16)
 
@@ -39,7 +39,7 @@ def connect_group(transport: str, name: str, group_id: bytes, members: list[int]
     if not group_id:
         raise RuntimeError(f"group {name}: no id was relayed for it")
     if transport == "nccl":
-        from stageserver.transport.nccl import NcclTransport
+        from interleaf.stageserver.transport.nccl import NcclTransport
         # NCCL's init has no timeout: meet every member on the store first, which does,
         # so a member that never comes fails this Connect instead of hanging it.
         keys = [f"nccl/{name}/{group_id.hex()}/{member}" for member in members]

@@ -32,8 +32,8 @@ import time
 
 import torch
 
-from stageserver.transport.nccl_dtypes import nccl_type
-from stageserver.transport.watchdog import Watchdog
+from interleaf.stageserver.transport.nccl_dtypes import nccl_type
+from interleaf.stageserver.transport.watchdog import Watchdog
 
 CLOSE_GRACE_S = 10.0
 """How long close() waits for operations still running before it aborts."""
