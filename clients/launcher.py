@@ -24,6 +24,7 @@ from typing import Callable
 
 import torch
 
+from interleaf.clients.api import Client as ApiClient
 from interleaf.clients.client import Client
 from interleaf.protos.security import TOKEN_ENV, Security
 from interleaf.stageserver.device import device_memory_bytes, physical_memory_bytes
@@ -149,8 +150,12 @@ class LocalCluster:
         return process, new.pop()
 
     def client(self) -> Client:
-        """A client of this cluster's coordinator, with the cluster's token (and TLS)."""
+        """A protobuf-level client of this cluster's coordinator, with the cluster's token (and TLS)."""
         return Client(self.address, self.security)
+
+    def connect(self) -> ApiClient:
+        """An interleaf.Client of this cluster's coordinator, with the cluster's token (and TLS)."""
+        return ApiClient(self.address, self.security)
 
     def _wait_for_servers(self, timeout_s: float) -> None:
         client = self.client()

@@ -14,3 +14,31 @@ import pathlib
 _checkout = pathlib.Path(__file__).resolve().parent.parent
 if (_checkout / "pyproject.toml").is_file() and (_checkout / "coordinator" / "__init__.py").is_file():
     __path__.append(str(_checkout))
+
+# The Python API, imported on first use so that `import interleaf.stageserver` (every
+# server process) does not load the client.
+_API = {
+    "Client": "interleaf.clients.api",
+    "Job": "interleaf.clients.api",
+    "JobFailed": "interleaf.clients.api",
+    "JobStatus": "interleaf.clients.api",
+    "Step": "interleaf.clients.api",
+    "LocalCluster": "interleaf.clients.launcher",
+    "JobConfig": "interleaf.coordinator.config",
+    "ModelConfig": "interleaf.coordinator.config",
+    "ParallelConfig": "interleaf.coordinator.config",
+    "TrainConfig": "interleaf.coordinator.config",
+    "DataConfig": "interleaf.coordinator.config",
+    "CheckpointConfig": "interleaf.coordinator.config",
+    "RecoveryConfig": "interleaf.coordinator.config",
+    "ConfigError": "interleaf.coordinator.config",
+}
+__all__ = sorted(_API)
+
+
+def __getattr__(name: str):
+    if name in _API:
+        import importlib
+
+        return getattr(importlib.import_module(_API[name]), name)
+    raise AttributeError(f"module 'interleaf' has no attribute {name!r}")
