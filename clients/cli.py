@@ -208,7 +208,8 @@ def cmd_schedule(args) -> int:
         print(f"ZeRO-3: at most {max(max_gathered(program) for program in programs)} chunks gathered "
               f"at once on a rank (parallel.zero_prefetch={p.zero_prefetch})")
     if args.png:
-        write_png(args.png, programs, result)
+        write_png(args.png, programs, result, title=f"{p.schedule}: dp={p.dp} pp={p.pp} tp={p.tp} vpp={p.vpp}, "
+                                                     f"{p.microbatches} microbatches, ZeRO stage {p.zero}")
         print(f"timeline written to {args.png}")
     print(f"{_LINKS[args.links]}: deadlock-free")
     return 0
@@ -221,9 +222,14 @@ _LINKS = {
 
 
 def cmd_coordinator(args) -> int:
+    from interleaf.coordinator.job_store import JobStoreError
     from interleaf.coordinator.main import serve
 
-    serve(args.host, args.port, args.bind, args.store_port, args.steps_per_call, _security(args))
+    try:
+        serve(args.host, args.port, args.bind, args.store_port, args.steps_per_call, _security(args),
+              state_db=args.state_db, http_port=args.http_port)
+    except JobStoreError as err:
+        raise UsageError(str(err)) from None
     return 0
 
 
@@ -232,8 +238,10 @@ def cmd_stage_server(args) -> int:
 
     if not args.orphan_timeout > 0:
         raise UsageError(f"--orphan-timeout={args.orphan_timeout:g} must be a positive number of seconds")
+    if args.peak_flops < 0:
+        raise UsageError(f"--peak-flops={args.peak_flops:g} must be a FLOP/s figure (0: the default)")
     serve(args.coordinator, args.host, args.port, args.bind, args.threads, args.memory_bytes, args.device,
-          args.spool_dir, args.orphan_timeout, _security(args))
+          args.spool_dir, args.orphan_timeout, _security(args), args.metrics_port, args.peak_flops)
     return 0
 
 
@@ -257,6 +265,20 @@ def cmd_watch(args) -> int:
     return follow(client, args.job, client.status(args.job).steps, MetricsOut(args.metrics_out))
 
 
+def cmd_trace(args) -> int:
+    from interleaf.coordinator import executed_step as trace
+
+    step = _client(args).trace(args.job, args.step)
+    print(trace.summary(step))
+    if args.out:
+        trace.write_chrome_trace(args.out, step)
+        print(f"trace written to {args.out} (open it in https://ui.perfetto.dev or chrome://tracing)")
+    if args.png:
+        trace.write_picture(args.png, step)
+        print(f"timeline written to {args.png}")
+    return 0
+
+
 def cmd_cancel(args) -> int:
     print(_client(args).cancel(args.job).state)
     return 0
@@ -266,6 +288,33 @@ def cmd_servers(args) -> int:
     for s in _client(args).servers():
         print(f"{s.server_id}  {s.address:<22} {s.host:<16} {s.device:<6} {s.state:<5} {s.job_id}")
     return 0
+
+
+def cmd_health(args) -> int:
+    """Asks a server's standard gRPC health service, as a Kubernetes probe does (no token
+    needed); with --wait, until it answers SERVING."""
+    import time
+
+    import grpc
+
+    from interleaf.protos import wire
+    from interleaf.protos.health import check
+
+    channel = wire.channel(args.address, _security(args))
+    deadline = time.monotonic() + args.wait
+    try:
+        while True:
+            try:
+                status = check(channel, args.service)
+            except grpc.RpcError as err:
+                status = f"{err.code().name}: {err.details()}"
+            if status == "SERVING" or time.monotonic() >= deadline:
+                break
+            time.sleep(0.5)
+    finally:
+        channel.close()
+    print(f"{args.address} {args.service or '(server)'}: {status}")
+    return 0 if status == "SERVING" else 1
 
 
 def cmd_data_prepare(args) -> int:
@@ -379,8 +428,15 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=50051)
     p.add_argument("--bind", default="0.0.0.0")
     p.add_argument("--store-port", type=int, default=0, help="gloo rendezvous store port (0: any free port)")
+    p.add_argument("--http-port", type=int, default=50052,
+                   help="HTTP port of /metrics (Prometheus) and /sd (Prometheus service discovery of the stage "
+                        "servers); 0: any free port")
     p.add_argument("--steps-per-call", type=int, default=8,
                    help="steps per RunSteps call to each server (control traffic is per call)")
+    p.add_argument("--state-db", default="", metavar="PATH",
+                   help="SQLite file of job state, kept across restarts: started again on it, the coordinator "
+                        "resumes unfinished jobs (default $XDG_STATE_HOME/interleaf/coordinator.db, i.e. "
+                        "~/.local/state/interleaf/coordinator.db; one coordinator per file)")
     with_security(p, serves=True)
     p.set_defaults(fn=cmd_coordinator)
 
@@ -398,6 +454,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--spool-dir", default=None, metavar="DIR",
                    help="where checkpoint files wait when this server does not share the coordinator's "
                         "checkpoint.dir (default: interleaf-spool in the system's temporary folder)")
+    p.add_argument("--metrics-port", type=int, default=0,
+                   help="HTTP port of this server's /metrics (0: any free port; the coordinator's /sd tells "
+                        "Prometheus which)")
+    p.add_argument("--peak-flops", type=float, default=0.0, metavar="FLOP/S",
+                   help="this device's peak FLOP/s, for model FLOPs utilization (0: 1e11 per torch thread on a "
+                        "CPU; the datasheet bf16 peak of an H100, H200 or A100)")
     p.add_argument("--orphan-timeout", type=float, default=30.0, metavar="SECONDS",
                    help="drop the job held (freeing its memory) once the coordinator has been unreachable "
                         "this long (default 30)")
@@ -422,9 +484,30 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics-out", metavar="FILE.jsonl")
     p.set_defaults(fn=cmd_watch)
 
+    p = sub.add_parser("trace", help="what each rank did in a traced step, beside the simulator's prediction")
+    p.add_argument("job")
+    p.add_argument("--step", type=int, default=None, help="the traced step (default: the newest; trace.steps "
+                                                          "in the job's config says which are traced)")
+    p.add_argument("--out", metavar="TRACE.json", help="write a Chrome/Perfetto trace: a track per rank")
+    p.add_argument("--png", metavar="FILE", help="draw the executed timeline above the predicted one")
+    with_coordinator(p)
+    p.set_defaults(fn=cmd_trace)
+
     p = sub.add_parser("servers", help="list registered stage servers")
     with_coordinator(p)
     p.set_defaults(fn=cmd_servers)
+
+    p = sub.add_parser("health", help="ask a coordinator's or stage server's gRPC health service; exit 0 when "
+                                      "SERVING")
+    p.add_argument("address", metavar="HOST:PORT")
+    p.add_argument("--service", default="", help="the name to ask about: '' (the default) is the server as a "
+                                                 "whole, SERVING until it stops; interleaf.Coordinator or "
+                                                 "interleaf.StageServer is SERVING once it can work (a stage "
+                                                 "server: once registered)")
+    p.add_argument("--wait", type=float, default=0.0, metavar="SECONDS",
+                   help="ask again until SERVING, for at most this long")
+    with_security(p)
+    p.set_defaults(fn=cmd_health)
 
     data = sub.add_parser("data", help="token files").add_subparsers(dest="data_command", required=True)
     p = data.add_parser("prepare", help="tokenize text files (bytes) into one token file")

@@ -28,6 +28,11 @@ class Client:
     def cancel(self, job_id: str) -> pb.JobStatus:
         return self._stub.CancelJob(pb.JobRef(job_id=job_id), timeout=RPC_TIMEOUT_S)
 
+    def trace(self, job_id: str, step: int | None = None) -> pb.StepTrace:
+        """A traced step's executed timeline (None: the newest traced step)."""
+        request = pb.TraceRequest(job_id=job_id) if step is None else pb.TraceRequest(job_id=job_id, step=step)
+        return self._stub.GetTrace(request, timeout=RPC_TIMEOUT_S)
+
     def servers(self) -> list[pb.ServerInfo]:
         return list(self._stub.ListServers(pb.Empty(), timeout=RPC_TIMEOUT_S).servers)
 

@@ -48,7 +48,7 @@ def follow(client, job_id: str, steps: int, metrics: MetricsOut) -> int:
             s = event.step
             metrics.write(step=s.step, loss=s.loss, tokens=s.tokens, step_seconds=s.step_seconds,
                           tokens_per_second=s.tokens_per_second, grad_norm=s.grad_norm, lr=s.lr,
-                          bubble_seconds=s.bubble_seconds, **_block_control(s),
+                          bubble_seconds=s.bubble_seconds, idle_seconds=s.idle_seconds, **_block_control(s),
                           ranks=[{f.name: getattr(r, f.name) for f in r.DESCRIPTOR.fields}
                                  for r in s.ranks])
             progress.update(s.step, s.loss, s.tokens_per_second)

@@ -15,9 +15,11 @@ import ctypes
 import dataclasses
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from functools import partial
 from typing import Callable
@@ -74,7 +76,7 @@ class LocalCluster:
     def __init__(self, servers: int, threads_per_server: int | None = None, log_dir: str | None = None,
                  steps_per_call: int | None = None, memory_per_server: int | None = None,
                  device: str = "cpu", server_command: Callable[[int, list[str]], list[str]] | None = None,
-                 security: Security | None = None):
+                 security: Security | None = None, state_db: str | None = None):
         self.count = servers
         # Every process of the cluster serves and calls with these: one certificate
         # (valid as server and client) and one token, a fresh random one by default.
@@ -91,6 +93,11 @@ class LocalCluster:
         self.memory_per_server = memory_per_server or memory_per_local_server(self.devices)
         self.processes: list[subprocess.Popen] = []
         self.address = ""
+        self.http_address = ""  # the coordinator's HTTP endpoint (/metrics, /sd), HOST:PORT
+        # The coordinator's job state (--state-db): given, or in a folder of this
+        # cluster's own, removed at stop (a local cluster's jobs end with it).
+        self.state_db = state_db
+        self._state_dir = None
 
     def _spawn(self, args: list[str], name: str, stdout=subprocess.DEVNULL,
                command: Callable[[list[str]], list[str]] = lambda c: c) -> subprocess.Popen:
@@ -108,14 +115,10 @@ class LocalCluster:
 
     def start(self, timeout_s: float = 120.0) -> "LocalCluster":
         try:
-            extra = ["--steps-per-call", str(self.steps_per_call)] if self.steps_per_call else []
-            coordinator = self._spawn(
-                ["coordinator", "--host", "127.0.0.1", "--port", "0", *extra], "coordinator", stdout=subprocess.PIPE
-            )
-            line = coordinator.stdout.readline().decode()
-            if "listening on" not in line:
-                raise RuntimeError(f"coordinator did not start: {line.strip() or 'no output'}")
-            self.address = line.split("listening on ")[1].split()[0]
+            if self.state_db is None:
+                self._state_dir = tempfile.mkdtemp(prefix="interleaf-state-")
+                self.state_db = os.path.join(self._state_dir, "coordinator.db")
+            self.address = self._start_coordinator("0")
             for i in range(self.count):
                 self._spawn_server(i)
             self._wait_for_servers(timeout_s)
@@ -123,6 +126,29 @@ class LocalCluster:
             self.stop()
             raise
         return self
+
+    def _start_coordinator(self, port: str) -> str:
+        """Starts the coordinator (kept first in self.processes); returns its address."""
+        extra = ["--steps-per-call", str(self.steps_per_call)] if self.steps_per_call else []
+        coordinator = self._spawn(["coordinator", "--host", "127.0.0.1", "--port", port, "--state-db", self.state_db,
+                                   "--http-port", "0", *extra], "coordinator", stdout=subprocess.PIPE)
+        self.processes.insert(0, self.processes.pop())
+        line = coordinator.stdout.readline().decode()
+        if "listening on" not in line:
+            raise RuntimeError(f"coordinator did not start: {line.strip() or 'no output'}")
+        # Its HTTP port (/metrics, /sd): http://HOST:PORT at the line's end.
+        self.http_address = line.split("http://")[1].split(")")[0]
+        return line.split("listening on ")[1].split()[0]
+
+    def restart_coordinator(self) -> subprocess.Popen:
+        """A coordinator again, on the address and state db of the one that ended (the
+        servers find it there); returns its process."""
+        ended = self.processes[0]
+        if ended.poll() is None:
+            raise RuntimeError("the coordinator is still running: stop or kill it first")
+        self.processes.remove(ended)
+        self._start_coordinator(self.address.rsplit(":", 1)[1])
+        return self.processes[0]
 
     def _spawn_server(self, i: int) -> subprocess.Popen:
         return self._spawn(
@@ -183,6 +209,9 @@ class LocalCluster:
                 process.kill()
                 process.wait()
         self.processes.clear()
+        if self._state_dir is not None:
+            shutil.rmtree(self._state_dir, ignore_errors=True)
+            self._state_dir = self.state_db = None
 
     def __enter__(self) -> "LocalCluster":
         return self.start()

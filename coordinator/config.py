@@ -12,6 +12,9 @@ import dataclasses
 import tomllib
 from dataclasses import dataclass, field
 
+from interleaf.protos import limits
+from interleaf.protos.limits import shown
+
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
 TRANSPORTS = ("auto", "gloo", "nccl")
 PRECISION_BYTES = {"fp32": 4, "bf16": 2, "fp64": 8}
@@ -21,7 +24,6 @@ MASTER_BYTES = {"fp32": 4, "bf16": 4, "fp64": 8}
 PRECISIONS = tuple(PRECISION_BYTES)
 RECOMPUTE = ("none", "full")
 MAX_ZERO_PREFETCH = 4
-MAX_TOKEN_ID = 2**32 - 1
 
 
 class ConfigError(ValueError):
@@ -33,6 +35,13 @@ def _positive(section: str, obj, *names: str) -> None:
         value = getattr(obj, name)
         if value < 1:
             raise ConfigError(f"{section}.{name}={value} must be at least 1")
+
+
+def _bounded(section: str, obj) -> None:
+    """Every number finite and within its upper bound (protos/limits.py)."""
+    why = limits.violation(section, obj)
+    if why:
+        raise ConfigError(why)
 
 
 @dataclass(frozen=True)
@@ -51,12 +60,11 @@ class ModelConfig:
 
     def __post_init__(self):
         _positive("model", self, "n_layers", "d_model", "n_heads", "seq_len", "vocab_size")
+        _bounded("model", self)
         if self.d_model % self.n_heads:
             raise ConfigError(
                 f"model.d_model={self.d_model} must be divisible by model.n_heads={self.n_heads}"
             )
-        if self.vocab_size > MAX_TOKEN_ID + 1:
-            raise ConfigError(f"model.vocab_size={self.vocab_size} must be at most 2**32")
 
 
 @dataclass(frozen=True)
@@ -87,9 +95,28 @@ class ParallelConfig:
     transport: str = "auto"
     """How tensors move between ranks: nccl (CUDA servers, through CuPy), gloo (CPU
     servers), or auto: nccl when the job's servers compute on GPUs, gloo otherwise."""
+    elastic: bool = False
+    """When the job loses servers and too few idle ones are registered to set its layout
+    up again, go on at once with the largest smaller dp that they hold (tp and pp
+    unchanged; microbatches grown so that dp*microbatches, and with it every step's
+    samples, stays the same) instead of waiting for replacements. Needs dp >= 2."""
 
     def __post_init__(self):
         _positive("parallel", self, "dp", "tp", "pp", "vpp", "microbatches")
+        _bounded("parallel", self)
+        if self.world_size > limits.MAX_RANKS:
+            raise ConfigError(f"parallel.dp*parallel.tp*parallel.pp={self.world_size} must be at most "
+                              f"{limits.MAX_RANKS}: one stage server per rank")
+        slots = self.pp * self.vpp * self.microbatches
+        if slots > limits.MAX_PIPELINE_SLOTS:
+            raise ConfigError(f"parallel.pp*parallel.vpp*parallel.microbatches={slots} must be at most "
+                              f"{limits.MAX_PIPELINE_SLOTS}: the coordinator plans every forward and backward "
+                              f"of a step")
+        if self.elastic and self.dp < 2:
+            raise ConfigError(
+                f"parallel.elastic=true needs parallel.dp>=2 (dp={self.dp} has no smaller "
+                f"data-parallel degree to go on with)"
+            )
         if self.schedule not in SCHEDULES:
             raise ConfigError(
                 f"parallel.schedule={self.schedule!r} must be one of {', '.join(SCHEDULES)}"
@@ -144,6 +171,7 @@ class TrainConfig:
 
     def __post_init__(self):
         _positive("train", self, "steps", "global_batch")
+        _bounded("train", self)
         if self.precision not in PRECISIONS:
             raise ConfigError(f"train.precision={self.precision!r} must be one of {', '.join(PRECISIONS)}")
         if self.recompute not in RECOMPUTE:
@@ -183,6 +211,7 @@ class CheckpointConfig:
     same model; training continues at its step with its optimizer state."""
 
     def __post_init__(self):
+        _bounded("checkpoint", self)
         for key in ("every", "keep"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"checkpoint.{key}={getattr(self, key)} must be 0 or more")
@@ -202,10 +231,34 @@ class RecoveryConfig:
     lost (hung, or cut off) and the job recovers; otherwise it fails."""
 
     def __post_init__(self):
+        _bounded("recovery", self)
         if self.max_restarts < 0:
             raise ConfigError(f"recovery.max_restarts={self.max_restarts} must be 0 or more")
         if not self.progress_timeout_s > 0:
             raise ConfigError(f"recovery.progress_timeout_s={self.progress_timeout_s} must be more than 0")
+
+
+MAX_TRACED_STEPS = 64
+"""trace.steps: the coordinator keeps every traced step's timeline with the job."""
+DEFAULT_TRACED = (1, -1)
+
+
+@dataclass(frozen=True)
+class TraceConfig:
+    steps: tuple[int, ...] = DEFAULT_TRACED
+    """Steps (from 0) whose every action each server times, for `interleaf trace`;
+    negative ones count from the end (-1: the last step). The default, the second step
+    (the first past warm-up; a one-step job has none) and the last, gives a running job
+    a trace early on and a finished one its final step. Untraced steps cost nothing; a
+    traced one two clock reads per action."""
+
+    def __post_init__(self):
+        if len(self.steps) > MAX_TRACED_STEPS:
+            raise ConfigError(f"trace.steps holds {len(self.steps)} steps: at most {MAX_TRACED_STEPS} are traced")
+
+    def resolved(self, total: int) -> frozenset[int]:
+        """The traced step numbers of a job of `total` steps."""
+        return frozenset(s if s >= 0 else total + s for s in self.steps if -total <= s < total)
 
 
 @dataclass(frozen=True)
@@ -216,9 +269,14 @@ class JobConfig:
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
+    trace: TraceConfig = field(default_factory=TraceConfig)
 
     def __post_init__(self):
         m, p, t = self.model, self.parallel, self.train
+        for step in self.trace.steps:
+            if not -t.steps <= step < t.steps and self.trace.steps != DEFAULT_TRACED:
+                raise ConfigError(f"trace.steps={list(self.trace.steps)}: step {step} is not one of train.steps="
+                                  f"{t.steps} (0 to {t.steps - 1}, or -{t.steps} to -1 counting from the end)")
         if p.pp * p.vpp > m.n_layers:
             raise ConfigError(
                 f"parallel.pp*parallel.vpp={p.pp * p.vpp} must not exceed model.n_layers="
@@ -246,12 +304,22 @@ _SECTION_TYPES = {
     "data": DataConfig,
     "checkpoint": CheckpointConfig,
     "recovery": RecoveryConfig,
+    "trace": TraceConfig,
 }
 
 
 def _convert(section: str, key: str, kind: type, value):
     """Coerces a TOML or command-line value to the field's type, or says why not."""
-    where = f"{section}.{key}={value!r}"
+    where = f"{section}.{key}={shown(value)}"
+    if kind is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where} must be true or false")
+        return value
+    if kind is tuple:  # of ints: a TOML array, or on the command line [1, -1] or 1,-1
+        items = value if isinstance(value, list) else None
+        if items is None or not all(isinstance(i, int) and not isinstance(i, bool) for i in items):
+            raise ConfigError(f"{where} must be a list of whole numbers, e.g. [1, -1]")
+        return tuple(items)
     if isinstance(value, bool):
         raise ConfigError(f"{where} must be {kind.__name__}, not a boolean")
     try:
@@ -264,14 +332,20 @@ def _convert(section: str, key: str, kind: type, value):
         if kind is str:
             if not isinstance(value, str):
                 raise ValueError
+            if len(value) > limits.MAX_TEXT_CHARS:
+                raise ConfigError(f"{where} must be at most {limits.MAX_TEXT_CHARS} characters")
+            if "\0" in value:
+                raise ConfigError(f"{where} must not contain a NUL character")
             return value
-    except ValueError:
+    except (ValueError, TypeError, OverflowError) as err:  # a table, an array, a date; inf
+        if isinstance(err, ConfigError):
+            raise
         raise ConfigError(f"{where} must be {kind.__name__}") from None
     raise ConfigError(f"{where}: unsupported field type {kind}")
 
 
 def _field_types(cls) -> dict[str, type]:
-    hints = {"int": int, "float": float, "str": str}
+    hints = {"int": int, "float": float, "str": str, "bool": bool, "tuple[int, ...]": tuple}
     return {f.name: hints[f.type] for f in dataclasses.fields(cls)}
 
 
@@ -280,18 +354,19 @@ def build_config(raw: dict, overrides: list[str] = ()) -> JobConfig:
     values: dict[str, dict] = {name: {} for name in _SECTION_TYPES}
     for section, table in raw.items():
         if section not in _SECTION_TYPES:
-            raise ConfigError(f"unknown section [{section}] (known: {', '.join(_SECTION_TYPES)})")
+            raise ConfigError(f"unknown section [{_name(section)}] (known: {', '.join(_SECTION_TYPES)})")
         if not isinstance(table, dict):
-            raise ConfigError(f"{section}={table!r} must be a table [{section}]")
+            raise ConfigError(f"{section}={shown(table)} must be a table [{section}]")
         for key, value in table.items():
             values[section][key] = (value, False)
     for item in overrides:
         path, sep, text = item.partition("=")
         section, dot, key = path.strip().partition(".")
         if not sep or not dot:
-            raise ConfigError(f"--set {item!r} must look like SECTION.KEY=VALUE")
+            raise ConfigError(f"--set {shown(item)} must look like SECTION.KEY=VALUE")
         if section not in _SECTION_TYPES:
-            raise ConfigError(f"--set {item!r}: unknown section [{section}] (known: {', '.join(_SECTION_TYPES)})")
+            raise ConfigError(f"--set {shown(item)}: unknown section [{_name(section)}] "
+                              f"(known: {', '.join(_SECTION_TYPES)})")
         values[section][key.strip()] = (text.strip(), True)
 
     sections = {}
@@ -301,9 +376,13 @@ def build_config(raw: dict, overrides: list[str] = ()) -> JobConfig:
         for key, (value, from_text) in values[section].items():
             if key not in types:
                 raise ConfigError(
-                    f"unknown key {section}.{key} (known: {', '.join(types)})"
+                    f"unknown key {section}.{_name(key)} (known: {', '.join(types)})"
                 )
-            if from_text and types[key] is not str:
+            if from_text and types[key] is bool:
+                value = {"true": True, "false": False}.get(value.lower(), value)
+            elif from_text and types[key] is tuple:
+                value = _list_from_text(value)
+            elif from_text and types[key] is not str:
                 value = _number_from_text(section, key, value)
             kwargs[key] = _convert(section, key, types[key], value)
         sections[section] = cls(**kwargs)
@@ -320,9 +399,25 @@ def _number_from_text(section: str, key: str, text: str):
             return text  # _convert names the expected type
 
 
+def _list_from_text(text: str):
+    """`[1, -1]` (TOML's form) or `1,-1` as a list, or the text unchanged when it is
+    neither (_convert names the expected type)."""
+    try:
+        return tomllib.loads(f"v = {text if text.startswith('[') else f'[{text}]'}")["v"]
+    except (tomllib.TOMLDecodeError, RecursionError):
+        return text
+
+
+def _name(text: str) -> str:
+    """A section or key name as an error shows it: as written when short and printable."""
+    return text if len(text) <= 64 and text.isprintable() else shown(text)
+
+
 def load_config(toml_text: str = "", overrides: list[str] = ()) -> JobConfig:
     try:
         raw = tomllib.loads(toml_text)
     except tomllib.TOMLDecodeError as err:
         raise ConfigError(f"config is not valid TOML: {err}") from None
+    except RecursionError:  # tomllib parses nested arrays and inline tables recursively
+        raise ConfigError("config nests arrays or inline tables too deeply to be a job config") from None
     return build_config(raw, overrides)

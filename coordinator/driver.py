@@ -22,8 +22,10 @@ import grpc
 from interleaf.coordinator.jobs import JobRecord
 from interleaf.coordinator.admission import needed_bytes
 from interleaf.coordinator.checkpointing import Checkpointing
+from interleaf.coordinator.elastic import describe_change, smaller_layouts
 from interleaf.coordinator.plan import JobPlan, place_servers, plan_job, plan_programs, setup_requests
 from interleaf.coordinator.registry import DEAD_AFTER_S, HEARTBEAT_INTERVAL_S, Registry
+from interleaf.coordinator.traces import trace_plan, traced_in_block
 from interleaf.protos import interleaf_pb2 as pb
 from interleaf.protos import interleaf_pb2_grpc as rpc
 from interleaf.protos import wire
@@ -72,6 +74,9 @@ class JobDriver(threading.Thread):
         self.first_step = 0  # of the current attempt: its warm-up
         self.addresses: list[str] = []
         self.checkpoints = Checkpointing(job, _fan_out, self._rpc_error)
+        self.config = job.config  # the layout it runs under: the submitted one, or a smaller (elastic)
+        self.resized = ""  # why self.config is not the submitted one (parallel.elastic)
+        self.restarted: _Recovery | None = None  # set when resumed after a coordinator restart
 
     def run(self) -> None:
         job = self.job
@@ -98,7 +103,7 @@ class JobDriver(threading.Thread):
         up again on registered servers from its newest checkpoint (the data order and
         learning rate being functions of the step, the result is the uninterrupted
         run's), up to recovery.max_restarts times."""
-        job, recovery = self.job, None
+        job, recovery = self.job, self.restarted
         while True:
             try:
                 self._attempt(recovery)
@@ -126,7 +131,7 @@ class JobDriver(threading.Thread):
     def _attempt(self, recovery: "_Recovery | None") -> None:
         job = self.job
         probes = self.checkpoints.probes()
-        plan = self._claim_and_plan()
+        plan = self._claim_and_plan(shrink=recovery is not None and job.config.parallel.elastic)
         if plan is None:
             return  # cancelled while waiting for servers
         watch = threading.Event()
@@ -164,11 +169,13 @@ class JobDriver(threading.Thread):
         self._setup(plan, probes)
         first = self.checkpoints.resume(self.stubs) if self.checkpoints.resume_from else 0
         job.step = self.first_step = first
-        job.set_state("RUNNING")
+        job.set_state("RUNNING", reason=self.resized)
         if recovery is not None:
+            grid = pb.Coordinates(dp=plan.grid.dp, pp=plan.grid.pp, tp=plan.grid.tp)
             job.add_recovery(pb.RecoveryEvent(
                 attempt=recovery.attempt, failure=recovery.failure, lost=recovery.lost, restart_step=first,
-                detected_unix=recovery.detected_unix, recover_seconds=time.perf_counter() - recovery.started))
+                detected_unix=recovery.detected_unix, recover_seconds=time.perf_counter() - recovery.started,
+                grid=grid, microbatches=self.config.parallel.microbatches, resized=self.resized))
         self._train(plan, first)
         if job.config.checkpoint.dir and not job.cancel_requested.is_set():
             if self.checkpoints.saved_step != job.step:
@@ -211,6 +218,13 @@ class JobDriver(threading.Thread):
         address = self.addresses[rank] if rank < len(self.addresses) else "?"
         return JobFailed(f"rank {rank} ({address}) {err.code().name}: {err.details()}")
 
+    def resume_after_restart(self, detected_unix: float, started: float) -> None:
+        """A job the previous coordinator left unfinished: its first attempt is a
+        recovery's, from its newest checkpoint (attempt 0: a coordinator restart counts
+        against no recovery.max_restarts, and loses no server)."""
+        self.checkpoints.recover()
+        self.restarted = _Recovery(0, "the coordinator restarted", [], detected_unix, started)
+
     def cancel(self) -> None:
         """Stops the job now: tearing down the servers ends their RunSteps streams."""
         self.job.cancel_requested.set()
@@ -218,17 +232,36 @@ class JobDriver(threading.Thread):
 
     # -- phases ------------------------------------------------------------------
 
-    def _claim_and_plan(self) -> JobPlan | None:
+    def _claim_and_plan(self, shrink: bool = False) -> JobPlan | None:
+        """Waits for idle servers that can hold the submitted layout or, when `shrink`
+        (an elastic job recovering), the largest smaller one they can (coordinator/
+        elastic.py): it goes on at once rather than wait for replacements, and waits as
+        any job does while none fits. Each time, the submitted layout is tried first."""
         job = self.job
-        planned = plan_programs(job.config)
-        need = max(needed_bytes(job.config, planned[0]))
+        options = [job.config] + (smaller_layouts(job.config) if shrink else [])
+        planned = [plan_programs(config) for config in options]
+        choices = [partial(place_servers, config, need_bytes=max(needed_bytes(config, programs)))
+                   for config, (programs, _) in zip(options, planned)]
+        chosen = {}
+
+        def choose(idle):
+            for index, place in enumerate(choices):
+                if (slots := place(idle)) is not None:
+                    chosen.update(index=index, idle=len(idle))
+                    return slots
+            return None
+
         slots = None
         while slots is None and not job.cancel_requested.is_set():
-            slots = self.registry.claim(job.job_id, partial(place_servers, job.config, need_bytes=need),
-                                        timeout_s=1.0)
+            slots = self.registry.claim(job.job_id, choose, timeout_s=1.0)
         if slots is None:
             return None
-        plan = plan_job(job.config, slots, planned)
+        index = chosen["index"]
+        self.config = options[index]
+        self.resized = describe_change(job.config, self.config, chosen["idle"]) if index else ""
+        if self.resized:
+            log.warning("job %s: %s", job.job_id, self.resized)
+        plan = plan_job(self.config, slots, planned[index])
         self.plan = plan
         job.layout, job.ranks, job.groups = plan.layout(), plan.rank_infos(), plan.groups()
         self.addresses = [s.address for s in plan.servers]
@@ -240,7 +273,7 @@ class JobDriver(threading.Thread):
     def _setup(self, plan: JobPlan, probes: list[pb.FileRef]) -> None:
         job = self.job
         prefix = f"{job.job_id}/{time.monotonic_ns()}"
-        requests = setup_requests(job.job_id, job.config, plan, (*self.store, prefix), COMM_TIMEOUT_S)
+        requests = setup_requests(job.job_id, self.config, plan, (*self.store, prefix), COMM_TIMEOUT_S)
         for request in requests:
             request.probes.extend(probes)
 
@@ -292,7 +325,9 @@ class JobDriver(threading.Thread):
         rank's total time inside its steps."""
         job, world = self.job, plan.grid.world_size
         reports: queue.Queue = queue.Queue()
-        request = pb.RunStepsRequest(job_id=job.job_id, first_step=first, num_steps=count)
+        traced = traced_in_block(self.config, first, count)
+        request = pb.RunStepsRequest(job_id=job.job_id, first_step=first, num_steps=count, trace_steps=traced)
+        traced_plan = trace_plan(job.job_id, self.config, plan) if traced else None
 
         def stream(rank, stub):
             try:
@@ -333,6 +368,8 @@ class JobDriver(threading.Thread):
             pending.setdefault(item.step, []).append(item)
             if len(pending[item.step]) == world:
                 now = time.perf_counter()
+                if item.step in traced:
+                    job.traces.add(traced_plan, pending[item.step])
                 event = self._step_event(pending.pop(item.step), now - last_time)
                 next_step = item.step + 1
                 last_time = now
@@ -368,6 +405,7 @@ class JobDriver(threading.Thread):
             lr=reports[0].lr,
             ranks=sorted((r.memory for r in reports), key=lambda m: m.rank),
             bubble_seconds=sum(r.comm_wait_seconds for r in reports) / len(reports),
+            idle_seconds=sum(r.idle_seconds for r in reports) / len(reports),
         )
 
     def _save(self, plan: JobPlan) -> None:

@@ -1,4 +1,6 @@
-"""Job records: state, progress and the event history that watchers replay and follow."""
+"""Job records: state, progress and the event history that watchers replay and follow.
+Each change is written through to the job store (coordinator/job_store.py) as it is
+published, so a restarted coordinator finds every job where it was."""
 
 from __future__ import annotations
 
@@ -6,10 +8,16 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from interleaf.coordinator.config import JobConfig
+from interleaf.coordinator.config import ConfigError, JobConfig, load_config
+from interleaf.coordinator.job_store import MAX_STORED_EVENTS, MEMORY, JobStore, StoredJob
+from interleaf.coordinator.traces import Traces
 from interleaf.protos import interleaf_pb2 as pb
 
 FINAL_STATES = ("SUCCEEDED", "FAILED", "CANCELLED")
+MAX_EVENTS = MAX_STORED_EVENTS
+"""Events a job keeps in memory for watchers to replay, the newest (as many as the job
+store keeps, so a restart changes nothing a watcher sees); older ones are dropped and
+counted (JobStatus.events_dropped). The job's status and last step stay whole."""
 
 
 @dataclass
@@ -26,7 +34,10 @@ class JobRecord:
     groups: list = field(default_factory=list)
     last: pb.StepEvent | None = None
     events: list = field(default_factory=list)
+    events_dropped: int = 0
     cancel_requested: threading.Event = field(default_factory=threading.Event)
+    traces: Traces = field(default_factory=Traces, repr=False)  # in memory only: lost with a restart
+    store: JobStore | None = field(default=None, repr=False)
 
     def __post_init__(self):
         self._changed = threading.Condition()
@@ -41,7 +52,7 @@ class JobRecord:
                 job_id=self.job_id, state=self.state, step=self.step,
                 steps=self.config.train.steps, error=self.error, ranks=self.ranks,
                 groups=self.groups, layout=self.layout, last=self.last,
-                checkpoint=self.checkpoint, reason=self.reason,
+                checkpoint=self.checkpoint, reason=self.reason, events_dropped=self.events_dropped,
             )
 
     def set_state(self, state: str, error: str = "", reason: str = "") -> None:
@@ -65,37 +76,71 @@ class JobRecord:
     def _publish(self, event: pb.JobEvent) -> None:
         with self._changed:
             self.events.append(event)
+            if len(self.events) > MAX_EVENTS:
+                del self.events[0]
+                self.events_dropped += 1
+            if self.store is not None:  # under the lock: stored in the order published
+                self.store.save(self.job_id, self.state, self.reason, self.error, self.step, self.checkpoint, event)
             self._changed.notify_all()
 
     def follow(self, alive=lambda: True, poll_s: float = 1.0):
-        """Yields every event from the first, then new ones, until a final state."""
+        """Yields every event kept (the newest MAX_EVENTS), then new ones, until a final
+        state. `index` counts every event ever published, dropped ones included, so
+        a watcher that falls more than MAX_EVENTS behind skips those dropped meanwhile."""
         index = 0
         while alive():
             with self._changed:
-                while index >= len(self.events) and not self.final and alive():
+                while index >= self.events_dropped + len(self.events) and not self.final and alive():
                     self._changed.wait(poll_s)
-                pending = self.events[index:]
-                index = len(self.events)
+                pending = self.events[max(0, index - self.events_dropped):]
+                index = self.events_dropped + len(self.events)
                 done = self.final
             yield from pending
-            if done and index >= len(self.events):
+            if done and index >= self.events_dropped + len(self.events):
                 return
 
 
 class JobTable:
-    def __init__(self):
+    """The jobs of this coordinator and of every one before it on the same store: those
+    not in memory (finished before a restart) are read from the store when asked for."""
+
+    def __init__(self, store: JobStore | None = None):
         self._lock = threading.Lock()
         self._jobs: dict[str, JobRecord] = {}
-        self._count = 0
+        self.store = store or JobStore(MEMORY)
 
-    def create(self, config: JobConfig) -> JobRecord:
+    def create(self, config: JobConfig, config_toml: str = "", overrides: list[str] = ()) -> JobRecord:
         with self._lock:
-            self._count += 1
-            job_id = f"job-{self._count}-{int(time.time()) % 100000:05d}"
-            record = JobRecord(job_id, config)
+            # N is one more than any job's in the store: ids never repeat across restarts.
+            job_id = self.store.add(config_toml, list(overrides),
+                                    lambda n: f"job-{n}-{int(time.time()) % 100000:05d}")
+            record = JobRecord(job_id, config, store=self.store)
             self._jobs[job_id] = record
             return record
 
     def get(self, job_id: str) -> JobRecord | None:
         with self._lock:
-            return self._jobs.get(job_id)
+            record = self._jobs.get(job_id)
+            if record is None and (stored := self.store.load(job_id)) is not None:
+                record = self._jobs[job_id] = _restore(stored, self.store)
+            return record
+
+    def unfinished(self) -> list[JobRecord]:
+        """The jobs a previous coordinator left neither finished nor failed, oldest first."""
+        return [self.get(job_id) for job_id in self.store.unfinished(FINAL_STATES)]
+
+
+def _restore(stored: StoredJob, store: JobStore) -> JobRecord:
+    """A stored job as a record, with its stored events to replay. A config that no
+    longer loads (this coordinator is newer and its rules stricter) fails the job."""
+    try:
+        config, error = load_config(stored.config_toml, stored.overrides), ""
+    except ConfigError as err:
+        config, error = JobConfig(), f"its config no longer loads after the coordinator restarted: {err}"
+    last = next((e.step for e in reversed(stored.events) if e.HasField("step")), None)
+    record = JobRecord(stored.job_id, config, state=stored.state, step=stored.step, error=stored.error,
+                       reason=stored.reason, checkpoint=stored.checkpoint, last=last, events=stored.events,
+                       store=store)
+    if error:
+        record.set_state("FAILED", error)
+    return record

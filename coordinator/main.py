@@ -1,4 +1,8 @@
-"""`interleaf coordinator`: serve the Coordinator API and host the gloo rendezvous store."""
+"""`interleaf coordinator`: serve the Coordinator API and host the gloo rendezvous store.
+
+Job state lives in the SQLite database of --state-db (coordinator/job_store.py): started
+again on it, a coordinator resumes the jobs it held. Each process has a fresh random
+incarnation, sent on its calls to stage servers (protos/incarnation.py)."""
 
 from __future__ import annotations
 
@@ -8,32 +12,52 @@ import signal
 
 import torch.distributed as dist
 
+from interleaf.coordinator import executed_step
+from interleaf.coordinator.http_server import serve_http
+from interleaf.coordinator.job_store import JobStore, default_path
+from interleaf.coordinator.metrics import CoordinatorMetrics
 from interleaf.coordinator.service import SERVER_THREADS, CoordinatorService
+from interleaf.protos import incarnation
 from interleaf.protos import interleaf_pb2_grpc as rpc
 from interleaf.protos import wire
+from interleaf.protos.health import COORDINATOR, Health
+from interleaf.protos.rpc_metrics import RpcLatency
 from interleaf.protos.security import Security
 
 log = logging.getLogger("interleaf.coordinator")
 
 
 def serve(host: str, port: int, bind: str, store_port: int, steps_per_call: int = 8,
-          security: Security | None = None) -> None:
+          security: Security | None = None, *, state_db: str = "", http_port: int = 50052) -> None:
+    jobs = JobStore(state_db or default_path())  # first: refused (in use, unwritable) before anything starts
     if security is not None:  # set first: the drivers' channels to stage servers take it.
         wire.configure(security)
+    me = incarnation.new()
+    wire.identify(me)
     # Stage servers rendezvous here to build their gloo groups; each job attempt uses
     # its own key prefix, so one store serves every job.
     store = dist.TCPStore(
         bind, store_port, is_master=True, wait_for_workers=False,
         timeout=datetime.timedelta(seconds=300),
     )
-    service = CoordinatorService((host, store.port), steps_per_call)
-    server = wire.server(threads=SERVER_THREADS)
+    service = CoordinatorService((host, store.port), steps_per_call, jobs, me)
+    metrics = CoordinatorMetrics(service.registry, lambda: [d.job for d in list(service.drivers.values())])
+    server = wire.server(threads=SERVER_THREADS, max_receive_bytes=wire.COORDINATOR_RECEIVE_BYTES,
+                         interceptors=(RpcLatency(metrics.registry),))
     rpc.add_CoordinatorServicer_to_server(service, server)
+    health = Health(server, COORDINATOR)
     bound = wire.listen(server, f"{bind}:{port}")
     server.start()
-    print(f"coordinator listening on {host}:{bound} (rendezvous store on port {store.port})", flush=True)
+    http = serve_http(metrics, service.registry, bind, http_port, address=f"{host}:{bound}",
+                      draw_trace=executed_step.figure)
+    health.ready()
+    print(f"coordinator listening on {host}:{bound} (rendezvous store on port {store.port}, metrics and "
+          f"service discovery on http://{host}:{http.port})", flush=True)
+    log.info("incarnation %s, job state in %s", me, jobs.path)
+    service.resume_jobs()
 
     def shutdown(*_):
+        health.stopping()  # a health watcher sees the drain before the stream ends
         server.stop(grace=1.0)
 
     signal.signal(signal.SIGTERM, shutdown)

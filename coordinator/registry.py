@@ -22,6 +22,20 @@ class ServerEntry:
     memory_bytes: int
     last_seen: float
     job_id: str = ""
+    metrics_port: int = 0  # its Prometheus endpoint, on the host of `address`
+    peak_flops: float = 0.0
+    longest_gap: float = 0.0  # between two heartbeats (or registration and the first)
+
+    @property
+    def heartbeat_age(self) -> float:
+        """Seconds since the coordinator last heard from the server."""
+        return time.monotonic() - self.last_seen
+
+    @property
+    def heartbeat_gap_max(self) -> float:
+        """The longest the server went unheard since it registered, the current silence
+        included."""
+        return max(self.longest_gap, self.heartbeat_age)
 
     @property
     def alive(self) -> bool:
@@ -43,7 +57,8 @@ class Registry:
         self._servers: dict[str, ServerEntry] = {}
         self.changed = threading.Condition(self._lock)
 
-    def register(self, address: str, host: str, device: str, memory_bytes: int) -> str:
+    def register(self, address: str, host: str, device: str, memory_bytes: int, metrics_port: int = 0,
+                 peak_flops: float = 0.0) -> str:
         with self._lock:
             # A server that restarts on the same address replaces its old entry.
             for sid, entry in list(self._servers.items()):
@@ -51,7 +66,8 @@ class Registry:
                     del self._servers[sid]
             server_id = f"s-{uuid.uuid4().hex[:8]}"
             self._servers[server_id] = ServerEntry(
-                server_id, address, host or address.rsplit(":", 1)[0], device, memory_bytes, time.monotonic()
+                server_id, address, host or address.rsplit(":", 1)[0], device, memory_bytes, time.monotonic(),
+                metrics_port=metrics_port, peak_flops=peak_flops,
             )
             self.changed.notify_all()
             return server_id
@@ -61,7 +77,9 @@ class Registry:
             entry = self._servers.get(server_id)
             if entry is None:
                 return False
-            entry.last_seen = time.monotonic()
+            now = time.monotonic()
+            entry.longest_gap = max(entry.longest_gap, now - entry.last_seen)
+            entry.last_seen = now
             return True
 
     def servers(self) -> list[ServerEntry]:

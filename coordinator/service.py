@@ -2,44 +2,61 @@
 
 from __future__ import annotations
 
+import logging
 import threading
+import time
 
 import grpc
 
-from interleaf.coordinator.config import ConfigError, load_config
+from interleaf.coordinator.checkpoints import CheckpointError, find
+from interleaf.coordinator.config import load_config
+from interleaf.protos.limits import shown
 from interleaf.coordinator.driver import JobDriver
 from interleaf.coordinator.admission import check_fits, needed_bytes
+from interleaf.coordinator.job_store import JobStore
 from interleaf.coordinator.jobs import JobTable
 from interleaf.coordinator.plan import plan_programs
 from interleaf.coordinator.registry import HEARTBEAT_INTERVAL_S, Registry
 from interleaf.protos import interleaf_pb2 as pb
 from interleaf.protos import interleaf_pb2_grpc as rpc
+from interleaf.protos import wire
 
+log = logging.getLogger("interleaf.coordinator")
 
 SERVER_THREADS = 64
 MAX_WATCHERS = SERVER_THREADS // 2
 """Each WatchJob stream holds one of the server's threads for its job's life; beyond
 this many the next is refused, so heartbeats and every other call always find a thread."""
+MAX_NAME_CHARS = 256
+"""RegisterServer: the longest address and host accepted (a DNS name is at most 253)."""
+MAX_DEVICE_CHARS = 64
 
 
 class CoordinatorService(rpc.CoordinatorServicer):
-    def __init__(self, store_address: tuple[str, int], steps_per_call: int = 8):
+    def __init__(self, store_address: tuple[str, int], steps_per_call: int = 8, job_store: JobStore | None = None,
+                 incarnation: str = ""):
         self.watchers = threading.BoundedSemaphore(MAX_WATCHERS)
         self.steps_per_call = steps_per_call
         self.registry = Registry()
-        self.jobs = JobTable()
+        self.jobs = JobTable(job_store)
+        self.incarnation = incarnation  # this process's: the servers bind their jobs to it
         self.drivers: dict[str, JobDriver] = {}
         self.store_address = store_address
 
     def RegisterServer(self, request: pb.RegisterRequest, context):
         if not request.address:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "address='' must be host:port")
-        server_id = self.registry.register(request.address, request.host, request.device, request.memory_bytes)
-        return pb.RegisterReply(server_id=server_id, heartbeat_interval_s=HEARTBEAT_INTERVAL_S)
+        refused = _registration_refused(request)
+        if refused:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, refused)
+        server_id = self.registry.register(request.address, request.host, request.device, request.memory_bytes,
+                                           request.metrics_port, request.peak_flops)
+        return pb.RegisterReply(server_id=server_id, heartbeat_interval_s=HEARTBEAT_INTERVAL_S,
+                                incarnation=self.incarnation)
 
     def Heartbeat(self, request: pb.HeartbeatRequest, context):
         if not self.registry.heartbeat(request.server_id):
-            context.abort(grpc.StatusCode.NOT_FOUND, f"unknown server {request.server_id!r}: register again")
+            context.abort(grpc.StatusCode.NOT_FOUND, f"unknown server {shown(request.server_id)}: register again")
         return pb.Empty()
 
     def ListServers(self, request, context):
@@ -47,22 +64,51 @@ class CoordinatorService(rpc.CoordinatorServicer):
             servers=[
                 pb.ServerInfo(server_id=e.server_id, address=e.address, host=e.host,
                               device=e.device, state=e.state, job_id=e.job_id,
-                              memory_bytes=e.memory_bytes)
+                              memory_bytes=e.memory_bytes, metrics_port=e.metrics_port, peak_flops=e.peak_flops,
+                              heartbeat_age_s=e.heartbeat_age,
+                              heartbeat_gap_max_s=e.heartbeat_gap_max)
                 for e in self.registry.servers()
             ]
         )
 
     def SubmitJob(self, request: pb.SubmitJobRequest, context):
+        refused = _submission_refused(request)
+        if refused:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, refused)
         try:
             config = load_config(request.config_toml, list(request.overrides))
             self._admit(config)
-        except ConfigError as err:
+        except ValueError as err:  # ConfigError, AdmissionError; a plan that cannot be built
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
-        record = self.jobs.create(config)
+        record = self.jobs.create(config, request.config_toml, list(request.overrides))
         driver = JobDriver(record, self.registry, self.store_address, self.steps_per_call)
         self.drivers[record.job_id] = driver
         driver.start()
         return record.status()
+
+    def resume_jobs(self) -> None:
+        """After a restart: every job the job store holds unfinished runs again through
+        the recovery path, from its newest checkpoint, once enough servers have
+        registered (again). One without a checkpoint starts over from step 0, as
+        Megatron-LM and torchtitan do when told to load and none exists: the data order
+        and learning rate are functions of the step, so the result is still the
+        uninterrupted run's, and failing it would only make its user submit it again."""
+        detected, started = time.time(), time.perf_counter()
+        for record in self.jobs.unfinished():
+            if record.final:  # its config no longer loads
+                continue
+            if _trained_to_the_end(record):  # only its final state was not recorded
+                record.set_state("SUCCEEDED", reason="its last checkpoint was complete when the coordinator "
+                                                     "stopped; recorded after the restart")
+                continue
+            was = f"{record.state} at step {record.step}"
+            where = f"its checkpoint {record.checkpoint}" if record.checkpoint else "step 0 (it has no checkpoint)"
+            record.set_state("RECOVERING", reason=f"coordinator restarted (the job was {was}): resuming from {where}")
+            log.warning("job %s: resuming after the coordinator restarted, from %s", record.job_id, where)
+            driver = JobDriver(record, self.registry, self.store_address, self.steps_per_call)
+            driver.resume_after_restart(detected, started)
+            self.drivers[record.job_id] = driver
+            driver.start()
 
     def _admit(self, config) -> None:
         """Refuses a job the registered servers cannot hold (AdmissionError). With too
@@ -76,7 +122,7 @@ class CoordinatorService(rpc.CoordinatorServicer):
     def _job(self, job_id: str, context):
         record = self.jobs.get(job_id)
         if record is None:
-            context.abort(grpc.StatusCode.NOT_FOUND, f"no job {job_id!r}")
+            context.abort(grpc.StatusCode.NOT_FOUND, f"no job {shown(job_id)}")
         return record
 
     def GetJob(self, request: pb.JobRef, context):
@@ -98,3 +144,44 @@ class CoordinatorService(rpc.CoordinatorServicer):
         if not record.final:
             self.drivers[record.job_id].cancel()
         return record.status()
+
+    def GetTrace(self, request: pb.TraceRequest, context):
+        record = self._job(request.job_id, context)
+        step = request.step if request.HasField("step") else None
+        trace = record.traces.get(step)
+        if trace is None:
+            traced = record.traces.steps()
+            wanted = sorted(record.config.trace.resolved(record.config.train.steps))
+            context.abort(grpc.StatusCode.NOT_FOUND,
+                          f"job {request.job_id} has no trace of {'any step' if step is None else f'step {step}'} "
+                          f"(traced so far: {traced or 'none'}; trace.steps asks for steps {wanted})")
+        return trace
+
+
+def _registration_refused(request: pb.RegisterRequest) -> str:
+    """Why a registration is refused ('' if it is not): names the field, value and rule."""
+    for name, value, most in (("address", request.address, MAX_NAME_CHARS), ("host", request.host, MAX_NAME_CHARS),
+                              ("device", request.device, MAX_DEVICE_CHARS)):
+        if len(value) > most:
+            return f"{name}={shown(value)} must be at most {most} characters"
+    host, _, port = request.address.rpartition(":")
+    if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        return f"address={shown(request.address)} must be HOST:PORT with a port from 1 to 65535"
+    return ""
+
+
+def _submission_refused(request: pb.SubmitJobRequest) -> str:
+    """Why a submission is refused for its size alone ('' if it is not)."""
+    sizes = (("config_toml", len(request.config_toml.encode())),
+             ("overrides", sum(len(o.encode()) for o in request.overrides)))
+    for name, size in sizes:
+        if size > wire.MAX_CONFIG_BYTES:
+            return f"{name} of {size} bytes must be at most {wire.MAX_CONFIG_BYTES} bytes"
+    return ""
+
+
+def _trained_to_the_end(record) -> bool:
+    try:
+        return bool(record.checkpoint) and find(record.checkpoint).step >= record.config.train.steps
+    except (CheckpointError, OSError):  # gone or damaged: the resume names what is wrong
+        return False

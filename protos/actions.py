@@ -58,6 +58,17 @@ PER_CHUNK = frozenset({Kind.REDUCE_GRADS, Kind.REDUCE_SCATTER_GRADS, Kind.GATHER
                        Kind.RELEASE_PARAMS})
 REDUCTIONS = frozenset({Kind.REDUCE_GRADS, Kind.REDUCE_SCATTER_GRADS})
 
+CATEGORIES = {
+    Kind.FORWARD: "forward", Kind.BACKWARD: "backward", Kind.OPTIMIZER_STEP: "update",
+    Kind.SEND_ACT: "send", Kind.SEND_GRAD: "send", Kind.RECV_ACT: "recv", Kind.RECV_GRAD: "recv",
+    Kind.EXCHANGE: "exchange", Kind.REDUCE_GRADS: "collective", Kind.REDUCE_TIED_GRADS: "collective",
+    Kind.REDUCE_SCATTER_GRADS: "zero", Kind.GATHER_PARAMS: "zero", Kind.RELEASE_PARAMS: "zero",
+}
+"""What each kind of action is, as traces and timeline pictures tell them apart: compute
+(forward, backward, the weight update), point-to-point (send, recv, exchange), the
+data-parallel and tied-embedding all-reduces (collective), and ZeRO's reduce-scatters,
+gathers and releases (zero)."""
+
 
 @dataclass(frozen=True, order=True)
 class Action:

@@ -542,6 +542,11 @@ class CoordinatorStub:
                 request_serializer=interleaf_dot_protos_dot_interleaf__pb2.JobRef.SerializeToString,
                 response_deserializer=interleaf_dot_protos_dot_interleaf__pb2.JobStatus.FromString,
                 _registered_method=True)
+        self.GetTrace = channel.unary_unary(
+                '/interleaf.Coordinator/GetTrace',
+                request_serializer=interleaf_dot_protos_dot_interleaf__pb2.TraceRequest.SerializeToString,
+                response_deserializer=interleaf_dot_protos_dot_interleaf__pb2.StepTrace.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -589,6 +594,13 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetTrace(self, request, context):
+        """A traced step's executed timeline (NOT_FOUND, naming the traced steps, if none).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -626,6 +638,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.CancelJob,
                     request_deserializer=interleaf_dot_protos_dot_interleaf__pb2.JobRef.FromString,
                     response_serializer=interleaf_dot_protos_dot_interleaf__pb2.JobStatus.SerializeToString,
+            ),
+            'GetTrace': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetTrace,
+                    request_deserializer=interleaf_dot_protos_dot_interleaf__pb2.TraceRequest.FromString,
+                    response_serializer=interleaf_dot_protos_dot_interleaf__pb2.StepTrace.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -817,6 +834,33 @@ class Coordinator:
             '/interleaf.Coordinator/CancelJob',
             interleaf_dot_protos_dot_interleaf__pb2.JobRef.SerializeToString,
             interleaf_dot_protos_dot_interleaf__pb2.JobStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetTrace(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/interleaf.Coordinator/GetTrace',
+            interleaf_dot_protos_dot_interleaf__pb2.TraceRequest.SerializeToString,
+            interleaf_dot_protos_dot_interleaf__pb2.StepTrace.FromString,
             options,
             channel_credentials,
             insecure,

@@ -5,7 +5,9 @@ as the other's client) is made in `wire.py` from one `Security`:
 
 - a token: every call carries `authorization: Bearer TOKEN`; a server with a token
   refuses, with UNAUTHENTICATED and before any handler runs (or the request is even
-  parsed), a call without it or with another one;
+  parsed), a call without it or with another one. One method alone is exempt: the
+  standard health service's Check (`UNGUARDED_METHODS`), which Kubernetes' gRPC probes
+  call without any metadata; it tells only whether the server is serving;
 - TLS: a process with a certificate serves TLS; one with a CA (or a certificate of
   its own) calls over TLS, verifying the server against that CA and presenting its
   certificate to servers that ask for one; a server with a client CA asks, and refuses
@@ -27,6 +29,11 @@ import grpc
 
 TOKEN_ENV = "INTERLEAF_TOKEN"
 HEADER = "authorization"
+UNGUARDED_METHODS = frozenset({"/grpc.health.v1.Health/Check"})
+"""The only methods a server with a token answers without it. Health Check reveals a
+serving status and nothing else, takes no resource a caller could hold (a unary call),
+and is what a Kubernetes `grpc:` probe sends, with no way to add a token. The health
+service's Watch (a stream) still needs the token."""
 FLAGS = {"cert": "--tls-cert", "key": "--tls-key", "ca": "--tls-ca", "client_ca": "--tls-client-ca"}
 """Each certificate field's command-line flag, as errors name it."""
 
@@ -155,6 +162,8 @@ class RequireToken(grpc.ServerInterceptor):
         self._expected = _digest(f"Bearer {token}")
 
     def intercept_service(self, continuation, handler_call_details):
+        if handler_call_details.method in UNGUARDED_METHODS:
+            return continuation(handler_call_details)
         presented = dict(handler_call_details.invocation_metadata or ()).get(HEADER)
         if presented is not None and hmac.compare_digest(_digest(presented), self._expected):
             return continuation(handler_call_details)

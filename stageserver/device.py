@@ -41,3 +41,21 @@ def device_memory_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).total_memory
     return physical_memory_bytes()
+
+
+CPU_FLOPS_PER_THREAD = 1e11
+"""The CPU default of --peak-flops, per torch thread: 100 GFLOP/s, one AVX2 core's fp32
+peak (two FMA units of 8 lanes, 32 FLOPs a cycle) at about 3 GHz."""
+
+GPU_PEAK_FLOPS = (("H100 PCIe", 756e12), ("H100", 989.4e12), ("H200", 989.4e12), ("A100", 312e12))
+"""Datasheet dense bf16 tensor-core peaks, matched against the device's name in order."""
+
+
+def default_peak_flops(device: torch.device) -> float:
+    """The peak FLOP/s of `device` when --peak-flops does not say: on a CPU
+    CPU_FLOPS_PER_THREAD per torch thread; on a GPU its datasheet bf16 peak when listed
+    in GPU_PEAK_FLOPS, else 0 (unknown: no utilization is reported for its jobs)."""
+    if device.type == "cpu":
+        return CPU_FLOPS_PER_THREAD * torch.get_num_threads()
+    name = torch.cuda.get_device_name(device)
+    return next((flops for model, flops in GPU_PEAK_FLOPS if model in name), 0.0)

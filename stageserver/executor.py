@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from interleaf.protos.actions import RECVS, SENDS, Action, Kind
+from interleaf.protos.actions import CATEGORIES, RECVS, SENDS, Action, Kind
 from interleaf.stageserver.activation_meter import ChunkActivations
 from interleaf.stageserver.compute_clock import ComputeClock
 from interleaf.stageserver.memory import device_peak_bytes, nbytes, reset_peaks, rss_peak_bytes
@@ -47,6 +47,11 @@ class NonFiniteError(ArithmeticError):
     """Training diverged: a loss or the gradient norm is NaN or infinite."""
 
 
+_COMPUTES = frozenset({Kind.FORWARD, Kind.BACKWARD, Kind.OPTIMIZER_STEP})
+"""The actions that compute (each runs one `ComputeClock.measure`); the rest of a step's
+time is its idle time."""
+
+
 class StepError(RuntimeError):
     pass
 
@@ -64,6 +69,15 @@ class StepStats:
     grad_norm: float
     lr: float
     memory: dict = field(default_factory=dict)
+    # The part of step_seconds in which no compute (forward, backward, weight update)
+    # ran: the executed timeline's bubble on this rank.
+    idle_seconds: float = 0.0
+    started_unix: float = 0.0
+    # A traced step's executed timeline: (action, kind, start, end) in seconds from the
+    # step's start (`_spans`); empty for other steps.
+    spans: list = field(default_factory=list)
+    # (op, group, seconds, bytes, calls) per pair: the job's CommMeter (transport/metered.py).
+    comm: list = field(default_factory=list)
 
 
 @dataclass
@@ -143,18 +157,26 @@ class Executor:
             Kind.OPTIMIZER_STEP: self._optimizer_step,
         }
 
-    def run_step(self, step: int) -> StepStats:
+    def run_step(self, step: int, trace: bool = False) -> StepStats:
+        """Runs the program once. `trace`: also time every action (two clock marks each;
+        on a GPU, events on the compute stream, read at the step's end)."""
         state = _StepState(step)
         reset_peaks(self.model.device)
         self.ledger.reset_peaks()
-        start = time.perf_counter()
+        marks = [] if trace else None
+        started_unix, start = time.time(), time.perf_counter()
+        self.clock.start_step()
         self.model.zero_grad()
         for index, action in enumerate(self.program):
             if self.cancelled.is_set():
                 raise StepCancelled(f"rank {self.rank} step {step}: cancelled before action {index} ({action})")
             try:
+                if marks is not None:
+                    marks.append(self.clock.mark())
                 self.handlers[action.kind](action, state)
                 self._reap_sends(state, block=False)
+                if marks is not None:
+                    marks.append(self.clock.mark())
             except Exception as err:
                 raise StepError(
                     f"rank {self.rank} step {step} action {index} ({action}): {err}"
@@ -169,15 +191,38 @@ class Executor:
         for group in self.model.groups.values():
             group.check()  # a watchdog's abort surfaces here
         _check_finite(step, self.rank, losses, grad_norm)
+        step_seconds = time.perf_counter() - start
+        computes = self.clock.computes()
+        compute_seconds = sum(end - begin for begin, end in computes)
         return StepStats(
             loss=sum(losses) / len(losses) if losses else None,
-            step_seconds=time.perf_counter() - start,
-            compute_seconds=self.clock.take(),
+            step_seconds=step_seconds,
+            compute_seconds=compute_seconds,
             comm_wait_seconds=state.wait_s,
             grad_norm=grad_norm,
             lr=state.lr,
             memory=self._memory_report(),
+            idle_seconds=max(0.0, step_seconds - compute_seconds),
+            started_unix=started_unix,
+            spans=self._spans(self.clock.seconds(marks), computes) if marks is not None else [],
         )
+
+    def _spans(self, marks: list[float], computes: list[tuple[float, float]]) -> list[tuple]:
+        """Every action of the step as (text, kind, start, end). A compute action is its
+        compute, preceded by a "wait" span for the time before it: waiting for its inputs
+        (a receive, a gather, a reduction) and reading its samples. Each compute action
+        measures exactly one compute, in program order."""
+        spans, computed = [], iter(computes)
+        for index, action in enumerate(self.program):
+            begin, end, text = marks[2 * index], marks[2 * index + 1], str(action)
+            if action.kind in _COMPUTES:
+                compute_begin, compute_end = next(computed)
+                if compute_begin > begin:
+                    spans.append((text, "wait", begin, compute_begin))
+                spans.append((text, CATEGORIES[action.kind], compute_begin, compute_end))
+            else:
+                spans.append((text, CATEGORIES[action.kind], begin, end))
+        return spans
 
     def _memory_report(self) -> dict:
         return dict(self.ledger.report(), rss_peak_bytes=rss_peak_bytes(),

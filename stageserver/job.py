@@ -20,11 +20,13 @@ from interleaf.protos import interleaf_pb2 as pb
 from interleaf.stageserver import safetensors, state_io
 from interleaf.stageserver.data import Sampler, resolve_source
 from interleaf.stageserver.background_writes import BackgroundWrites
+from interleaf.stageserver.setup_checks import SetupError, check_setup
 from interleaf.stageserver.executor import Executor, StepStats
 from interleaf.stageserver.model import GPTConfig
 from interleaf.stageserver.spool import Spool, default_root
 from interleaf.stageserver.model_state import DTYPES, ChunkPlan, ModelState, TrainPlan
 from interleaf.stageserver.transport.groups import TRANSPORTS, connect_group, make_group_id
+from interleaf.stageserver.transport.metered import CommMeter, metered
 
 
 class JobRejected(ValueError):
@@ -34,6 +36,10 @@ class JobRejected(ValueError):
 class StageJob:
     def __init__(self, request: pb.SetupRequest, hostname: str, device: torch.device = torch.device("cpu"),
                  spool_root: pathlib.Path | None = None):
+        try:
+            check_setup(request)
+        except SetupError as err:
+            raise JobRejected(str(err)) from None
         self.request = request
         self.device = device
         self.job_id = request.job_id
@@ -86,6 +92,7 @@ class StageJob:
         self.sampler = Sampler(self.data, t.seed, m.seq_len, t.global_batch // t.microbatches)
         self.model: ModelState | None = None
         self.executor: Executor | None = None
+        self.comm = CommMeter()  # every group's traffic, taken per step
         self.writes = BackgroundWrites()
         self.spool = Spool(spool_root or default_root(), self.job_id, self.rank)
         # The ids of the groups this rank is member 0 of (see transport/groups.py).
@@ -106,10 +113,10 @@ class StageJob:
         try:
             for group in sorted(r.groups, key=lambda g: g.name):
                 role = group.name.split("/")[0]
-                groups[role] = connect_group(
+                groups[role] = metered(connect_group(
                     self.transport, group.name, group_ids.get(group.name, b""), list(group.members), self.rank,
                     store=store, timeout_s=r.comm_timeout_s, hostname=self.hostname, device=self.device,
-                )
+                ), role, self.comm)
             last_chunk = r.grid.pp * r.vpp - 1
             self.model = ModelState(self.config, self.chunks, groups, self.sampler, self.train, last_chunk,
                                     zero=r.zero, device=self.device)
@@ -125,11 +132,14 @@ class StageJob:
         last = self.request.grid.pp * self.request.vpp - 1
         return any(c.index == last for c in self.chunks) and self.request.coordinates.tp == 0
 
-    def run_step(self, step: int) -> StepStats:
+    def run_step(self, step: int, trace: bool = False) -> StepStats:
         executor = self.executor  # read once: close() may clear it from another thread
         if executor is None:
             raise RuntimeError(f"job {self.job_id} is not connected")
-        return executor.run_step(step)
+        self.comm.take()  # what moved between steps (a checkpoint's load) is no step's
+        stats = executor.run_step(step, trace)
+        stats.comm = self.comm.take()
+        return stats
 
     def _local(self, path: str) -> str:
         """A checkpoint path as this server reads it: in place, or (relative) in the spool."""

@@ -21,8 +21,12 @@ import torch
 from interleaf.protos import interleaf_pb2 as pb
 from interleaf.protos import interleaf_pb2_grpc as rpc
 from interleaf.protos import wire
+from interleaf.protos.health import STAGE_SERVER, Health
+from interleaf.protos.http import HttpServer, metrics_route
+from interleaf.protos.rpc_metrics import RpcLatency
 from interleaf.protos.security import Security
-from interleaf.stageserver.device import device_memory_bytes, resolve_device
+from interleaf.stageserver.device import default_peak_flops, device_memory_bytes, resolve_device
+from interleaf.stageserver.metrics import StageMetrics
 from interleaf.stageserver.service import StageServerService
 from interleaf.stageserver.spool import default_root
 
@@ -42,12 +46,15 @@ communication timeout, and the interpreter would join that handler thread at exi
 
 class Registrar(threading.Thread):
     def __init__(self, coordinator: str, address: str, host: str, stop: threading.Event, memory_bytes: int,
-                 device: str, service: StageServerService, orphan_timeout_s: float = ORPHAN_TIMEOUT_S):
+                 device: str, service: StageServerService, orphan_timeout_s: float = ORPHAN_TIMEOUT_S,
+                 metrics_port: int = 0, peak_flops: float = 0.0, health: Health | None = None):
         super().__init__(name="registrar", daemon=True)
+        self.health = health
         self.coordinator = coordinator
         self._connect()
         self.request = pb.RegisterRequest(
-            address=address, host=host, device=device, memory_bytes=memory_bytes
+            address=address, host=host, device=device, memory_bytes=memory_bytes, metrics_port=metrics_port,
+            peak_flops=peak_flops,
         )
         self.stop = stop
         self.service = service
@@ -62,16 +69,19 @@ class Registrar(threading.Thread):
                 if not self.server_id:
                     reply = self.stub.RegisterServer(self.request, timeout=RPC_TIMEOUT_S)
                     self.server_id, interval = reply.server_id, reply.heartbeat_interval_s
-                    log.info("registered as %s", self.server_id)
+                    log.info("registered as %s with coordinator incarnation %s", self.server_id, reply.incarnation)
+                    self.service.adopt(reply.incarnation)
                 else:
                     self.stub.Heartbeat(pb.HeartbeatRequest(server_id=self.server_id), timeout=RPC_TIMEOUT_S)
                 self.last_contact = time.monotonic()
+                self._ready(True)  # registered, and the coordinator answers
             except grpc.RpcError as err:
                 if err.code() == grpc.StatusCode.NOT_FOUND:
                     # The coordinator restarted: a job it gave us is no one's now, and
                     # holding it would refuse the next one ("busy").
                     self.service.drop_job("the coordinator no longer knows this server (it restarted)")
                     self.server_id = ""
+                    self._ready(False)
                     continue
                 self._unreachable(err)
             self.stop.wait(interval)
@@ -83,12 +93,21 @@ class Registrar(threading.Thread):
         else:
             log.warning("coordinator unreachable for %.0f s: %s", silent, err.details())
         if silent > self.orphan_timeout_s:
+            self._ready(False)
             self.service.drop_job(f"the coordinator has been unreachable for {silent:.0f} s "
                                   f"(--orphan-timeout {self.orphan_timeout_s:g})")
         # A fresh channel tries at once: gRPC's reconnection backoff would otherwise grow
         # to minutes and find a restarted coordinator late.
         self.channel.close()
         self._connect()
+
+    def _ready(self, ready: bool) -> None:
+        if self.health is None:
+            return
+        if ready:
+            self.health.ready()
+        else:
+            self.health.unready()
 
     def _connect(self) -> None:
         self.channel = wire.channel(self.coordinator)
@@ -97,7 +116,7 @@ class Registrar(threading.Thread):
 
 def serve(coordinator: str, host: str, port: int, bind: str, threads: int, memory_bytes: int = 0,
           device: str = "cpu", spool_dir: str | None = None, orphan_timeout_s: float = ORPHAN_TIMEOUT_S,
-          security: Security | None = None) -> None:
+          security: Security | None = None, metrics_port: int = 0, peak_flops: float = 0.0) -> None:
     if security is not None:  # set first: the registrar's channel to the coordinator takes it.
         wire.configure(security)
     if threads > 0:
@@ -105,21 +124,27 @@ def serve(coordinator: str, host: str, port: int, bind: str, threads: int, memor
     where = resolve_device(device)
     if where.type == "cuda":
         torch.cuda.set_device(where)  # this thread's; the gRPC handlers set it on theirs
-    server = wire.server()
-    service = StageServerService(host, where, pathlib.Path(spool_dir) if spool_dir else default_root())
+    peak_flops = peak_flops or default_peak_flops(where)
+    metrics = StageMetrics(peak_flops=peak_flops)
+    server = wire.server(interceptors=(RpcLatency(metrics.registry),),
+                         max_receive_bytes=wire.STAGE_SERVER_RECEIVE_BYTES)
+    service = StageServerService(host, where, pathlib.Path(spool_dir) if spool_dir else default_root(), metrics)
     rpc.add_StageServerServicer_to_server(service, server)
+    health = Health(server, STAGE_SERVER)  # SERVING once registered
     bound = wire.listen(server, f"{bind}:{port}")
     server.start()
+    http = HttpServer({"/metrics": metrics_route(metrics.registry)}, bind, metrics_port).start()
     stop = threading.Event()
     Registrar(coordinator, f"{host}:{bound}", host, stop, memory_bytes or device_memory_bytes(where),
-              str(where), service, orphan_timeout_s).start()
-    log.info("stage server on %s:%d (%s), coordinator %s, orphan timeout %g s", host, bound, where, coordinator,
-             orphan_timeout_s)
+              str(where), service, orphan_timeout_s, http.port, peak_flops, health).start()
+    log.info("stage server on %s:%d (%s), metrics on http://%s:%d/metrics, coordinator %s, orphan timeout %g s",
+             host, bound, where, host, http.port, coordinator, orphan_timeout_s)
 
     def shutdown(signum, _frame):
         if stop.is_set():  # a second signal: no more waiting
             _exit_now(signum)
         stop.set()
+        health.stopping()  # a health watcher sees the drain before the stream ends
         name = signal.Signals(signum).name
         log.info("%s: stopping (gone within %g s)", name, EXIT_BOUND_S)
         # Armed first: closing a job may itself wait (an NCCL close gives its operations

@@ -1,4 +1,8 @@
-"""The stage server's gRPC handlers: parse, check, serialize. The job object does the work."""
+"""The stage server's gRPC handlers: parse, check, serialize. The job object does the work.
+
+A job belongs to the coordinator incarnation that set it up (protos/incarnation.py):
+its control calls from any other are refused with PERMISSION_DENIED, and it is dropped
+when this server registers with a coordinator of another incarnation."""
 
 from __future__ import annotations
 
@@ -11,9 +15,12 @@ import threading
 import grpc
 import torch
 
+from interleaf.protos import incarnation
+from interleaf.protos.limits import shown
 from interleaf.protos import interleaf_pb2 as pb
 from interleaf.protos import interleaf_pb2_grpc as rpc
 from interleaf.stageserver.job import JobRejected, StageJob
+from interleaf.stageserver.metrics import StageMetrics
 from interleaf.stageserver.spool import default_root, sees
 
 log = logging.getLogger("interleaf.stageserver")
@@ -21,12 +28,14 @@ log = logging.getLogger("interleaf.stageserver")
 
 class StageServerService(rpc.StageServerServicer):
     def __init__(self, hostname: str, device: torch.device = torch.device("cpu"),
-                 spool_root: pathlib.Path | None = None):
+                 spool_root: pathlib.Path | None = None, metrics: StageMetrics | None = None):
         self.hostname = hostname
+        self.metrics = metrics or StageMetrics()
         self.device = device
         self.spool_root = spool_root or default_root()
         self._lock = threading.Lock()
         self._job: StageJob | None = None
+        self._owner = ""  # the incarnation of the coordinator that set up self._job
 
     def _use_device(self) -> None:
         """gRPC runs handlers on pool threads, and a CUDA current device is per thread:
@@ -37,18 +46,38 @@ class StageServerService(rpc.StageServerServicer):
 
     def _current(self, job_id: str, context) -> StageJob:
         with self._lock:
-            job = self._job
+            job, owner = self._job, self._owner
         if job is None or job.job_id != job_id:
-            context.abort(grpc.StatusCode.NOT_FOUND, f"no job {job_id!r} on this server")
+            context.abort(grpc.StatusCode.NOT_FOUND, f"no job {shown(job_id)} on this server")
+        self._check_owner(job_id, owner, context)
         return job
+
+    def _connected(self, job_id: str, context) -> StageJob:
+        """The job, once Connect has built its model: steps, saves and loads need it."""
+        job = self._current(job_id, context)
+        if job.model is None:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"job {job_id!r} on this server is not connected: Connect comes before this call")
+        return job
+
+    @staticmethod
+    def _check_owner(job_id: str, owner: str, context) -> None:
+        caller = incarnation.of(context)
+        if caller != owner:
+            context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                          f"job {job_id!r} on this server belongs to coordinator incarnation {owner or '(none)'!r}; "
+                          f"this call comes from incarnation {caller or '(none)'!r}: only the coordinator that "
+                          f"set a job up controls it")
 
     def Setup(self, request: pb.SetupRequest, context):
         self._use_device()
+        caller = incarnation.of(context)
         with self._lock:
-            if self._job is not None and self._job.job_id != request.job_id:
+            if self._job is not None and (self._job.job_id != request.job_id or self._owner != caller):
                 context.abort(
                     grpc.StatusCode.FAILED_PRECONDITION,
-                    f"server is busy with job {self._job.job_id}",
+                    f"server is busy with job {self._job.job_id} of coordinator incarnation "
+                    f"{self._owner or '(none)'!r}",
                 )
         try:
             job = StageJob(request, self.hostname, self.device, self.spool_root)
@@ -57,7 +86,8 @@ class StageServerService(rpc.StageServerServicer):
         with self._lock:
             if self._job is not None:
                 self._job.close()
-            self._job = job
+            self._job, self._owner = job, caller
+        self.metrics.start_job(job.job_id, job.rank, request.coordinates.pp)
         return pb.SetupReply(
             data_tokens=len(job.data), data_sha256=job.data.sha256, device=str(self.device),
             group_ids=[pb.GroupId(name=n, id=i) for n, i in sorted(job.group_ids.items())],
@@ -74,13 +104,14 @@ class StageServerService(rpc.StageServerServicer):
         return pb.Empty()
 
     def RunSteps(self, request: pb.RunStepsRequest, context):
-        job = self._current(request.job_id, context)
+        job = self._connected(request.job_id, context)
+        traced = set(request.trace_steps)
         for step in range(request.first_step, request.first_step + request.num_steps):
             if job.cancelled.is_set():
                 context.abort(grpc.StatusCode.CANCELLED, f"job {job.job_id} was torn down")
             self._use_device()  # each step: a streaming handler may resume on another thread
             try:
-                stats, stopped = job.run_step(step), ""
+                stats, stopped = job.run_step(step, trace=step in traced), ""
             except Exception as err:
                 if not job.cancelled.is_set():
                     context.abort(grpc.StatusCode.INTERNAL, str(err))
@@ -89,7 +120,7 @@ class StageServerService(rpc.StageServerServicer):
                 log.info("job %s stopped in step %d: %s", job.job_id, step, stopped)
                 _collect()  # out of the except block: the step's frames are no longer held
                 context.abort(grpc.StatusCode.CANCELLED, stopped)
-            yield pb.StepReport(
+            report = pb.StepReport(
                 job_id=job.job_id,
                 step=step,
                 rank=job.rank,
@@ -102,10 +133,17 @@ class StageServerService(rpc.StageServerServicer):
                 grad_norm=stats.grad_norm,
                 lr=stats.lr,
                 memory=pb.RankMemory(rank=job.rank, **stats.memory),
+                idle_seconds=stats.idle_seconds,
+                started_unix=stats.started_unix,
+                spans=[pb.ActionSpan(action=a, kind=k, start_seconds=b, end_seconds=e) for a, k, b, e in stats.spans],
+                comm=[pb.CommStat(op=op, group=group, seconds=seconds, bytes=size, calls=calls)
+                      for op, group, seconds, size, calls in stats.comm],
             )
+            self.metrics.observe(report, job.request.coordinates.pp)
+            yield report
 
     def SaveState(self, request: pb.SaveRequest, context):
-        job = self._current(request.job_id, context)
+        job = self._connected(request.job_id, context)
         self._use_device()
         digest, size = job.save_state(request.path, request.background)
         return pb.SaveReply(sha256=digest, bytes=size)
@@ -140,7 +178,7 @@ class StageServerService(rpc.StageServerServicer):
         return pb.SavedFile(path=first.path, sha256=first.sha256, bytes=size)
 
     def LoadState(self, request: pb.LoadRequest, context):
-        job = self._current(request.job_id, context)
+        job = self._connected(request.job_id, context)
         self._use_device()
         try:
             steps = job.load_state(list(request.paths))
@@ -153,11 +191,23 @@ class StageServerService(rpc.StageServerServicer):
         with self._lock:
             job = self._job
             if job is not None and job.job_id == request.job_id:
+                self._check_owner(job.job_id, self._owner, context)
                 self._job = None
         if job is not None and job.job_id == request.job_id:
             job.close()
             _collect()
         return pb.Empty()
+
+    def adopt(self, coordinator: str) -> None:
+        """This server registered with the coordinator of incarnation `coordinator`: a
+        job another incarnation set up has no one left to drive it or tear it down."""
+        with self._lock:  # taken and let go at once: a Setup of the new one's may follow
+            job, owner = self._job, self._owner
+            if job is None or owner == coordinator:
+                return
+            self._job = None
+        self._let_go(job, f"it belongs to coordinator incarnation {owner or '(none)'!r}, and this server is now "
+                          f"registered with incarnation {coordinator!r}")
 
     def drop_job(self, reason: str) -> None:
         """Closes the job this server holds, if any, as Teardown would, when no one is
@@ -165,6 +215,9 @@ class StageServerService(rpc.StageServerServicer):
         A step running in a handler stops at its next action."""
         with self._lock:
             job, self._job = self._job, None
+        self._let_go(job, reason)
+
+    def _let_go(self, job: StageJob | None, reason: str) -> None:
         if job is not None:
             log.warning("dropping job %s: %s", job.job_id, reason)
             self._use_device()

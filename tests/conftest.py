@@ -4,7 +4,11 @@ single-process reference, computed once per distinct training setup."""
 
 from __future__ import annotations
 
+import atexit
 import functools
+import os
+import shutil
+import tempfile
 
 import pytest
 import torch
@@ -16,6 +20,13 @@ from interleaf.clients.reference import train
 from interleaf.coordinator.config import load_config
 
 SERVERS = 8
+
+# A coordinator a test starts without --state-db keeps its job state under
+# $XDG_STATE_HOME: here a folder of this test run's own, never the user's ~/.local/state,
+# where a later coordinator would resume the tests' unfinished jobs.
+_STATE_HOME = tempfile.mkdtemp(prefix="interleaf-test-state-")
+os.environ["XDG_STATE_HOME"] = _STATE_HOME
+atexit.register(shutil.rmtree, _STATE_HOME, ignore_errors=True)
 
 # A model small enough for 2 CPU cores yet with every part present: 8 layers so that
 # pp=4 with vpp=2 gives each chunk one layer, 4 heads and a 256 vocabulary so tp=4

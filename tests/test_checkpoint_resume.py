@@ -14,7 +14,7 @@ from tests.test_equivalence import LOSS_RTOL
 
 STEPS = ["train.steps=8"]
 # Each layout differs from the one before in every dimension it can (the microbatch
-# count stays: it chooses the samples, so it is part of the run, not of the layout).
+# count stays; tests/test_elastic.py changes it with dp).
 CHAIN = [
     ["parallel.dp=2", "parallel.tp=2", "parallel.pp=2", "parallel.vpp=2", "parallel.zero=3"],
     ["parallel.tp=4", "parallel.pp=1", "parallel.vpp=1", "parallel.schedule=1f1b", "parallel.zero=0"],

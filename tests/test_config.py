@@ -36,7 +36,7 @@ BAD_CONFIGS = [
     (["train.lr=fast"], "train.lr='fast' must be float"),
     (["model.d_model=1.5"], "model.d_model=1.5 must be int"),
     (["model.n_layer=4"], "unknown key model.n_layer (known: n_layers, d_model, n_heads, seq_len, vocab_size)"),
-    (["optim.lr=1"], "--set 'optim.lr=1': unknown section [optim] (known: model, parallel, train, data, checkpoint, recovery)"),
+    (["optim.lr=1"], "--set 'optim.lr=1': unknown section [optim] (known: model, parallel, train, data, checkpoint, recovery, trace)"),
     (["train.lr"], "--set 'train.lr' must look like SECTION.KEY=VALUE"),
     (["data.source= "], "data.source='' must be 'builtin' or a token file path"),
 ]

@@ -85,6 +85,7 @@ def test_a_partitioned_server_is_found_replaced_and_drops_its_job(tmp_path):
         assert _root_links() == before
 
         coordinator = hosts.python("coordinator", *CLI, "coordinator", "--host", host, "--port", "0",
+                                   "--http-port", "0", "--state-db", str(tmp_path / "coordinator.db"),
                                    "--steps-per-call", "1", stdout=subprocess.PIPE)
         line = coordinator.stdout.readline().decode()
         assert "listening on" in line, hosts.log("coordinator")

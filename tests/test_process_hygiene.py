@@ -103,11 +103,13 @@ def _cluster(tmp_path, orphan_timeout_s: float | None = None, steps_per_call: in
 @contextlib.contextmanager
 def _coordinator(cluster: LocalCluster, log: pathlib.Path):
     """A coordinator started again on the cluster's address (the one the servers know),
-    with its token."""
+    with its token, and with a state db of its own: it knows nothing of the job before
+    (tests/test_coordinator_restart.py restarts one on the same state db)."""
     address = cluster.address
     port = address.rsplit(":", 1)[1]
     process = subprocess.Popen([sys.executable, "-m", "interleaf.clients.cli", "coordinator", "--host", "127.0.0.1",
-                                "--port", port], stdout=subprocess.PIPE, stderr=log.open("ab"),
+                                "--port", port, "--state-db", str(log.with_suffix(".db")), "--http-port", "0"],
+                               stdout=subprocess.PIPE, stderr=log.open("ab"),
                                start_new_session=True, env={**os.environ, TOKEN_ENV: cluster.security.token})
     try:
         assert f"listening on {address}" in process.stdout.readline().decode()

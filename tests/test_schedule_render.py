@@ -1,43 +1,16 @@
-"""The timeline as a text table and as a PNG written without an imaging library."""
+"""The timeline as a text table and as a matplotlib picture."""
 
 from __future__ import annotations
 
 import re
 import struct
-import zlib
 
 import numpy as np
 
 from interleaf.coordinator.schedule import CostModel, build_programs, simulate, timeline_table, write_png
-from interleaf.coordinator.schedule.render import encode_png
+from interleaf.protos.actions import Kind
 
 UNIFORM = CostModel(forward_s=1.0, backward_s=1.0)
-
-
-def _chunks(data: bytes) -> list[tuple[bytes, bytes]]:
-    """Splits a PNG into (type, payload), checking each chunk's CRC on the way."""
-    assert data[:8] == b"\x89PNG\r\n\x1a\n"
-    chunks, at = [], 8
-    while at < len(data):
-        (length,) = struct.unpack(">I", data[at:at + 4])
-        kind, payload = data[at + 4:at + 8], data[at + 8:at + 8 + length]
-        (crc,) = struct.unpack(">I", data[at + 8 + length:at + 12 + length])
-        assert crc == zlib.crc32(kind + payload) & 0xFFFFFFFF
-        chunks.append((kind, payload))
-        at += 12 + length
-    return chunks
-
-
-def _decode(data: bytes) -> np.ndarray:
-    chunks = _chunks(data)
-    assert [k for k, _ in chunks] == [b"IHDR", b"IDAT", b"IEND"]
-    width, height, depth, colour, _, _, _ = struct.unpack(">IIBBBBB", chunks[0][1])
-    assert (depth, colour) == (8, 2)
-    raw = zlib.decompress(chunks[1][1])
-    assert len(raw) == height * (1 + 3 * width)
-    rows = np.frombuffer(raw, np.uint8).reshape(height, 1 + 3 * width)
-    assert not rows[:, 0].any()  # filter type 0 on every row
-    return rows[:, 1:].reshape(height, width, 3)
 
 
 def test_table_places_each_action_in_its_slot():
@@ -77,30 +50,37 @@ def test_longer_backwards_span_several_slots():
     assert table.splitlines()[1] == "rank 0  F0.0 B0.0 -    F0.1 B0.1 -"
 
 
-def test_png_has_matching_header_and_pixels(tmp_path):
-    programs = build_programs("gpipe", 2, 1, 2, dp=1)
+def test_png_is_labelled_and_draws_each_action_where_it_ran(tmp_path):
+    programs = build_programs("interleaved-1f1b", 2, 2, 4, dp=1)
     result = simulate(programs, UNIFORM)
     path = tmp_path / "timeline.png"
-    write_png(str(path), programs, result)
-    data = path.read_bytes()
-    width, height = struct.unpack(">II", _chunks(data)[0][1][:8])
-    image = _decode(data)
-    assert image.shape == (height, width, 3)
-    slot, band = width // 6, height // 2  # six slots; two rank bands
-
-    def middle(rank: int, column: int) -> np.ndarray:
-        return image[rank * band + band // 2 - 1, column * slot + slot // 2]
-
-    white = [255, 255, 255]
-    assert middle(1, 0).tolist() == white        # rank 1 idles in slot 0
-    forward, backward = middle(0, 0), middle(0, 4)  # F0.0 and B0.0, same microbatch
-    assert forward.tolist() != white and backward.tolist() != white
-    assert int(forward.sum()) > int(backward.sum())  # forwards drawn lighter
-    assert middle(0, 1).tolist() != forward.tolist()  # microbatch 1 has another hue
-    border = image[0, 0]  # a box's 1px border is darker than its fill
-    assert int(border.sum()) < int(forward.sum())
-
-
-def test_encoder_round_trips_an_array():
-    rgb = np.arange(2 * 3 * 3, dtype=np.uint8).reshape(2, 3, 3)
-    assert np.array_equal(_decode(encode_png(rgb)), rgb)
+    fig = write_png(str(path), programs, result, title="interleaved-1f1b: pp=2 vpp=2")
+    width, height = struct.unpack(">II", path.read_bytes()[16:24])
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (width, height) == (1400, round(100 * (2 * 0.42 + 1.15 + 0.5 + 0.55)))
+    (ax,) = fig.axes
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["pipeline rank 0", "pipeline rank 1"]
+    assert ax.get_xlabel() == "time (one forward = 1)"
+    assert ax.get_title(loc="left") == f"simulated: bubble fraction {1 / 9:.3f}, makespan 18"
+    assert fig._suptitle.get_text() == "interleaved-1f1b: pp=2 vpp=2"
+    assert [t.get_text() for t in fig.legends[0].get_texts()] == [
+        "forward (virtual stage 0)", "forward (virtual stage 1)", "backward (virtual stage 0)",
+        "backward (virtual stage 1)", "weight update", "send / receive / exchange",
+        "all-reduce (DP, tied embedding)"]
+    # Each compute is drawn in its kind's colour at its simulated time, with its microbatch.
+    fig.canvas.draw()
+    pixels = np.asarray(fig.canvas.buffer_rgba())[:, :, :3]
+    colours = {}
+    for rank, spans in enumerate(result.timeline):
+        for span in spans:
+            if span.action.kind in (Kind.FORWARD, Kind.BACKWARD):
+                x, y = ax.transData.transform(((span.start + span.end) / 2, rank - 0.4 + 0.56 * 0.85))
+                colours.setdefault((span.action.kind, span.action.chunk // 2), set()).add(
+                    tuple(pixels[pixels.shape[0] - round(y), round(x)]))
+    assert all(len(found) == 1 for found in colours.values())  # one colour per kind and virtual stage
+    assert len({c for found in colours.values() for c in found}) == 4
+    first = next(s for s in result.timeline[1] if s.action.kind is Kind.FORWARD)
+    idle = ax.transData.transform((first.start / 2, 1 - 0.2))  # rank 1 before its first forward
+    assert tuple(pixels[pixels.shape[0] - round(idle[1]), round(idle[0])]) == (255, 255, 255)
+    labels = {t.get_text() for t in ax.texts}
+    assert labels == {"0", "1", "2", "3"}

@@ -114,8 +114,9 @@ def test_every_kind_of_call_needs_the_token(request, service):
 
 def test_a_refused_request_is_never_parsed(stage_server):
     """Bytes that are no SetupRequest: refused for the token before anyone reads them,
-    while the right token gets them parsed (and found wanting)."""
-    for token, want in (("wrong", grpc.StatusCode.UNAUTHENTICATED), (TOKEN, grpc.StatusCode.INTERNAL)):
+    while the right token gets them parsed and found wanting: INVALID_ARGUMENT
+    (protos/malformed.py), not gRPC's own INTERNAL."""
+    for token, want in (("wrong", grpc.StatusCode.UNAUTHENTICATED), (TOKEN, grpc.StatusCode.INVALID_ARGUMENT)):
         channel = wire.channel(stage_server, Security(token=token))
         setup = channel.unary_unary("/interleaf.StageServer/Setup")  # raw bytes both ways
         with pytest.raises(grpc.RpcError) as refused:

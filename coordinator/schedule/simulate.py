@@ -65,7 +65,8 @@ class SimResult:
     makespan_s: float
     """Time from the first action until the last rank finishes."""
     busy_s: list[float]
-    """Per rank, seconds spent in forwards and backwards."""
+    """Per rank, seconds spent computing: forwards, backwards and the weight update (the
+    actions a stage server's idle time leaves out, so that the two bubbles compare)."""
     timeline: list[list[Span]]
     """Per rank, every action with its start and end, in program order."""
 
@@ -101,8 +102,12 @@ class DeadlockError(ValueError):
 
 
 def simulate(programs: list[list[Action]], cost: CostModel = CostModel(),
-             links: str = "rendezvous") -> SimResult:
+             links: str = "rendezvous", measured: list[list[float | None]] | None = None) -> SimResult:
     """Runs every rank until it blocks, repeating until all are done or none can move.
+
+    `measured` replays an executed step: per rank, per action of its program, the
+    seconds its compute took (None for an action that does not compute), in place of
+    the cost model's forward, backward and optimizer costs.
 
     This computes the same times as a global event queue would: an action's start
     depends only on its own rank's previous action and on when the partners it waits
@@ -123,9 +128,12 @@ def simulate(programs: list[list[Action]], cost: CostModel = CostModel(),
         """Runs `rank`'s next action if it can start now; says whether it did."""
         action = programs[rank][position[rank]]
         start = clock[rank]
+        own = measured[rank][position[rank]] if measured is not None else None
         if action.kind in COMPUTE:
             start = max(start, gathers[rank].get(action.chunk, start))
-            end = start + (cost.forward_s if action.kind is Kind.FORWARD else cost.backward_s)
+            if own is None:
+                own = cost.forward_s if action.kind is Kind.FORWARD else cost.backward_s
+            end = start + own
         elif action.kind is Kind.GATHER_PARAMS:
             gathers[rank][action.chunk] = start + cost.gather_s
             end = start
@@ -147,7 +155,7 @@ def simulate(programs: list[list[Action]], cost: CostModel = CostModel(),
             # it together and it costs the same as a local step.
             end = start + cost.reduce_s
         else:
-            end = start + cost.optimizer_s
+            end = start + (cost.optimizer_s if own is None else own)
         timeline[rank].append(Span(action, start, end))
         clock[rank] = end
         position[rank] += 1
@@ -167,7 +175,8 @@ def simulate(programs: list[list[Action]], cost: CostModel = CostModel(),
             Blocked(r, position[r], programs[r][position[r]],
                     link.waiting_for(r, programs[r][position[r]]))
             for r in blocked])
-    busy = [sum(s.end - s.start for s in spans if s.action.kind in COMPUTE)
+    busy = [sum(s.end - s.start for s in spans
+                if s.action.kind in COMPUTE or s.action.kind is Kind.OPTIMIZER_STEP)
             for spans in timeline]
     return SimResult(max(clock, default=0.0), busy, timeline)
 

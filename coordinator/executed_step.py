@@ -1,0 +1,224 @@
+"""A traced step (Coordinator.GetTrace) as a Chrome/Perfetto trace, as a picture with the
+simulator's prediction beside it, and as a summary: what `interleaf trace` writes and
+the status page draws.
+
+The measured bubble is the executed timeline's idle time: over all ranks, the part of
+their step time in which they ran no compute (forward, backward, weight update),
+sum(idle_seconds) / sum(step_seconds). The prediction simulates the same programs with
+the forward and backward costs of each chunk and the update's measured in the same step
+(means over its microbatches and ranks), and free communication: what the schedule
+alone would leave idle.
+Ranks are lined up by when each began the step (StepReport.started_unix).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from interleaf.coordinator.schedule import CostModel, SimResult, simulate
+from interleaf.protos import interleaf_pb2 as pb
+from interleaf.protos.actions import Action, Kind, parse
+
+PREDICTION_LINKS = "eager"
+"""The link semantics of the prediction. The executor never waits for a send (it is
+reaped later) and waits for a receive only when its consumer needs it, which eager links
+model; rendezvous links make each send wait for its receiver, which the programs are
+checked under for deadlock but which the executor on gloo does not do."""
+
+
+@dataclass(frozen=True)
+class Costs:
+    forward_s: float
+    backward_s: float
+    update_s: float
+
+
+def programs(trace: pb.StepTrace) -> list[list[Action]]:
+    """The step's programs, by pipeline rank."""
+    ordered = sorted(trace.programs, key=lambda p: p.pipeline_rank)
+    return [[parse(a.text) for a in p.actions] for p in ordered]
+
+
+def offsets(trace: pb.StepTrace) -> list[float]:
+    """Per report, seconds from the earliest rank's step start to its own."""
+    first = min(r.started_unix for r in trace.reports)
+    return [r.started_unix - first for r in trace.reports]
+
+
+def measured_bubble(trace: pb.StepTrace) -> float:
+    total = sum(r.step_seconds for r in trace.reports)
+    return sum(r.idle_seconds for r in trace.reports) / total if total else 0.0
+
+
+def measured_costs(trace: pb.StepTrace) -> Costs:
+    """Mean seconds of one chunk's forward, backward and of the update, over every rank."""
+    def mean(kind: str) -> float:
+        spans = [s.end_seconds - s.start_seconds for r in trace.reports for s in r.spans if s.kind == kind]
+        return sum(spans) / len(spans) if spans else 0.0
+
+    return Costs(mean("forward"), mean("backward"), mean("update"))
+
+
+def predicted(trace: pb.StepTrace) -> tuple[SimResult, Costs]:
+    """The simulator's prediction from the step's measured costs: each chunk's forward and
+    backward take that chunk's mean over the step's microbatches (and over the stage's
+    data- and tensor-parallel ranks), the update its stage's mean; communication is free.
+    Per chunk, because chunks differ (the first holds the embedding, the last the head
+    and the loss). Also returns the overall means, for the titles."""
+    taken: dict[tuple, list[float]] = {}
+    coords = _coords(trace)
+    for report in trace.reports:
+        for s in report.spans:
+            if s.kind in _COMPUTE_KINDS:
+                action = parse(s.action)
+                key = (s.kind, action.chunk) if action.chunk >= 0 else (s.kind, "stage", coords[report.rank].pp)
+                taken.setdefault(key, []).append(s.end_seconds - s.start_seconds)
+    steps = programs(trace)
+    measured = [[_mean(taken.get((_CATEGORY[a.kind], a.chunk) if a.kind in (Kind.FORWARD, Kind.BACKWARD)
+                                 else ("update", "stage", rank))) if a.kind in _CATEGORY else None
+                 for a in program] for rank, program in enumerate(steps)]
+    return simulate(steps, CostModel(), links=PREDICTION_LINKS, measured=measured), measured_costs(trace)
+
+
+def replayed(trace: pb.StepTrace) -> SimResult:
+    """The simulator replaying the step: every compute takes what it took (per pipeline
+    rank, the mean over that stage's data- and tensor-parallel ranks), communication is
+    free. What the step's bubble would have been from the schedule and its compute times
+    alone: the executed bubble beyond it is communication and the executor's overhead."""
+    coords, taken = _coords(trace), {}
+    for report in trace.reports:
+        stage = taken.setdefault(coords[report.rank].pp, {})
+        for s in report.spans:
+            if s.kind in _COMPUTE_KINDS:
+                stage.setdefault(s.action, []).append(s.end_seconds - s.start_seconds)
+    steps = programs(trace)
+    measured = [[_mean(taken[r].get(str(a))) for a in program] for r, program in enumerate(steps)]
+    return simulate(steps, CostModel(), links=PREDICTION_LINKS, measured=measured)
+
+
+_COMPUTE_KINDS = ("forward", "backward", "update")
+_CATEGORY = {Kind.FORWARD: "forward", Kind.BACKWARD: "backward", Kind.OPTIMIZER_STEP: "update"}
+
+
+def _mean(values: list[float] | None) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+def _coords(trace: pb.StepTrace) -> dict[int, pb.Coordinates]:
+    return {info.rank: info.coordinates for info in trace.ranks}
+
+
+def _args(action: Action, step: int) -> dict:
+    if action.kind is Kind.EXCHANGE:
+        return {"step": step, "members": [str(m) for m in action.members],
+                "microbatches": sorted({m.microbatch for m in action.members})}
+    args = {"step": step}
+    if action.chunk >= 0:
+        args["chunk"] = action.chunk
+    if action.microbatch >= 0:
+        args["microbatch"] = action.microbatch
+    if action.peer >= 0:
+        args["peer"] = action.peer
+    return args
+
+
+def chrome_trace(trace: pb.StepTrace) -> dict:
+    """The Trace Event Format (Chrome's about:tracing, Perfetto): one process per rank with
+    one thread holding its step, a complete ("X") event per span, times in microseconds
+    from the earliest rank's step start; the span's kind is the event's category."""
+    coords, events = _coords(trace), []
+    for report, offset in zip(trace.reports, offsets(trace)):
+        c, rank = coords[report.rank], report.rank
+        events += [
+            {"ph": "M", "name": "process_name", "pid": rank, "tid": 0,
+             "args": {"name": f"rank {rank} (dp {c.dp}, pp {c.pp}, tp {c.tp})"}},
+            {"ph": "M", "name": "process_sort_index", "pid": rank, "tid": 0, "args": {"sort_index": rank}},
+            {"ph": "M", "name": "thread_name", "pid": rank, "tid": 0, "args": {"name": f"step {trace.step}"}},
+        ]
+        for span in report.spans:
+            events.append({
+                "name": span.action, "cat": span.kind, "ph": "X", "pid": rank, "tid": 0,
+                "ts": (offset + span.start_seconds) * 1e6,
+                "dur": (span.end_seconds - span.start_seconds) * 1e6,
+                "args": _args(parse(span.action), trace.step),
+            })
+    result, costs = predicted(trace)
+    return {
+        "traceEvents": events,
+        "displayTimeUnit": "ms",
+        "otherData": {
+            "job": trace.job_id, "step": trace.step, "schedule": trace.schedule,
+            "grid": {"dp": trace.grid.dp, "pp": trace.grid.pp, "tp": trace.grid.tp}, "vpp": trace.vpp,
+            "microbatches": trace.microbatches, "zero": trace.zero,
+            "measured_bubble": measured_bubble(trace), "predicted_bubble": result.bubble_fraction,
+            "replayed_bubble": replayed(trace).bubble_fraction,
+            "idle_seconds": {str(r.rank): r.idle_seconds for r in trace.reports},
+            "step_seconds": {str(r.rank): r.step_seconds for r in trace.reports},
+            "measured_costs_seconds": vars(costs),
+        },
+    }
+
+
+def write_chrome_trace(path: str, trace: pb.StepTrace) -> None:
+    with open(path, "w") as f:
+        json.dump(chrome_trace(trace), f)
+
+
+def describe(trace: pb.StepTrace) -> str:
+    g = trace.grid
+    return (f"{trace.schedule}: dp={g.dp} pp={g.pp} tp={g.tp} vpp={trace.vpp}, {trace.microbatches} microbatches, "
+            f"ZeRO stage {trace.zero}")
+
+
+def _costs_text(costs: Costs) -> str:
+    return (f"each chunk's measured costs: forward {costs.forward_s * 1e3:.1f} ms, backward "
+            f"{costs.backward_s * 1e3:.1f} ms, update {costs.update_s * 1e3:.1f} ms on average")
+
+
+def write_picture(path: str, trace: pb.StepTrace):
+    """Writes `figure(trace)` as a PNG to `path`."""
+    from interleaf.coordinator.schedule import picture  # imported here: only pictures need matplotlib
+
+    return picture.save(path, figure(trace))
+
+
+def figure(trace: pb.StepTrace):
+    """The executed step above the simulator's prediction, on one time axis in ms."""
+    from interleaf.coordinator.schedule import picture  # imported here: only pictures need matplotlib
+
+    pp, coords = trace.grid.pp, _coords(trace)
+    rows = []
+    for report, offset in zip(trace.reports, offsets(trace)):
+        c = coords[report.rank]
+        bars = [picture.bar_of(parse(s.action), s.kind, (offset + s.start_seconds) * 1e3,
+                               (offset + s.end_seconds) * 1e3, pp) for s in report.spans]
+        rows.append((f"rank {report.rank} · dp{c.dp} pp{c.pp} tp{c.tp}", bars))
+    idle, total = sum(r.idle_seconds for r in trace.reports), sum(r.step_seconds for r in trace.reports)
+    executed = picture.Panel(f"executed: bubble {measured_bubble(trace):.3f} (idle {idle:.3f} s of "
+                             f"{total:.3f} rank-seconds)", rows)
+    result, costs = predicted(trace)
+    ms = [[s._replace(start=s.start * 1e3, end=s.end * 1e3) for s in spans] for spans in result.timeline]
+    prediction = picture.Panel(f"simulator's prediction ({_costs_text(costs)}): bubble {result.bubble_fraction:.3f}",
+                               [(f"pipeline rank {r}", picture.sim_bars(spans, pp)) for r, spans in enumerate(ms)])
+    return picture.figure([executed, prediction], "time (ms)",
+                          f"{trace.job_id}, step {trace.step}: {describe(trace)}", shades=trace.vpp)
+
+
+def summary(trace: pb.StepTrace) -> str:
+    coords = _coords(trace)
+    lines = [f"{trace.job_id} step {trace.step} (traced steps: {', '.join(map(str, trace.traced_steps))}): "
+             f"{describe(trace)}",
+             "rank  dp  pp  tp  step s    compute s  idle s    bubble"]
+    for r in trace.reports:
+        c = coords[r.rank]
+        bubble = r.idle_seconds / r.step_seconds if r.step_seconds else 0.0
+        lines.append(f"{r.rank:<5} {c.dp:<3} {c.pp:<3} {c.tp:<3} {r.step_seconds:<9.4f} {r.compute_seconds:<10.4f} "
+                     f"{r.idle_seconds:<9.4f} {bubble:.3f}")
+    result, costs = predicted(trace)
+    idle, total = sum(r.idle_seconds for r in trace.reports), sum(r.step_seconds for r in trace.reports)
+    lines.append(f"measured bubble {measured_bubble(trace):.3f} (idle {idle:.3f} s of {total:.3f} rank-seconds)")
+    lines.append(f"predicted bubble {result.bubble_fraction:.3f} (the simulator, {_costs_text(costs)})")
+    lines.append(f"replayed bubble {replayed(trace).bubble_fraction:.3f} (the simulator, each compute taking "
+                 f"what it took in this step)")
+    return "\n".join(lines)

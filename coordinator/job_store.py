@@ -1,0 +1,153 @@
+"""Job state on disk: the coordinator's SQLite database (`--state-db`), so that a
+restarted coordinator knows every job it had, resumes those that were not final, and
+never gives out a job id twice.
+
+Kept per job: the config as submitted (TOML text and overrides), state, reason, error,
+steps completed, the newest checkpoint's manifest, and its newest MAX_STORED_EVENTS
+events (what watchers replay after a restart). Each event is written as it is
+published, with the job's row, in one transaction: WAL with synchronous=NORMAL commits
+without an fsync each time and loses nothing when the process is killed (only an
+operating system crash can lose the last commits).
+
+One coordinator per database: a second one would resume the same jobs on other
+servers, so opening takes an exclusive lock (PATH.lock), released by the kernel when
+its holder dies however it dies.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import pathlib
+import sqlite3
+import threading
+from dataclasses import dataclass, field
+
+from interleaf.protos import interleaf_pb2 as pb
+
+MEMORY = ":memory:"
+"""A store that forgets everything with its process (coordinators made in tests)."""
+MAX_STORED_EVENTS = 1000
+"""Events kept per job, the newest: a long job's history stays bounded on disk."""
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS jobs (
+    number INTEGER PRIMARY KEY,  -- the N of job-N-…: one more than any before, never reused
+    job_id TEXT UNIQUE NOT NULL,
+    config_toml TEXT NOT NULL,
+    overrides TEXT NOT NULL,     -- JSON list of SECTION.KEY=VALUE
+    state TEXT NOT NULL,
+    reason TEXT NOT NULL DEFAULT '',
+    error TEXT NOT NULL DEFAULT '',
+    step INTEGER NOT NULL DEFAULT 0,
+    checkpoint TEXT NOT NULL DEFAULT ''
+);
+CREATE TABLE IF NOT EXISTS events (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    job_id TEXT NOT NULL,
+    event BLOB NOT NULL          -- a serialized JobEvent
+);
+CREATE INDEX IF NOT EXISTS events_by_job ON events (job_id, id);
+"""
+
+
+class JobStoreError(RuntimeError):
+    """The state database cannot be used; the message names --state-db."""
+
+
+@dataclass
+class StoredJob:
+    job_id: str
+    config_toml: str
+    overrides: list[str]
+    state: str
+    reason: str
+    error: str
+    step: int
+    checkpoint: str
+    events: list[pb.JobEvent] = field(default_factory=list)
+
+
+def default_path() -> str:
+    """--state-db's default: $XDG_STATE_HOME/interleaf/coordinator.db (~/.local/state/…)."""
+    root = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
+    return os.path.join(root, "interleaf", "coordinator.db")
+
+
+class JobStore:
+    def __init__(self, path: str = MEMORY):
+        self.path = path
+        self._lock = threading.Lock()
+        self._held = None
+        try:
+            if path != MEMORY:
+                pathlib.Path(path).parent.mkdir(parents=True, exist_ok=True)
+                self._held = _lock_exclusively(path)
+            self._db = sqlite3.connect(path, check_same_thread=False)
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=NORMAL")
+            self._db.executescript(_SCHEMA)
+        except (OSError, sqlite3.Error) as err:
+            raise JobStoreError(f"--state-db={path!r} cannot be used: {err}") from None
+
+    def add(self, config_toml: str, overrides: list[str], make_id) -> str:
+        """Records a new job, PENDING, under the id `make_id(N)` for the next N."""
+        with self._lock, self._db:
+            (number,) = self._db.execute("SELECT COALESCE(MAX(number), 0) + 1 FROM jobs").fetchone()
+            job_id = make_id(number)
+            self._db.execute("INSERT INTO jobs (number, job_id, config_toml, overrides, state) VALUES (?, ?, ?, ?, ?)",
+                             (number, job_id, config_toml, json.dumps(list(overrides)), "PENDING"))
+            return job_id
+
+    def save(self, job_id: str, state: str, reason: str, error: str, step: int, checkpoint: str,
+             event: pb.JobEvent) -> None:
+        """The job's row as it is now and one more event; older events beyond the bound go."""
+        with self._lock, self._db:
+            self._db.execute("UPDATE jobs SET state=?, reason=?, error=?, step=?, checkpoint=? WHERE job_id=?",
+                             (state, reason, error, step, checkpoint, job_id))
+            self._db.execute("INSERT INTO events (job_id, event) VALUES (?, ?)", (job_id, event.SerializeToString()))
+            self._db.execute("DELETE FROM events WHERE job_id=? AND id <= (SELECT id FROM events WHERE job_id=? "
+                             "ORDER BY id DESC LIMIT 1 OFFSET ?)", (job_id, job_id, MAX_STORED_EVENTS))
+
+    def load(self, job_id: str) -> StoredJob | None:
+        with self._lock:
+            row = self._db.execute("SELECT job_id, config_toml, overrides, state, reason, error, step, checkpoint "
+                                   "FROM jobs WHERE job_id=?", (job_id,)).fetchone()
+            if row is None:
+                return None
+            events = self._db.execute("SELECT event FROM events WHERE job_id=? ORDER BY id", (job_id,)).fetchall()
+        job = StoredJob(row[0], row[1], json.loads(row[2]), *row[3:])
+        job.events = [pb.JobEvent.FromString(blob) for (blob,) in events]
+        return job
+
+    def unfinished(self, final_states: tuple[str, ...]) -> list[str]:
+        """The ids of jobs not in a final state, oldest first."""
+        marks = ", ".join("?" * len(final_states))
+        with self._lock:
+            rows = self._db.execute(f"SELECT job_id FROM jobs WHERE state NOT IN ({marks}) ORDER BY number",
+                                    final_states).fetchall()
+        return [job_id for (job_id,) in rows]
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+        if self._held is not None:
+            self._held.close()
+
+
+def _lock_exclusively(path: str):
+    """Holds PATH.lock for this process's life (the kernel lets go when it dies)."""
+    lock = open(f"{path}.lock", "a+")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.seek(0)
+        holder = lock.read().strip() or "?"
+        lock.close()
+        raise JobStoreError(f"--state-db={path!r} is in use by another coordinator (pid {holder}): one "
+                            f"coordinator per state database, or both would resume its jobs") from None
+    lock.truncate(0)
+    lock.write(str(os.getpid()))
+    lock.flush()
+    return lock

@@ -1,0 +1,160 @@
+"""The coordinator's Prometheus metrics: each job's progress as its watchers see it
+(every StepEvent, CheckpointEvent and RecoveryEvent), the stage servers by state and the
+jobs by state.
+
+Job figures are read from the jobs' event histories when scraped (`update`): no thread
+and no hook in the driver, and a job resumed after a restart replays its history into
+the counters of the new process. Per-rank figures (bubble, communication, memory) come
+from the stage servers' own endpoints, found through /sd (coordinator/http_server.py).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
+
+from interleaf.coordinator.flops import flops_per_token
+from interleaf.coordinator.jobs import JobRecord
+from interleaf.coordinator.registry import Registry
+from interleaf.protos import interleaf_pb2 as pb
+
+STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+SERVER_STATES = ("IDLE", "BUSY", "DEAD")
+JOB_STATES = ("PENDING", "SETTING_UP", "RUNNING", "RECOVERING", "SUCCEEDED", "FAILED", "CANCELLED")
+
+
+class _States:
+    """Stage servers and jobs by state, counted when scraped."""
+
+    def __init__(self, servers: Registry, jobs: Callable[[], Iterable[JobRecord]]):
+        self.servers, self.jobs = servers, jobs
+
+    def collect(self):
+        servers = GaugeMetricFamily("interleaf_stage_servers", "Stage servers registered with this coordinator, "
+                                    "by state: IDLE (heartbeating, no job), BUSY (holding a job), DEAD (no "
+                                    "heartbeat for 5 s, not yet forgotten).", labels=["state"])
+        counts = {state: 0 for state in SERVER_STATES}
+        for entry in self.servers.servers():
+            counts[entry.state] += 1
+        for state, n in counts.items():
+            servers.add_metric([state], n)
+        yield servers
+        jobs = GaugeMetricFamily("interleaf_jobs", "Jobs this coordinator process drives or has driven, by "
+                                 "state.", labels=["state"])
+        counts = {state: 0 for state in JOB_STATES}
+        for record in self.jobs():
+            counts[record.state] = counts.get(record.state, 0) + 1
+        for state, n in counts.items():
+            jobs.add_metric([state], n)
+        yield jobs
+
+
+class CoordinatorMetrics:
+    def __init__(self, servers: Registry, jobs: Callable[[], Iterable[JobRecord]],
+                 registry: CollectorRegistry | None = None):
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self.servers, self.jobs = servers, jobs
+        self._seen: dict[str, int] = {}  # job -> events already counted
+        r, job = self.registry, ["job"]
+        r.register(_States(servers, jobs))
+        self.step_seconds = Histogram(
+            "interleaf_step_seconds", "A training step's time: the slowest rank's wall time for it.", job,
+            registry=r, buckets=STEP_BUCKETS)
+        self.tokens = Counter(
+            "interleaf_tokens_total", "Tokens trained on (global batch x sequence length per step; steps run "
+            "again after a recovery count again).", job, registry=r)
+        self.tokens_per_second = Gauge(
+            "interleaf_tokens_per_second", "The last step's tokens over the coordinator's wall time from the "
+            "previous step's completion to this one's (every rank reported).", job, registry=r)
+        self.loss = Gauge("interleaf_loss", "The last step's loss: the mean over the global batch.", job,
+                          registry=r)
+        self.grad_norm = Gauge("interleaf_grad_norm", "The last step's global gradient norm, before clipping.",
+                               job, registry=r)
+        self.mfu = Gauge(
+            "interleaf_model_flops_utilization_ratio", "Model FLOPs utilization of the last step (0-1): model "
+            "FLOPs per token (coordinator/flops.py, PaLM's accounting, recomputation not counted) x tokens per "
+            "step, over the step time x the sum of the job's servers' peak FLOP/s (each server's --peak-flops). "
+            "Absent when a server's peak is unknown.", job, registry=r)
+        self.control = Gauge(
+            "interleaf_block_control_seconds", "The last RunSteps block's control-plane time: the coordinator's "
+            "wall time for the block beyond the slowest rank's time inside its steps.", job, registry=r)
+        self.saves = Counter("interleaf_checkpoints_saved_total", "Checkpoints saved (manifest written).", job,
+                             registry=r)
+        self.save_stall = Gauge(
+            "interleaf_checkpoint_stall_seconds", "The last save: how long training waited for it (the copies "
+            "out of the training buffers).", job, registry=r)
+        self.save_write = Gauge(
+            "interleaf_checkpoint_write_seconds", "The last save: from the copies to its manifest, in the "
+            "background while training went on.", job, registry=r)
+        self.save_bytes = Gauge("interleaf_checkpoint_bytes", "The last save: bytes of all its files.", job,
+                                registry=r)
+        self.save_step = Gauge("interleaf_checkpoint_step", "The last save: steps completed when it was taken.",
+                               job, registry=r)
+        self.resumes = Counter("interleaf_checkpoints_resumed_total", "Checkpoints resumed from.", job,
+                               registry=r)
+        self.resume_load = Gauge(
+            "interleaf_checkpoint_load_seconds", "The last resume: checking the checkpoint's files and loading "
+            "them into every rank.", job, registry=r)
+        self.recoveries = Counter(
+            "interleaf_recoveries_total", "Times the job lost stage servers and was set up again.", job,
+            registry=r)
+        self.lost = Counter("interleaf_lost_servers_total", "Stage servers the job lost (declared dead).", job,
+                            registry=r)
+        self.recover_seconds = Gauge(
+            "interleaf_recovery_seconds", "The last recovery: from the failure being seen until the job ran "
+            "again.", job, registry=r)
+
+    def update(self) -> None:
+        """Counts every job's events published since the last update."""
+        for record in list(self.jobs()):
+            if record.job_id not in self._seen:  # its series start at 0, so rates see its first steps
+                self.step_seconds.labels(record.job_id)
+                self.tokens.labels(record.job_id)
+            seen = self._seen.get(record.job_id, 0)
+            fresh = record.events[seen:]
+            self._seen[record.job_id] = seen + len(fresh)
+            for event in fresh:
+                self._observe(record, event)
+
+    def _observe(self, record: JobRecord, event: pb.JobEvent) -> None:
+        job = record.job_id
+        which = event.WhichOneof("event")
+        if which == "step":
+            step = event.step
+            self.step_seconds.labels(job).observe(step.step_seconds)
+            self.tokens.labels(job).inc(step.tokens)
+            self.tokens_per_second.labels(job).set(step.tokens_per_second)
+            self.loss.labels(job).set(step.loss)
+            self.grad_norm.labels(job).set(step.grad_norm)
+            if step.block_steps:
+                self.control.labels(job).set(step.block_control_seconds)
+            mfu = self.utilization(record, step)
+            if mfu is not None:
+                self.mfu.labels(job).set(mfu)
+        elif which == "checkpoint":
+            saved = event.checkpoint
+            if saved.kind == "saved":
+                self.saves.labels(job).inc()
+                self.save_stall.labels(job).set(saved.stall_seconds)
+                self.save_write.labels(job).set(saved.write_seconds)
+                self.save_bytes.labels(job).set(saved.bytes)
+                self.save_step.labels(job).set(saved.step)
+            else:
+                self.resumes.labels(job).inc()
+                self.resume_load.labels(job).set(saved.load_seconds)
+        elif which == "recovery":
+            self.recoveries.labels(job).inc()
+            self.lost.labels(job).inc(len(event.recovery.lost))
+            self.recover_seconds.labels(job).set(event.recovery.recover_seconds)
+
+    def utilization(self, record: JobRecord, step: pb.StepEvent) -> float | None:
+        """Model FLOPs of the step over step time x the job's servers' summed peak."""
+        peaks = {e.address: e.peak_flops for e in self.servers.servers()}
+        job_peaks = [peaks.get(rank.server_address, 0.0) for rank in record.ranks]
+        if not job_peaks or min(job_peaks) <= 0 or step.step_seconds <= 0:
+            return None
+        m = record.config.model
+        flops = flops_per_token(m.n_layers, m.d_model, m.vocab_size, m.seq_len) * step.tokens
+        return flops / (step.step_seconds * sum(job_peaks))

@@ -1,0 +1,105 @@
+"""Bounds, with no processes: every config value has an upper bound and floats must be
+finite (protos/limits.py); a stage server checks a SetupRequest whole; a job keeps a
+bounded event history; a registration names a real address."""
+
+from __future__ import annotations
+
+import pytest
+
+from interleaf.coordinator.config import ConfigError, load_config
+from interleaf.coordinator.jobs import MAX_EVENTS, JobRecord
+from interleaf.coordinator.plan import ServerSlot, plan_job, setup_requests
+from interleaf.coordinator.service import _registration_refused, _submission_refused
+from interleaf.protos import interleaf_pb2 as pb
+from interleaf.protos import wire
+from interleaf.stageserver.setup_checks import SetupError, check_setup
+from tests.conftest import TINY
+
+OUT_OF_BOUNDS = [
+    (["train.steps=1e12"], "train.steps=1000000000000 must be at most 10000000"),
+    (["model.d_model=1000000000"], "model.d_model=1000000000 must be at most 65536"),
+    (["model.vocab_size=4294967296"], "model.vocab_size=4294967296 must be at most 16777216"),
+    (["train.weight_decay=nan"], "train.weight_decay=nan must be a finite number"),
+    (["train.lr=inf"], "train.lr=inf must be a finite number"),
+    (["recovery.progress_timeout_s=1e9"], "recovery.progress_timeout_s=1000000000.0 must be at most 86400.0"),
+    (["train.seed=18446744073709551616"], "train.seed=18446744073709551616 must be at most 18446744073709551615"),
+    (["parallel.dp=256", "parallel.tp=256", "parallel.pp=2"],
+     "parallel.dp*parallel.tp*parallel.pp=131072 must be at most 65536: one stage server per rank"),
+    (["parallel.pp=8", "parallel.vpp=4", "parallel.microbatches=1024", "model.n_layers=32"],
+     "parallel.pp*parallel.vpp*parallel.microbatches=32768 must be at most 16384: the coordinator plans "
+     "every forward and backward of a step"),
+    (["data.source=" + "x" * 5000], "data.source='xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx... (5000 characters) "
+                                    "must be at most 4096 characters"),
+]
+
+
+@pytest.mark.parametrize("overrides,message", OUT_OF_BOUNDS, ids=[m.split("=")[0] for _, m in OUT_OF_BOUNDS])
+def test_values_beyond_their_bounds_are_refused(overrides, message):
+    with pytest.raises(ConfigError) as caught:
+        load_config("", overrides)
+    assert str(caught.value) == message
+
+
+@pytest.mark.parametrize("toml,message", [
+    ("[model]\nn_layers = [4]\n", "model.n_layers=[4] must be int"),
+    ("[train]\nlr = 1979-05-27\n", "train.lr=datetime.date(1979, 5, 27) must be float"),
+    ("[train]\nsteps = 99999999999999999999\n", "train.steps=99999999999999999999 must be at most 10000000"),
+    ("a = " + "[" * 100000 + "]" * 100000, "config nests arrays or inline tables too deeply to be a job config"),
+])
+def test_toml_of_the_wrong_shape_is_refused(toml, message):
+    with pytest.raises(ConfigError) as caught:
+        load_config(toml)
+    assert str(caught.value) == message
+
+
+def test_submission_and_registration_bounds():
+    assert _submission_refused(pb.SubmitJobRequest(config_toml="x" * wire.MAX_CONFIG_BYTES)) == ""
+    assert _submission_refused(pb.SubmitJobRequest(overrides=["x" * wire.MAX_CONFIG_BYTES, "y"])) == \
+        f"overrides of {wire.MAX_CONFIG_BYTES + 1} bytes must be at most {wire.MAX_CONFIG_BYTES} bytes"
+    assert _registration_refused(pb.RegisterRequest(address="10.0.0.2:50051", device="cuda:0")) == ""
+    assert _registration_refused(pb.RegisterRequest(address="10.0.0.2")) == \
+        "address='10.0.0.2' must be HOST:PORT with a port from 1 to 65535"
+    assert _registration_refused(pb.RegisterRequest(address="h:1", device="d" * 65)).startswith("device='ddd")
+
+
+def test_a_job_keeps_its_newest_events_and_counts_the_dropped():
+    record = JobRecord("job-1", load_config("", TINY))
+    for step in range(MAX_EVENTS + 5):
+        record.add_step(pb.StepEvent(step=step))
+    record.set_state("SUCCEEDED")
+    replayed = list(record.follow())
+    assert record.status().events_dropped == 6  # the first 5 steps and the oldest of the rest
+    assert len(replayed) == MAX_EVENTS
+    assert [e.step.step for e in replayed[:-1]] == list(range(6, MAX_EVENTS + 5))
+    assert replayed[-1].status.state == "SUCCEEDED"
+    assert record.status().last.step == MAX_EVENTS + 4
+
+
+@pytest.mark.parametrize("layout", [["parallel.pp=2"], ["parallel.dp=2", "parallel.tp=2", "parallel.pp=2"],
+                                    ["parallel.pp=4", "parallel.zero=3"]])
+def test_stage_servers_accept_what_the_coordinator_plans(layout):
+    config = load_config("", TINY + layout)
+    plan = plan_job(config, [ServerSlot(f"s{i}", f"127.0.0.1:{i + 1}", "h") for i in range(config.parallel.world_size)])
+    for request in setup_requests("job-1-00001", config, plan, ("127.0.0.1", 5000, "job-1/1"), 120.0):
+        check_setup(request)
+
+
+@pytest.mark.parametrize("change,message", [
+    (lambda r: r.grid.__setattr__("dp", 0), "grid.dp=0 must be between 1 and 4096"),
+    (lambda r: r.__setattr__("rank", 7), "rank=7 must be between 0 and 1"),
+    (lambda r: r.model.__setattr__("d_model", 2**31), "model.d_model=2147483648 must be between 1 and 65536"),
+    (lambda r: r.train.__setattr__("microbatches", 3),
+     "train.global_batch=8 must be divisible by grid.dp*train.microbatches=3"),
+    (lambda r: r.train.__setattr__("lr", float("nan")), "train.lr=nan must be a finite number greater than 0"),
+    (lambda r: r.__setattr__("comm_timeout_s", 0.0),
+     "comm_timeout_s=0.0 must be more than 0 and at most 86400.0"),
+    (lambda r: r.__setattr__("job_id", ""), "job_id='' must be 1 to 128 printable characters"),
+])
+def test_stage_servers_refuse_setups_out_of_range(change, message):
+    config = load_config("", TINY + ["parallel.pp=2", "parallel.vpp=1"])
+    plan = plan_job(config, [ServerSlot(f"s{i}", f"127.0.0.1:{i + 1}", "h") for i in range(2)])
+    request = setup_requests("job-1-00001", config, plan, ("127.0.0.1", 5000, "job-1/1"), 120.0)[0]
+    change(request)
+    with pytest.raises(SetupError) as caught:
+        check_setup(request)
+    assert str(caught.value) == message

@@ -1,0 +1,72 @@
+"""The coordinator's job state in SQLite (coordinator/job_store.py), with no processes:
+what a restarted coordinator reads back, ids that never repeat, the bound on stored
+events, and the lock that keeps a second coordinator off the same database."""
+
+from __future__ import annotations
+
+import pytest
+
+from interleaf.coordinator.config import load_config
+from interleaf.coordinator.job_store import MAX_STORED_EVENTS, JobStore, JobStoreError
+from interleaf.coordinator.jobs import JobTable
+from interleaf.coordinator.service import CoordinatorService
+from interleaf.protos import interleaf_pb2 as pb
+
+SETTINGS = ["train.steps=5", "parallel.microbatches=2"]
+
+
+def test_a_job_reads_back_as_it_was_and_ids_never_repeat(tmp_path):
+    path = str(tmp_path / "state.db")
+    store = JobStore(path)
+    table = JobTable(store)
+    first = table.create(load_config("", SETTINGS), "", SETTINGS)
+    first.set_state("RUNNING")
+    first.add_step(pb.StepEvent(step=0, loss=5.5))
+    first.checkpoint = "/ckpt/step-000001/manifest.json"
+    first.add_checkpoint(pb.CheckpointEvent(kind="saved", step=1, manifest=first.checkpoint))
+    done = table.create(load_config("", SETTINGS), "", SETTINGS)
+    done.set_state("SUCCEEDED")
+    store.close()
+
+    table = JobTable(JobStore(path))
+    (again,) = table.unfinished()
+    assert (again.job_id, again.state, again.step, again.checkpoint) == (first.job_id, "RUNNING", 1,
+                                                                         first.checkpoint)
+    assert again.config == load_config("", SETTINGS) and again.last.loss == 5.5
+    assert [e.WhichOneof("event") for e in again.events] == ["status", "step", "checkpoint"]
+    assert table.get(done.job_id).state == "SUCCEEDED"  # read when asked for
+    numbers = [int(job_id.split("-")[1]) for job_id in (first.job_id, done.job_id,
+                                                        table.create(load_config("", SETTINGS)).job_id)]
+    assert numbers == [1, 2, 3]
+
+
+def test_stored_events_are_bounded_to_the_newest(tmp_path):
+    path = str(tmp_path / "state.db")
+    store = JobStore(path)
+    record = JobTable(store).create(load_config("", SETTINGS))
+    for step in range(MAX_STORED_EVENTS + 50):
+        record.add_step(pb.StepEvent(step=step))
+    store.close()
+    (again,) = JobTable(JobStore(path)).unfinished()
+    assert [e.step.step for e in again.events] == list(range(50, MAX_STORED_EVENTS + 50))
+    assert again.step == MAX_STORED_EVENTS + 50
+
+
+def test_one_coordinator_per_state_db(tmp_path):
+    path = str(tmp_path / "state.db")
+    held = JobStore(path)
+    with pytest.raises(JobStoreError, match=r"--state-db='.*state.db' is in use by another coordinator \(pid \d+\)"):
+        JobStore(path)
+    held.close()
+    JobStore(path).close()  # free once its holder let go
+
+
+def test_a_job_whose_config_no_longer_loads_fails_by_name(tmp_path):
+    store = JobStore(str(tmp_path / "state.db"))
+    record = JobTable(store).create(load_config("", SETTINGS), "", ["train.steps=-1"])  # as a stricter rule sees it
+    record.set_state("RUNNING")
+    service = CoordinatorService(("127.0.0.1", 0), job_store=store)
+    service.resume_jobs()
+    final = service.jobs.get(record.job_id)
+    assert final.state == "FAILED" and not service.drivers
+    assert final.error.startswith("its config no longer loads after the coordinator restarted: train.steps=-1")

@@ -1,0 +1,62 @@
+"""The coordinator's status page, rendered by a real headless Chromium: its servers, its
+jobs, the newest job's loss curve and its last executed timeline."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import urllib.request
+
+import pytest
+
+from conftest import TINY, run_job
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+LAYOUT = ["parallel.pp=2", "parallel.vpp=1", "parallel.schedule=1f1b", "train.steps=4"]
+
+
+def chromium(*args: str) -> subprocess.CompletedProcess:
+    assert CHROMIUM, "Debian's chromium is needed (.ci/run installs it)"
+    return subprocess.run([CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                           "--hide-scrollbars", *args], capture_output=True, text=True, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def finished_job(client):
+    return run_job(client, TINY + LAYOUT)
+
+
+def test_status_json_lists_servers_and_the_job(cluster, client, finished_job):
+    status, steps = finished_job
+    with urllib.request.urlopen(f"http://{cluster.http_address}/status.json", timeout=10) as reply:
+        data = json.load(reply)
+    assert len(data["servers"]) == cluster.count
+    assert {s["address"] for s in data["servers"]} == {s.address for s in client.servers()}
+    newest = data["jobs"][0]
+    assert (newest["job_id"], newest["state"], newest["step"]) == (status.job_id, "SUCCEEDED", 4)
+    assert data["losses"][status.job_id] == [[s.step + 1, s.loss] for s in steps]
+
+
+def test_page_renders_in_chromium(cluster, client, finished_job, tmp_path):
+    status, steps = finished_job
+    url = f"http://{cluster.http_address}/"
+    dom = chromium("--dump-dom", url)
+    assert dom.returncode == 0, dom.stderr[-2000:]
+    text = dom.stdout
+    assert f"Interleaf coordinator <code>{cluster.address}</code>" in text
+    assert f"Stage servers ({cluster.count})" in text
+    for server in client.servers():
+        assert f"<td>{server.address}</td>" in text
+    row = re.search(rf"<tr><td>{status.job_id}</td><td class=\"state SUCCEEDED\">SUCCEEDED</td><td>4</td>"
+                    rf"<td>4</td><td>{round(steps[-1].loss, 4)}</td>", text)
+    assert row, "the job's row (id, state, steps, loss) is missing"
+    curve = text[text.index("<h2>Loss curve"):text.index("<h2>Last executed timeline")]
+    assert f"Loss curve of {status.job_id}" in curve and "<svg" in curve
+    timeline = text[text.index("<h2>Last executed timeline"):]
+    assert "<svg" in timeline, "the job's traced step is not drawn"
+
+    shot = tmp_path / "status.png"
+    taken = chromium(f"--screenshot={shot}", "--window-size=1280,1800", url)
+    assert taken.returncode == 0 and shot.stat().st_size > 20_000, taken.stderr[-2000:]
