@@ -102,6 +102,7 @@ table { border-collapse: collapse; } td, th { padding: 0.25em 0.8em; border-bott
 th { background: #f3f3f3; } .state.IDLE, .state.SUCCEEDED { color: #2a7; } .state.BUSY, .state.RUNNING { color: #27c; }
 .state.DEAD, .state.FAILED { color: #c33; font-weight: bold; } .state.RECOVERING { color: #d80; font-weight: bold; }
 .muted { color: #777; font-size: 0.9em; }
+svg { max-width: 100%; height: auto; }
 """
 
 
