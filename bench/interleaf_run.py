@@ -15,8 +15,10 @@ MEMORY_FIELDS = ("parameters_bytes", "gradients_bytes", "optimizer_bytes", "para
 def run_job(client: Client, overrides: list[str]) -> dict:
     """Submits a job (config = defaults + `overrides`), waits for it and returns:
 
-    per step: step_seconds (slowest rank, inside the servers), losses and every rank's
-    memory (the server's ledger by kind and its resident-set peak over the step);
+    per step: step_seconds (slowest rank, inside the servers), losses, tokens,
+    tokens_per_second (the coordinator's: the step's tokens over its wall time since the
+    previous step completed) and every rank's memory (the server's ledger by kind and
+    its resident-set peak over the step);
     per RunSteps block: its first step, step count, control_seconds (the coordinator's
     wall time for the block beyond the slowest rank's total inside its steps) and
     inside_seconds (the block's step_seconds summed: the time control is a share of)."""
@@ -36,6 +38,8 @@ def run_job(client: Client, overrides: list[str]) -> dict:
         "job_id": job.job_id,
         "step_seconds": [s.step_seconds for s in steps],
         "losses": [s.loss for s in steps],
+        "tokens": [s.tokens for s in steps],
+        "tokens_per_second": [s.tokens_per_second for s in steps],
         "memory": [[{"rank": r.rank, **{f: getattr(r, f) for f in MEMORY_FIELDS}} for r in s.ranks] for s in steps],
         "blocks": blocks,
     }

@@ -26,9 +26,8 @@ from dataclasses import dataclass
 from interleaf.clients.client import Client as RpcClient
 from interleaf.coordinator.config import JobConfig
 from interleaf.protos import interleaf_pb2 as pb
+from interleaf.protos.job_states import FINAL_STATES
 from interleaf.protos.security import Security
-
-FINAL_STATES = ("SUCCEEDED", "FAILED", "CANCELLED")
 
 
 @dataclass(frozen=True)

@@ -240,6 +240,8 @@ def cmd_stage_server(args) -> int:
         raise UsageError(f"--orphan-timeout={args.orphan_timeout:g} must be a positive number of seconds")
     if args.peak_flops < 0:
         raise UsageError(f"--peak-flops={args.peak_flops:g} must be a FLOP/s figure (0: the default)")
+    if args.metrics_port < -1:
+        raise UsageError(f"--metrics-port={args.metrics_port} must be a port, 0 (any free one) or -1 (no metrics)")
     serve(args.coordinator, args.host, args.port, args.bind, args.threads, args.memory_bytes, args.device,
           args.spool_dir, args.orphan_timeout, _security(args), args.metrics_port, args.peak_flops)
     return 0
@@ -456,7 +458,7 @@ def _parser() -> argparse.ArgumentParser:
                         "checkpoint.dir (default: interleaf-spool in the system's temporary folder)")
     p.add_argument("--metrics-port", type=int, default=0,
                    help="HTTP port of this server's /metrics (0: any free port; the coordinator's /sd tells "
-                        "Prometheus which)")
+                        "Prometheus which; -1: no metrics at all, and the server is left out of /sd)")
     p.add_argument("--peak-flops", type=float, default=0.0, metavar="FLOP/S",
                    help="this device's peak FLOP/s, for model FLOPs utilization (0: 1e11 per torch thread on a "
                         "CPU; the datasheet bf16 peak of an H100, H200 or A100)")

@@ -76,8 +76,10 @@ class LocalCluster:
     def __init__(self, servers: int, threads_per_server: int | None = None, log_dir: str | None = None,
                  steps_per_call: int | None = None, memory_per_server: int | None = None,
                  device: str = "cpu", server_command: Callable[[int, list[str]], list[str]] | None = None,
-                 security: Security | None = None, state_db: str | None = None):
+                 security: Security | None = None, state_db: str | None = None, metrics: bool = True):
         self.count = servers
+        # False: the stage servers keep no metrics (--metrics-port -1); the coordinator's stay.
+        self.metrics = metrics
         # Every process of the cluster serves and calls with these: one certificate
         # (valid as server and client) and one token, a fresh random one by default.
         security = security or Security()
@@ -154,7 +156,8 @@ class LocalCluster:
         return self._spawn(
             ["stage-server", "--coordinator", self.address, "--host", "127.0.0.1",
              "--port", "0", "--threads", str(self.threads),
-             "--memory-bytes", str(self.memory_per_server), "--device", self.devices[i % len(self.devices)]],
+             "--memory-bytes", str(self.memory_per_server), "--device", self.devices[i % len(self.devices)],
+             *([] if self.metrics else ["--metrics-port", "-1"])],
             f"stage-server-{i}", command=partial(self.server_command, i),
         )
 

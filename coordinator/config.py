@@ -99,7 +99,8 @@ class ParallelConfig:
     """When the job loses servers and too few idle ones are registered to set its layout
     up again, go on at once with the largest smaller dp that they hold (tp and pp
     unchanged; microbatches grown so that dp*microbatches, and with it every step's
-    samples, stays the same) instead of waiting for replacements. Needs dp >= 2."""
+    samples, stays the same) instead of waiting for replacements. Needs dp >= 2 and such
+    a smaller layout within every rule (refused at submit otherwise)."""
 
     def __post_init__(self):
         _positive("parallel", self, "dp", "tp", "pp", "vpp", "microbatches")
@@ -112,11 +113,6 @@ class ParallelConfig:
             raise ConfigError(f"parallel.pp*parallel.vpp*parallel.microbatches={slots} must be at most "
                               f"{limits.MAX_PIPELINE_SLOTS}: the coordinator plans every forward and backward "
                               f"of a step")
-        if self.elastic and self.dp < 2:
-            raise ConfigError(
-                f"parallel.elastic=true needs parallel.dp>=2 (dp={self.dp} has no smaller "
-                f"data-parallel degree to go on with)"
-            )
         if self.schedule not in SCHEDULES:
             raise ConfigError(
                 f"parallel.schedule={self.schedule!r} must be one of {', '.join(SCHEDULES)}"
@@ -139,6 +135,33 @@ class ParallelConfig:
             raise ConfigError(
                 f"parallel.zero_prefetch={self.zero_prefetch} must be between 0 and {MAX_ZERO_PREFETCH}"
             )
+        if self.elastic:
+            self._check_elastic()
+
+    def _check_elastic(self) -> None:
+        """An elastic job must have a smaller layout to go on with (coordinator/elastic.py):
+        some dp' < dp dividing dp*microbatches whose dp*microbatches/dp' microbatches keep
+        every rule. dp'=1 need not: at dp=2, microbatches=4096 it would run 8192, beyond
+        the bound of protos/limits.py."""
+        if self.dp < 2:
+            raise ConfigError(
+                f"parallel.elastic=true needs parallel.dp>=2 (dp={self.dp} has no smaller "
+                f"data-parallel degree to go on with)"
+            )
+        samples = self.dp * self.microbatches
+        for dp in range(self.dp - 1, 0, -1):
+            if samples % dp:
+                continue
+            try:
+                dataclasses.replace(self, dp=dp, microbatches=samples // dp, elastic=False)
+                return
+            except ConfigError as err:
+                why = err  # dp'=1, tried last, always divides: its rule is the one named
+        raise ConfigError(
+            f"parallel.elastic=true needs a smaller layout to go on with, and parallel.dp={self.dp} with "
+            f"parallel.microbatches={self.microbatches} has none: every dp' < {self.dp} dividing "
+            f"dp*microbatches={samples} breaks a rule (dp'=1: {why})"
+        )
 
     @property
     def world_size(self) -> int:
@@ -249,8 +272,9 @@ class TraceConfig:
     """Steps (from 0) whose every action each server times, for `interleaf trace`;
     negative ones count from the end (-1: the last step). The default, the second step
     (the first past warm-up; a one-step job has none) and the last, gives a running job
-    a trace early on and a finished one its final step. Untraced steps cost nothing; a
-    traced one two clock reads per action."""
+    a trace early on and a finished one its final step. An empty list (`trace.steps =
+    []`) traces nothing. Untraced steps cost nothing; a traced one two clock reads per
+    action (bench/observability_cost.py measures it)."""
 
     def __post_init__(self):
         if len(self.steps) > MAX_TRACED_STEPS:

@@ -131,7 +131,10 @@ class JobDriver(threading.Thread):
     def _attempt(self, recovery: "_Recovery | None") -> None:
         job = self.job
         probes = self.checkpoints.probes()
-        plan = self._claim_and_plan(shrink=recovery is not None and job.config.parallel.elastic)
+        # Only a loss shrinks: after a coordinator restart (nothing lost) the servers
+        # register again one by one, and the first few must not fix a smaller layout
+        # for the rest of the job's life.
+        plan = self._claim_and_plan(shrink=bool(recovery and recovery.lost) and job.config.parallel.elastic)
         if plan is None:
             return  # cancelled while waiting for servers
         watch = threading.Event()
@@ -227,22 +230,26 @@ class JobDriver(threading.Thread):
 
     def cancel(self) -> None:
         """Stops the job now: tearing down the servers ends their RunSteps streams."""
-        self.job.cancel_requested.set()
+        self.job.request_cancel()
         threading.Thread(target=self._teardown, name=f"cancel-{self.job.job_id}", daemon=True).start()
 
     # -- phases ------------------------------------------------------------------
 
     def _claim_and_plan(self, shrink: bool = False) -> JobPlan | None:
         """Waits for idle servers that can hold the submitted layout or, when `shrink`
-        (an elastic job recovering), the largest smaller one they can (coordinator/
+        (an elastic job that lost servers), the largest smaller one they can (coordinator/
         elastic.py): it goes on at once rather than wait for replacements, and waits as
-        any job does while none fits. Each time, the submitted layout is tried first."""
+        any job does while none fits. Each time, the submitted layout is tried first; the
+        smaller ones are planned only once it cannot be claimed."""
         job = self.job
-        options = [job.config] + (smaller_layouts(job.config) if shrink else [])
-        planned = [plan_programs(config) for config in options]
-        choices = [partial(place_servers, config, need_bytes=max(needed_bytes(config, programs)))
-                   for config, (programs, _) in zip(options, planned)]
+        options, planned, choices = [], [], []
         chosen = {}
+
+        def offer(config) -> None:
+            planned.append(plan_programs(config))
+            options.append(config)
+            programs = planned[-1][0]
+            choices.append(partial(place_servers, config, need_bytes=max(needed_bytes(config, programs))))
 
         def choose(idle):
             for index, place in enumerate(choices):
@@ -251,7 +258,11 @@ class JobDriver(threading.Thread):
                     return slots
             return None
 
-        slots = None
+        offer(job.config)
+        slots = self.registry.claim(job.job_id, choose, timeout_s=0.0)
+        if slots is None and shrink:  # planned outside the registry's lock: it may take a while
+            for config in smaller_layouts(job.config):
+                offer(config)
         while slots is None and not job.cancel_requested.is_set():
             slots = self.registry.claim(job.job_id, choose, timeout_s=1.0)
         if slots is None:

@@ -3,10 +3,10 @@
 - `/metrics`: the coordinator's Prometheus metrics (coordinator/metrics.py);
 - `/sd`: Prometheus HTTP service discovery
   (https://prometheus.io/docs/prometheus/latest/http_sd/): one target group per
-  registered stage server, its metrics endpoint (the host of its gRPC address, the
-  metrics port it registered with) labelled with its id, gRPC address, host and
-  device, so one scrape job (`http_sd_configs`) finds every server, however many come
-  and go;
+  registered stage server that is heartbeating (a DEAD one is left out: scraping it
+  would fail), its metrics endpoint (the host of its gRPC address, the metrics port it
+  registered with) labelled with its id, gRPC address, host and device, so one scrape
+  job (`http_sd_configs`) finds every server, however many come and go;
 - `/` and `/status.json`: the status page (coordinator/status_page.py).
 """
 
@@ -24,7 +24,7 @@ from interleaf.protos.http import HttpServer, Request, Response, Route, metrics_
 def service_discovery(servers: Registry) -> list[dict]:
     groups = []
     for entry in servers.servers():
-        if not entry.metrics_port:
+        if not entry.metrics_port or entry.state == "DEAD":
             continue
         host = entry.address.rsplit(":", 1)[0]
         groups.append({"targets": [f"{host}:{entry.metrics_port}"],

@@ -3,7 +3,9 @@ restarted coordinator knows every job it had, resumes those that were not final,
 never gives out a job id twice.
 
 Kept per job: the config as submitted (TOML text and overrides), state, reason, error,
-steps completed, the newest checkpoint's manifest, and its newest MAX_STORED_EVENTS
+steps completed, the newest checkpoint's manifest, whether its cancel was asked for (a
+coordinator that died before the job stopped ends it CANCELLED when started again,
+rather than run it again), and its newest MAX_STORED_EVENTS
 events (what watchers replay after a restart). Each event is written as it is
 published, with the job's row, in one transaction: WAL with synchronous=NORMAL commits
 without an fsync each time and loses nothing when the process is killed (only an
@@ -41,7 +43,8 @@ CREATE TABLE IF NOT EXISTS jobs (
     reason TEXT NOT NULL DEFAULT '',
     error TEXT NOT NULL DEFAULT '',
     step INTEGER NOT NULL DEFAULT 0,
-    checkpoint TEXT NOT NULL DEFAULT ''
+    checkpoint TEXT NOT NULL DEFAULT '',
+    cancel_requested INTEGER NOT NULL DEFAULT 0
 );
 CREATE TABLE IF NOT EXISTS events (
     id INTEGER PRIMARY KEY AUTOINCREMENT,
@@ -66,6 +69,7 @@ class StoredJob:
     error: str
     step: int
     checkpoint: str
+    cancel_requested: bool = False
     events: list[pb.JobEvent] = field(default_factory=list)
 
 
@@ -88,6 +92,9 @@ class JobStore:
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=NORMAL")
             self._db.executescript(_SCHEMA)
+            columns = {row[1] for row in self._db.execute("PRAGMA table_info(jobs)")}
+            if "cancel_requested" not in columns:  # a database of an earlier release
+                self._db.execute("ALTER TABLE jobs ADD COLUMN cancel_requested INTEGER NOT NULL DEFAULT 0")
         except (OSError, sqlite3.Error) as err:
             raise JobStoreError(f"--state-db={path!r} cannot be used: {err}") from None
 
@@ -102,22 +109,36 @@ class JobStore:
 
     def save(self, job_id: str, state: str, reason: str, error: str, step: int, checkpoint: str,
              event: pb.JobEvent) -> None:
-        """The job's row as it is now and one more event; older events beyond the bound go."""
-        with self._lock, self._db:
-            self._db.execute("UPDATE jobs SET state=?, reason=?, error=?, step=?, checkpoint=? WHERE job_id=?",
-                             (state, reason, error, step, checkpoint, job_id))
-            self._db.execute("INSERT INTO events (job_id, event) VALUES (?, ?)", (job_id, event.SerializeToString()))
-            self._db.execute("DELETE FROM events WHERE job_id=? AND id <= (SELECT id FROM events WHERE job_id=? "
-                             "ORDER BY id DESC LIMIT 1 OFFSET ?)", (job_id, job_id, MAX_STORED_EVENTS))
+        """The job's row as it is now and one more event; older events beyond the bound go.
+        JobStoreError when the database refuses the write (a full disk)."""
+        try:
+            with self._lock, self._db:
+                self._db.execute("UPDATE jobs SET state=?, reason=?, error=?, step=?, checkpoint=? WHERE job_id=?",
+                                 (state, reason, error, step, checkpoint, job_id))
+                self._db.execute("INSERT INTO events (job_id, event) VALUES (?, ?)",
+                                 (job_id, event.SerializeToString()))
+                self._db.execute("DELETE FROM events WHERE job_id=? AND id <= (SELECT id FROM events WHERE job_id=? "
+                                 "ORDER BY id DESC LIMIT 1 OFFSET ?)", (job_id, job_id, MAX_STORED_EVENTS))
+        except sqlite3.Error as err:
+            raise JobStoreError(f"--state-db={self.path!r} could not store job {job_id}'s newest event ({state} at "
+                                f"step {step}): {err}") from None
+
+    def request_cancel(self, job_id: str) -> None:
+        """Records that the job's cancel was asked for, before it is answered."""
+        try:
+            with self._lock, self._db:
+                self._db.execute("UPDATE jobs SET cancel_requested=1 WHERE job_id=?", (job_id,))
+        except sqlite3.Error as err:
+            raise JobStoreError(f"--state-db={self.path!r} could not store job {job_id}'s cancel: {err}") from None
 
     def load(self, job_id: str) -> StoredJob | None:
         with self._lock:
-            row = self._db.execute("SELECT job_id, config_toml, overrides, state, reason, error, step, checkpoint "
-                                   "FROM jobs WHERE job_id=?", (job_id,)).fetchone()
+            row = self._db.execute("SELECT job_id, config_toml, overrides, state, reason, error, step, checkpoint, "
+                                   "cancel_requested FROM jobs WHERE job_id=?", (job_id,)).fetchone()
             if row is None:
                 return None
             events = self._db.execute("SELECT event FROM events WHERE job_id=? ORDER BY id", (job_id,)).fetchall()
-        job = StoredJob(row[0], row[1], json.loads(row[2]), *row[3:])
+        job = StoredJob(row[0], row[1], json.loads(row[2]), *row[3:8], cancel_requested=bool(row[8]))
         job.events = [pb.JobEvent.FromString(blob) for (blob,) in events]
         return job
 

@@ -4,16 +4,19 @@ published, so a restarted coordinator finds every job where it was."""
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from dataclasses import dataclass, field
 
 from interleaf.coordinator.config import ConfigError, JobConfig, load_config
-from interleaf.coordinator.job_store import MAX_STORED_EVENTS, MEMORY, JobStore, StoredJob
+from interleaf.coordinator.job_store import MAX_STORED_EVENTS, MEMORY, JobStore, JobStoreError, StoredJob
 from interleaf.coordinator.traces import Traces
 from interleaf.protos import interleaf_pb2 as pb
+from interleaf.protos.job_states import FINAL_STATES
 
-FINAL_STATES = ("SUCCEEDED", "FAILED", "CANCELLED")
+log = logging.getLogger("interleaf.coordinator")
+
 MAX_EVENTS = MAX_STORED_EVENTS
 """Events a job keeps in memory for watchers to replay, the newest (as many as the job
 store keeps, so a restart changes nothing a watcher sees); older ones are dropped and
@@ -73,15 +76,33 @@ class JobRecord:
     def add_checkpoint(self, event: pb.CheckpointEvent) -> None:
         self._publish(pb.JobEvent(checkpoint=event))
 
+    def request_cancel(self) -> None:
+        """Marks the job to stop, stored first: a coordinator that dies before the job is
+        CANCELLED finishes it as CANCELLED when restarted, rather than run it again."""
+        with self._changed:
+            if self.final or self.cancel_requested.is_set():
+                return
+            try:
+                if self.store is not None:
+                    self.store.request_cancel(self.job_id)
+            except JobStoreError as err:  # it is cancelled all the same, while this process lives
+                log.error("job %s: %s", self.job_id, err)
+            self.cancel_requested.set()
+
     def _publish(self, event: pb.JobEvent) -> None:
         with self._changed:
-            self.events.append(event)
-            if len(self.events) > MAX_EVENTS:
-                del self.events[0]
-                self.events_dropped += 1
-            if self.store is not None:  # under the lock: stored in the order published
-                self.store.save(self.job_id, self.state, self.reason, self.error, self.step, self.checkpoint, event)
-            self._changed.notify_all()
+            try:
+                self.events.append(event)
+                if len(self.events) > MAX_EVENTS:
+                    del self.events[0]
+                    self.events_dropped += 1
+                if self.store is not None:  # under the lock: stored in the order published
+                    self.store.save(self.job_id, self.state, self.reason, self.error, self.step, self.checkpoint,
+                                    event)
+            except JobStoreError as err:  # the state in memory is right: watchers and the job go on
+                log.error("job %s: %s", self.job_id, err)
+            finally:
+                self._changed.notify_all()
 
     def follow(self, alive=lambda: True, poll_s: float = 1.0):
         """Yields every event kept (the newest MAX_EVENTS), then new ones, until a final
@@ -141,6 +162,8 @@ def _restore(stored: StoredJob, store: JobStore) -> JobRecord:
     record = JobRecord(stored.job_id, config, state=stored.state, step=stored.step, error=stored.error,
                        reason=stored.reason, checkpoint=stored.checkpoint, last=last, events=stored.events,
                        store=store)
+    if stored.cancel_requested:
+        record.cancel_requested.set()
     if error:
         record.set_state("FAILED", error)
     return record

@@ -47,6 +47,7 @@ def serve(host: str, port: int, bind: str, store_port: int, steps_per_call: int 
     rpc.add_CoordinatorServicer_to_server(service, server)
     health = Health(server, COORDINATOR)
     bound = wire.listen(server, f"{bind}:{port}")
+    service.resume_jobs()  # before serving: a call naming a resumed job finds its driver
     server.start()
     http = serve_http(metrics, service.registry, bind, http_port, address=f"{host}:{bound}",
                       draw_trace=executed_step.figure)
@@ -54,7 +55,6 @@ def serve(host: str, port: int, bind: str, store_port: int, steps_per_call: int 
     print(f"coordinator listening on {host}:{bound} (rendezvous store on port {store.port}, metrics and "
           f"service discovery on http://{host}:{http.port})", flush=True)
     log.info("incarnation %s, job state in %s", me, jobs.path)
-    service.resume_jobs()
 
     def shutdown(*_):
         health.stopping()  # a health watcher sees the drain before the stream ends

@@ -10,6 +10,7 @@ from the stage servers' own endpoints, found through /sd (coordinator/http_serve
 
 from __future__ import annotations
 
+import threading
 from typing import Callable, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -17,12 +18,12 @@ from prometheus_client.core import GaugeMetricFamily
 
 from interleaf.coordinator.flops import flops_per_token
 from interleaf.coordinator.jobs import JobRecord
-from interleaf.coordinator.registry import Registry
+from interleaf.coordinator.registry import DEAD_AFTER_S, FORGET_DEAD_AFTER_S, Registry
 from interleaf.protos import interleaf_pb2 as pb
+from interleaf.protos.job_states import JOB_STATES
+from interleaf.protos.metric_buckets import STEP_BUCKETS
 
-STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 SERVER_STATES = ("IDLE", "BUSY", "DEAD")
-JOB_STATES = ("PENDING", "SETTING_UP", "RUNNING", "RECOVERING", "SUCCEEDED", "FAILED", "CANCELLED")
 
 
 class _States:
@@ -34,7 +35,8 @@ class _States:
     def collect(self):
         servers = GaugeMetricFamily("interleaf_stage_servers", "Stage servers registered with this coordinator, "
                                     "by state: IDLE (heartbeating, no job), BUSY (holding a job), DEAD (no "
-                                    "heartbeat for 5 s, not yet forgotten).", labels=["state"])
+                                    f"heartbeat for {DEAD_AFTER_S:.0f} s, not yet forgotten: one with no job "
+                                    f"is {FORGET_DEAD_AFTER_S:.0f} s later).", labels=["state"])
         counts = {state: 0 for state in SERVER_STATES}
         for entry in self.servers.servers():
             counts[entry.state] += 1
@@ -56,7 +58,10 @@ class CoordinatorMetrics:
                  registry: CollectorRegistry | None = None):
         self.registry = registry if registry is not None else CollectorRegistry()
         self.servers, self.jobs = servers, jobs
-        self._seen: dict[str, int] = {}  # job -> events already counted
+        # job -> events already counted, dropped ones included: an absolute count, as
+        # JobRecord.follow keeps, since a record keeps only its newest MAX_EVENTS.
+        self._seen: dict[str, int] = {}
+        self._updating = threading.Lock()  # two scrapes at once must not count an event twice
         r, job = self.registry, ["job"]
         r.register(_States(servers, jobs))
         self.step_seconds = Histogram(
@@ -98,25 +103,32 @@ class CoordinatorMetrics:
             "interleaf_checkpoint_load_seconds", "The last resume: checking the checkpoint's files and loading "
             "them into every rank.", job, registry=r)
         self.recoveries = Counter(
-            "interleaf_recoveries_total", "Times the job lost stage servers and was set up again.", job,
-            registry=r)
+            "interleaf_recoveries_total", "Times the job lost stage servers and was set up again (a coordinator "
+            "restart is counted in interleaf_coordinator_restarts_total instead).", job, registry=r)
         self.lost = Counter("interleaf_lost_servers_total", "Stage servers the job lost (declared dead).", job,
                             registry=r)
         self.recover_seconds = Gauge(
             "interleaf_recovery_seconds", "The last recovery: from the failure being seen until the job ran "
             "again.", job, registry=r)
+        self.restarts = Counter(
+            "interleaf_coordinator_restarts_total", "Times a restarted coordinator took the job over, unfinished, "
+            "and set it up again from its newest checkpoint (no server lost).", job, registry=r)
 
     def update(self) -> None:
-        """Counts every job's events published since the last update."""
-        for record in list(self.jobs()):
-            if record.job_id not in self._seen:  # its series start at 0, so rates see its first steps
-                self.step_seconds.labels(record.job_id)
-                self.tokens.labels(record.job_id)
-            seen = self._seen.get(record.job_id, 0)
-            fresh = record.events[seen:]
-            self._seen[record.job_id] = seen + len(fresh)
-            for event in fresh:
-                self._observe(record, event)
+        """Counts every job's events published since the last update. Events dropped
+        from a record before an update saw them (more than MAX_EVENTS in between) are
+        not counted."""
+        with self._updating:
+            for record in list(self.jobs()):
+                if record.job_id not in self._seen:  # its series start at 0, so rates see its first steps
+                    self.step_seconds.labels(record.job_id)
+                    self.tokens.labels(record.job_id)
+                seen = self._seen.get(record.job_id, 0)
+                with record._changed:  # the events and their dropped count as of one publish
+                    fresh = record.events[max(0, seen - record.events_dropped):]
+                    self._seen[record.job_id] = record.events_dropped + len(record.events)
+                for event in fresh:
+                    self._observe(record, event)
 
     def _observe(self, record: JobRecord, event: pb.JobEvent) -> None:
         job = record.job_id
@@ -145,6 +157,9 @@ class CoordinatorMetrics:
                 self.resumes.labels(job).inc()
                 self.resume_load.labels(job).set(saved.load_seconds)
         elif which == "recovery":
+            if event.recovery.attempt == 0:  # RecoveryEvent.attempt: 0 after a coordinator restart
+                self.restarts.labels(job).inc()
+                return
             self.recoveries.labels(job).inc()
             self.lost.labels(job).inc(len(event.recovery.lost))
             self.recover_seconds.labels(job).set(event.recovery.recover_seconds)

@@ -1,4 +1,10 @@
-"""The stage servers the coordinator knows: registration, heartbeats, who is free."""
+"""The stage servers the coordinator knows: registration, heartbeats, who is free.
+
+A server that stops heartbeating is DEAD after DEAD_AFTER_S and, holding no job, is
+forgotten FORGET_DEAD_AFTER_S later: shown as DEAD meanwhile (status page, metrics),
+then gone, so servers that come and go (a new address each restart, as in Kubernetes)
+leave no growing list behind. One that comes back after that registers afresh.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +17,9 @@ from interleaf.coordinator.plan import ServerSlot
 
 HEARTBEAT_INTERVAL_S = 1.0
 DEAD_AFTER_S = 5 * HEARTBEAT_INTERVAL_S
+FORGET_DEAD_AFTER_S = 300.0
+"""How long a DEAD server with no job stays listed: long enough to be seen on the status
+page and in a few scrapes. One holding a job stays until its driver forgets it."""
 
 
 @dataclass
@@ -60,6 +69,7 @@ class Registry:
     def register(self, address: str, host: str, device: str, memory_bytes: int, metrics_port: int = 0,
                  peak_flops: float = 0.0) -> str:
         with self._lock:
+            self._forget_long_dead()
             # A server that restarts on the same address replaces its old entry.
             for sid, entry in list(self._servers.items()):
                 if entry.address == address and not entry.job_id:
@@ -84,7 +94,16 @@ class Registry:
 
     def servers(self) -> list[ServerEntry]:
         with self._lock:
+            self._forget_long_dead()
             return sorted(self._servers.values(), key=lambda e: e.address)
+
+    def _forget_long_dead(self) -> None:
+        """Under the lock. Done whenever servers are listed or one registers: nothing else
+        grows the table or shows it."""
+        forgotten = time.monotonic() - (DEAD_AFTER_S + FORGET_DEAD_AFTER_S)
+        for sid, entry in list(self._servers.items()):
+            if not entry.job_id and entry.last_seen < forgotten:
+                del self._servers[sid]
 
     def claim(self, job_id: str, choose, timeout_s: float) -> list[ServerSlot] | None:
         """Waits until `choose(idle servers)` picks some, marks exactly those busy for

@@ -92,10 +92,17 @@ class CoordinatorService(rpc.CoordinatorServicer):
         registered (again). One without a checkpoint starts over from step 0, as
         Megatron-LM and torchtitan do when told to load and none exists: the data order
         and learning rate are functions of the step, so the result is still the
-        uninterrupted run's, and failing it would only make its user submit it again."""
+        uninterrupted run's, and failing it would only make its user submit it again.
+        One whose cancel was asked for (stored before CancelJob answered) ends CANCELLED.
+        Needs no server running: called before the gRPC server starts, so that every
+        unfinished job has its driver before any call can name it."""
         detected, started = time.time(), time.perf_counter()
         for record in self.jobs.unfinished():
             if record.final:  # its config no longer loads
+                continue
+            if record.cancel_requested.is_set():  # the coordinator died before the job stopped
+                record.set_state("CANCELLED", reason="cancelled before the coordinator stopped; recorded after "
+                                                     "the restart")
                 continue
             if _trained_to_the_end(record):  # only its final state was not recorded
                 record.set_state("SUCCEEDED", reason="its last checkpoint was complete when the coordinator "
@@ -142,7 +149,11 @@ class CoordinatorService(rpc.CoordinatorServicer):
     def CancelJob(self, request: pb.JobRef, context):
         record = self._job(request.job_id, context)
         if not record.final:
-            self.drivers[record.job_id].cancel()
+            driver = self.drivers.get(record.job_id)
+            if driver is not None:
+                driver.cancel()
+            else:  # its driver is still being made (SubmitJob): it sees the request when it starts
+                record.request_cancel()
         return record.status()
 
     def GetTrace(self, request: pb.TraceRequest, context):

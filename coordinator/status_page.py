@@ -3,7 +3,9 @@ its stage servers and their state, its jobs with their progress, the newest job'
 curve and its last executed timeline. `/status.json` is the same content as data.
 
 The page reloads itself every few seconds. It is read-only and shows what any watcher of
-a job sees; the port is unauthenticated like /metrics (README, "Monitoring").
+a job sees; the port is unauthenticated like /metrics (README, "Monitoring"). Its two
+figures are drawn once for what they show and kept (`_Figures`): a reload, by however
+many viewers, redraws nothing until the job publishes an event or traces a step.
 """
 
 from __future__ import annotations
@@ -11,7 +13,9 @@ from __future__ import annotations
 import html
 import io
 import json
+import threading
 import time
+from collections import OrderedDict
 from typing import Callable, Iterable
 
 from interleaf.coordinator.jobs import JobRecord
@@ -20,6 +24,7 @@ from interleaf.protos.http import Request, Response, Route
 
 REFRESH_S = 5
 MAX_JOBS = 20  # the newest ones; older jobs stay reachable by id (`interleaf status`)
+KEPT_FIGURES = 8  # of each kind: the page shows one, a few more keep other viewers' pages warm
 
 
 def _server_rows(servers: Registry) -> list[dict]:
@@ -60,6 +65,33 @@ def _svg(figure) -> str:
     return text[text.index("<svg"):]  # inline: without the XML prolog and doctype
 
 
+class _Figures:
+    """SVGs by what they show, the newest KEPT_FIGURES: drawing one (matplotlib, and a
+    simulation for a timeline) takes far longer than a GET should."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._svgs: OrderedDict[tuple, str] = OrderedDict()
+
+    def get(self, key: tuple, draw: Callable[[], str]) -> str:
+        with self._lock:
+            if key in self._svgs:
+                self._svgs.move_to_end(key)
+                return self._svgs[key]
+        svg = draw()  # outside the lock: two first viewers may both draw, neither waits on the other
+        with self._lock:
+            self._svgs[key] = svg
+            while len(self._svgs) > KEPT_FIGURES:
+                self._svgs.popitem(last=False)
+        return svg
+
+
+def _published(job: JobRecord) -> int:
+    """Events the job has published, dropped ones included: its loss curve changes only with them."""
+    with job._changed:
+        return job.events_dropped + len(job.events)
+
+
 def loss_curve_svg(job: JobRecord) -> str:
     losses = _losses(job)
     if not losses:
@@ -76,10 +108,15 @@ def loss_curve_svg(job: JobRecord) -> str:
     return _svg(figure)
 
 
-def timeline_svg(job: JobRecord, draw: Callable | None) -> str:
-    """The job's newest traced step as executed, drawn by `draw(trace) -> Figure`."""
+def timeline_svg(job: JobRecord, draw: Callable | None, figures: _Figures) -> str:
+    """The job's newest traced step as executed, drawn by `draw(trace) -> Figure`. A
+    traced step is kept as it ran; one run again after a recovery replaces it, with
+    other start times, so (job, step, rank 0's start) names what is drawn."""
     trace = job.traces.get() if draw is not None else None
-    return _svg(draw(trace)) if trace is not None else ""
+    if trace is None:
+        return ""
+    key = (job.job_id, trace.step, trace.reports[0].started_unix if trace.reports else 0.0)
+    return figures.get(key, lambda: _svg(draw(trace)))
 
 
 def _table(rows: list[dict], columns: list[str], state_column: str = "state") -> str:
@@ -131,13 +168,17 @@ def routes(servers: Registry, jobs: Callable[[], Iterable[JobRecord]], address: 
            draw_trace: Callable | None = None) -> dict[str, Route]:
     """`jobs()`: the jobs to show, any order (the newest MAX_JOBS are shown, newest first)."""
 
+    curves, timelines = _Figures(), _Figures()
+
     def newest() -> list[JobRecord]:
         return sorted(jobs(), key=lambda j: int(j.job_id.split("-")[1]), reverse=True)[:MAX_JOBS]
 
     def page(request: Request) -> Response:
         shown = newest()
-        curve = loss_curve_svg(shown[0]) if shown else ""
-        timeline = next((svg for job in shown if (svg := timeline_svg(job, draw_trace))), "")
+        curve = ""
+        if shown:
+            curve = curves.get((shown[0].job_id, _published(shown[0])), lambda: loss_curve_svg(shown[0]))
+        timeline = next((svg for job in shown if (svg := timeline_svg(job, draw_trace, timelines))), "")
         body = render(_server_rows(servers), _job_rows(shown), curve, timeline, address)
         return Response(body.encode(), "text/html; charset=utf-8")
 

@@ -31,6 +31,7 @@ _API = {
     "DataConfig": "interleaf.coordinator.config",
     "CheckpointConfig": "interleaf.coordinator.config",
     "RecoveryConfig": "interleaf.coordinator.config",
+    "TraceConfig": "interleaf.coordinator.config",
     "ConfigError": "interleaf.coordinator.config",
 }
 __all__ = sorted(_API)

@@ -65,9 +65,10 @@ class HttpServer:
                                       {k.lower(): v for k, v in handler.headers.items()})
                     try:
                         response = route(request)
-                    except Exception as err:  # one bad page must not take the server down
+                    except Exception:  # one bad page must not take the server down
+                        # The detail (paths, config values) stays in the log: this port is unauthenticated.
                         log.exception("GET %s", url.path)
-                        response = Response(f"{type(err).__name__}: {err}\n".encode(), status=500)
+                        response = Response(b"internal error; the detail is in the server's log\n", status=500)
                 handler.send_response(response.status)
                 handler.send_header("Content-Type", response.content_type)
                 handler.send_header("Content-Length", str(len(response.body)))

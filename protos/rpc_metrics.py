@@ -3,7 +3,9 @@
 A server interceptor wraps every method's handler: a unary call is timed from the
 handler's start to its return, a streaming one until its last message is sent (a
 RunSteps stream: the whole block of steps). Installed first, outside the token check,
-so refused calls are counted too (code UNAUTHENTICATED).
+so refused calls are counted too (code UNAUTHENTICATED). A call its client gave up on
+(a watcher that stops following, a RunSteps stream of a torn-down job) is counted
+CANCELLED, or DEADLINE_EXCEEDED when its deadline passed, rather than UNKNOWN or OK.
 """
 
 from __future__ import annotations
@@ -44,6 +46,12 @@ class RpcLatency(grpc.ServerInterceptor):
 
     def _observe(self, method: str, context, started: float, failed: bool) -> None:
         code = context.code() if hasattr(context, "code") else None
+        # The client went away: the handler failed writing to it, or (a watcher's stream,
+        # which follows while context.is_active()) ended because of it.
+        if code is None and not context.is_active():
+            remaining = context.time_remaining()
+            code = grpc.StatusCode.DEADLINE_EXCEEDED if remaining is not None and remaining <= 0 \
+                else grpc.StatusCode.CANCELLED
         if code is None:
             code = grpc.StatusCode.UNKNOWN if failed else grpc.StatusCode.OK
         self.seconds.labels(method, code.name).observe(time.perf_counter() - started)

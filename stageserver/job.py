@@ -35,7 +35,7 @@ class JobRejected(ValueError):
 
 class StageJob:
     def __init__(self, request: pb.SetupRequest, hostname: str, device: torch.device = torch.device("cpu"),
-                 spool_root: pathlib.Path | None = None):
+                 spool_root: pathlib.Path | None = None, metered: bool = True):
         try:
             check_setup(request)
         except SetupError as err:
@@ -92,7 +92,9 @@ class StageJob:
         self.sampler = Sampler(self.data, t.seed, m.seq_len, t.global_batch // t.microbatches)
         self.model: ModelState | None = None
         self.executor: Executor | None = None
-        self.comm = CommMeter()  # every group's traffic, taken per step
+        # Every group's traffic, taken per step; None on a server with its metrics off
+        # (--metrics-port -1): its groups are then used as they are, and StepReport.comm stays empty.
+        self.comm = CommMeter() if metered else None
         self.writes = BackgroundWrites()
         self.spool = Spool(spool_root or default_root(), self.job_id, self.rank)
         # The ids of the groups this rank is member 0 of (see transport/groups.py).
@@ -113,10 +115,11 @@ class StageJob:
         try:
             for group in sorted(r.groups, key=lambda g: g.name):
                 role = group.name.split("/")[0]
-                groups[role] = metered(connect_group(
+                joined = connect_group(
                     self.transport, group.name, group_ids.get(group.name, b""), list(group.members), self.rank,
                     store=store, timeout_s=r.comm_timeout_s, hostname=self.hostname, device=self.device,
-                ), role, self.comm)
+                )
+                groups[role] = joined if self.comm is None else metered(joined, role, self.comm)
             last_chunk = r.grid.pp * r.vpp - 1
             self.model = ModelState(self.config, self.chunks, groups, self.sampler, self.train, last_chunk,
                                     zero=r.zero, device=self.device)
@@ -136,6 +139,8 @@ class StageJob:
         executor = self.executor  # read once: close() may clear it from another thread
         if executor is None:
             raise RuntimeError(f"job {self.job_id} is not connected")
+        if self.comm is None:
+            return executor.run_step(step, trace)
         self.comm.take()  # what moved between steps (a checkpoint's load) is no step's
         stats = executor.run_step(step, trace)
         stats.comm = self.comm.take()

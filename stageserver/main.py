@@ -125,20 +125,28 @@ def serve(coordinator: str, host: str, port: int, bind: str, threads: int, memor
     if where.type == "cuda":
         torch.cuda.set_device(where)  # this thread's; the gRPC handlers set it on theirs
     peak_flops = peak_flops or default_peak_flops(where)
-    metrics = StageMetrics(peak_flops=peak_flops)
-    server = wire.server(interceptors=(RpcLatency(metrics.registry),),
+    # metrics_port -1: no metrics at all, for those who do not want them and to measure
+    # what they cost (bench/observability_cost.py): no HTTP server, no RPC timing, no
+    # communication metering; the server registers with metrics port 0, which /sd skips.
+    observed = metrics_port >= 0
+    metrics = StageMetrics(peak_flops=peak_flops) if observed else None
+    server = wire.server(interceptors=(RpcLatency(metrics.registry),) if observed else (),
                          max_receive_bytes=wire.STAGE_SERVER_RECEIVE_BYTES)
-    service = StageServerService(host, where, pathlib.Path(spool_dir) if spool_dir else default_root(), metrics)
+    service = StageServerService(host, where, pathlib.Path(spool_dir) if spool_dir else default_root(), metrics,
+                                 observed=observed)
     rpc.add_StageServerServicer_to_server(service, server)
     health = Health(server, STAGE_SERVER)  # SERVING once registered
     bound = wire.listen(server, f"{bind}:{port}")
     server.start()
-    http = HttpServer({"/metrics": metrics_route(metrics.registry)}, bind, metrics_port).start()
+    http_port = 0  # what a server without metrics registers with: /sd leaves it out
+    if observed:
+        http_port = HttpServer({"/metrics": metrics_route(metrics.registry)}, bind, metrics_port).start().port
     stop = threading.Event()
     Registrar(coordinator, f"{host}:{bound}", host, stop, memory_bytes or device_memory_bytes(where),
-              str(where), service, orphan_timeout_s, http.port, peak_flops, health).start()
-    log.info("stage server on %s:%d (%s), metrics on http://%s:%d/metrics, coordinator %s, orphan timeout %g s",
-             host, bound, where, host, http.port, coordinator, orphan_timeout_s)
+              str(where), service, orphan_timeout_s, http_port, peak_flops, health).start()
+    log.info("stage server on %s:%d (%s), %s, coordinator %s, orphan timeout %g s", host, bound, where,
+             f"metrics on http://{host}:{http_port}/metrics" if observed else "metrics off", coordinator,
+             orphan_timeout_s)
 
     def shutdown(signum, _frame):
         if stop.is_set():  # a second signal: no more waiting

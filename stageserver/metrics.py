@@ -12,9 +12,9 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from interleaf.protos import interleaf_pb2 as pb
+from interleaf.protos.metric_buckets import STEP_BUCKETS
 
 LABELS = ["job", "rank", "stage"]
-STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 HELD = ("parameters", "gradients", "optimizer")
 PEAKS = ("parameters", "gradients", "activations", "communication")
 

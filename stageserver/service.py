@@ -2,7 +2,11 @@
 
 A job belongs to the coordinator incarnation that set it up (protos/incarnation.py):
 its control calls from any other are refused with PERMISSION_DENIED, and it is dropped
-when this server registers with a coordinator of another incarnation."""
+when this server registers with a coordinator of another incarnation. A Setup is taken
+only from the incarnation this server is registered with: a stale coordinator (replaced,
+or cut off while its successor took over) cannot start a job on it either. This guards
+against our own stale coordinators, not against strangers: the incarnation is no
+secret to any holder of the shared token."""
 
 from __future__ import annotations
 
@@ -28,14 +32,20 @@ log = logging.getLogger("interleaf.stageserver")
 
 class StageServerService(rpc.StageServerServicer):
     def __init__(self, hostname: str, device: torch.device = torch.device("cpu"),
-                 spool_root: pathlib.Path | None = None, metrics: StageMetrics | None = None):
+                 spool_root: pathlib.Path | None = None, metrics: StageMetrics | None = None,
+                 observed: bool = True):
+        """observed=False (--metrics-port -1): no metrics are kept, and the jobs' groups
+        are not metered (their StepReports carry no `comm`)."""
         self.hostname = hostname
-        self.metrics = metrics or StageMetrics()
+        self.metrics = (metrics or StageMetrics()) if observed else None
         self.device = device
         self.spool_root = spool_root or default_root()
         self._lock = threading.Lock()
         self._job: StageJob | None = None
         self._owner = ""  # the incarnation of the coordinator that set up self._job
+        # The incarnation of the coordinator this server is registered with: "" until it
+        # registers, as in-process callers (tests) send none.
+        self._registered = ""
 
     def _use_device(self) -> None:
         """gRPC runs handlers on pool threads, and a CUDA current device is per thread:
@@ -69,25 +79,41 @@ class StageServerService(rpc.StageServerServicer):
                           f"this call comes from incarnation {caller or '(none)'!r}: only the coordinator that "
                           f"set a job up controls it")
 
+    def _setup_refused(self, job_id: str, caller: str) -> tuple[grpc.StatusCode, str] | None:
+        """Why a Setup from `caller` is refused now (None if it is not); under the lock."""
+        if caller != self._registered:
+            return (grpc.StatusCode.PERMISSION_DENIED,
+                    f"this server is registered with coordinator incarnation {self._registered or '(none)'!r}; "
+                    f"a Setup from incarnation {caller or '(none)'!r} is refused: only the coordinator it is "
+                    f"registered with sets jobs up on it")
+        if self._job is not None and (self._job.job_id != job_id or self._owner != caller):
+            return (grpc.StatusCode.FAILED_PRECONDITION,
+                    f"server is busy with job {self._job.job_id} of coordinator incarnation "
+                    f"{self._owner or '(none)'!r}")
+        return None
+
     def Setup(self, request: pb.SetupRequest, context):
         self._use_device()
         caller = incarnation.of(context)
         with self._lock:
-            if self._job is not None and (self._job.job_id != request.job_id or self._owner != caller):
-                context.abort(
-                    grpc.StatusCode.FAILED_PRECONDITION,
-                    f"server is busy with job {self._job.job_id} of coordinator incarnation "
-                    f"{self._owner or '(none)'!r}",
-                )
+            refused = self._setup_refused(request.job_id, caller)
+        if refused:
+            context.abort(*refused)
         try:
-            job = StageJob(request, self.hostname, self.device, self.spool_root)
+            job = StageJob(request, self.hostname, self.device, self.spool_root, metered=self.metrics is not None)
         except JobRejected as err:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
         with self._lock:
-            if self._job is not None:
-                self._job.close()
-            self._job, self._owner = job, caller
-        self.metrics.start_job(job.job_id, job.rank, request.coordinates.pp)
+            refused = self._setup_refused(request.job_id, caller)  # registered elsewhere meanwhile
+            if not refused:
+                if self._job is not None:
+                    self._job.close()
+                self._job, self._owner = job, caller
+        if refused:
+            job.close()
+            context.abort(*refused)
+        if self.metrics is not None:
+            self.metrics.start_job(job.job_id, job.rank, request.coordinates.pp)
         return pb.SetupReply(
             data_tokens=len(job.data), data_sha256=job.data.sha256, device=str(self.device),
             group_ids=[pb.GroupId(name=n, id=i) for n, i in sorted(job.group_ids.items())],
@@ -139,7 +165,8 @@ class StageServerService(rpc.StageServerServicer):
                 comm=[pb.CommStat(op=op, group=group, seconds=seconds, bytes=size, calls=calls)
                       for op, group, seconds, size, calls in stats.comm],
             )
-            self.metrics.observe(report, job.request.coordinates.pp)
+            if self.metrics is not None:
+                self.metrics.observe(report, job.request.coordinates.pp)
             yield report
 
     def SaveState(self, request: pb.SaveRequest, context):
@@ -199,9 +226,11 @@ class StageServerService(rpc.StageServerServicer):
         return pb.Empty()
 
     def adopt(self, coordinator: str) -> None:
-        """This server registered with the coordinator of incarnation `coordinator`: a
-        job another incarnation set up has no one left to drive it or tear it down."""
+        """This server registered with the coordinator of incarnation `coordinator`: only
+        it sets jobs up here from now on, and a job another incarnation set up has no one
+        left to drive it or tear it down."""
         with self._lock:  # taken and let go at once: a Setup of the new one's may follow
+            self._registered = coordinator
             job, owner = self._job, self._owner
             if job is None or owner == coordinator:
                 return

@@ -1,6 +1,6 @@
 """Bounds, with no processes: every config value has an upper bound and floats must be
 finite (protos/limits.py); a stage server checks a SetupRequest whole; a job keeps a
-bounded event history; a registration names a real address."""
+bounded event history; a registration names a real address; servers long dead are forgotten."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import pytest
 from interleaf.coordinator.config import ConfigError, load_config
 from interleaf.coordinator.jobs import MAX_EVENTS, JobRecord
 from interleaf.coordinator.plan import ServerSlot, plan_job, setup_requests
+from interleaf.coordinator.registry import DEAD_AFTER_S, FORGET_DEAD_AFTER_S, Registry
 from interleaf.coordinator.service import _registration_refused, _submission_refused
 from interleaf.protos import interleaf_pb2 as pb
 from interleaf.protos import wire
@@ -73,6 +74,18 @@ def test_a_job_keeps_its_newest_events_and_counts_the_dropped():
     assert [e.step.step for e in replayed[:-1]] == list(range(6, MAX_EVENTS + 5))
     assert replayed[-1].status.state == "SUCCEEDED"
     assert record.status().last.step == MAX_EVENTS + 4
+
+
+def test_servers_dead_for_long_are_forgotten_unless_they_hold_a_job():
+    servers = Registry()
+    ids = [servers.register(f"127.0.0.1:{7000 + i}", "", "cpu", 1 << 30) for i in range(3)]
+    servers.claim("job-1-00001", lambda idle: [s for s in idle if s.server_id == ids[2]], timeout_s=1)
+    entries = {e.server_id: e for e in servers.servers()}
+    entries[ids[0]].last_seen -= DEAD_AFTER_S + 1  # dead a moment: still shown as DEAD
+    for busy_or_long_dead in ids[1:]:
+        entries[busy_or_long_dead].last_seen -= DEAD_AFTER_S + FORGET_DEAD_AFTER_S + 1
+    assert {e.server_id: e.state for e in servers.servers()} == {ids[0]: "DEAD", ids[2]: "DEAD"}
+    assert not servers.heartbeat(ids[1])  # the server hears NOT_FOUND and registers afresh
 
 
 @pytest.mark.parametrize("layout", [["parallel.pp=2"], ["parallel.dp=2", "parallel.tp=2", "parallel.pp=2"],

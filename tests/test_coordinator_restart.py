@@ -1,8 +1,10 @@
 """The coordinator killed with SIGKILL mid-job and started again on the same address and
 state db (issue 10, coordinator restart): the stage servers keep trying to register
 while it is gone, register again, let the dead incarnation's job go; the job resumes
-from its newest checkpoint and ends with the losses of a run never interrupted; ids
-never repeat; the dead incarnation's calls are refused; the servers take new jobs."""
+from its newest checkpoint and ends with the losses of a run never interrupted, under
+its submitted layout though it is elastic and the servers come back one by one (nothing
+was lost); ids never repeat; the dead incarnation's calls are refused; the servers take
+new jobs."""
 
 from __future__ import annotations
 
@@ -48,7 +50,8 @@ def test_a_killed_coordinator_restarts_and_its_job_resumes_with_the_uninterrupte
     cluster = LocalCluster(4, threads_per_server=1, log_dir=str(logs), steps_per_call=1)
     with cluster:
         client = cluster.client()
-        job_id = client.submit("", SETTINGS + [f"checkpoint.dir={tmp_path / 'ckpt'}", "checkpoint.every=2"]).job_id
+        job_id = client.submit("", SETTINGS + [f"checkpoint.dir={tmp_path / 'ckpt'}", "checkpoint.every=2",
+                                               "parallel.elastic=true"]).job_id
         before: list[pb.JobEvent] = []
         # Killed once step 5 is reported: the checkpoint of step 4 saved, or under way.
         _watch(client, job_id, before, until=lambda e: e.HasField("step") and e.step.step == 5)
@@ -97,7 +100,16 @@ def test_a_killed_coordinator_restarts_and_its_job_resumes_with_the_uninterrupte
         reasons = [e.status.reason for e in after if e.HasField("status") and e.status.state == "RECOVERING"]
         assert reasons and reasons[-1].startswith("coordinator restarted (the job was RUNNING at step")
         assert recovery.attempt == 0 and recovery.failure == "the coordinator restarted" and not recovery.lost
-        assert recovery.restart_step in (2, 4)  # its newest complete checkpoint
+        # Its newest complete checkpoint: the newest saved in its history before the kill
+        # (step 6's save may have completed before the kill, or not).
+        resumed_at = next(i for i, e in enumerate(after) if e.HasField("status") and e.status.state == "RECOVERING")
+        saved = [e.checkpoint.step for e in after[:resumed_at] if e.HasField("checkpoint") and
+                 e.checkpoint.kind == "saved"]
+        assert saved and recovery.restart_step == max(saved), (recovery.restart_step, saved)
+        # Elastic, yet under the submitted layout: a restart loses no server, so it
+        # waits for all four rather than shrink to the first two that register again.
+        assert (recovery.grid.dp, recovery.grid.pp, recovery.microbatches) == (2, 2, 4) and not recovery.resized
+        assert len(final.ranks) == 4
         print(f"coordinator down {DOWN_S:.0f} s; job running again {running - restarted:.2f} s after the restart "
               f"(process start included; {recovery.recover_seconds:.2f} s after the coordinator resumed it), "
               f"from step {recovery.restart_step}; {time.monotonic() - killed:.1f} s from kill to the end")

@@ -86,6 +86,16 @@ def test_smaller_layouts_keep_the_schedules_rules():
 @pytest.mark.parametrize("overrides,message", [
     (["parallel.elastic=true"], "parallel.elastic=true needs parallel.dp>=2 (dp=1 has no smaller"),
     (["parallel.dp=2", "parallel.elastic=yes"], "parallel.elastic='yes' must be true or false"),
+    # dp'=1 would run 8192 microbatches, beyond protos/limits.py's bound.
+    (["parallel.dp=2", "parallel.microbatches=4096", "train.global_batch=8192", "parallel.pp=1", "parallel.vpp=1",
+      "parallel.schedule=1f1b", "parallel.elastic=true"],
+     "parallel.elastic=true needs a smaller layout to go on with, and parallel.dp=2 with "
+     "parallel.microbatches=4096 has none: every dp' < 2 dividing dp*microbatches=8192 breaks a rule "
+     "(dp'=1: parallel.microbatches=8192 must be at most 4096)"),
+    # dp'=1 would plan pp*vpp*microbatches=32768 pipeline slots.
+    (["parallel.dp=2", "parallel.pp=4", "parallel.vpp=2", "parallel.microbatches=2048", "train.global_batch=4096",
+      "model.n_layers=8", "parallel.elastic=true"],
+     "(dp'=1: parallel.pp*parallel.vpp*parallel.microbatches=32768 must be at most 16384"),
 ])
 def test_elastic_is_validated_at_submit(overrides, message):
     with pytest.raises(ConfigError, match=re.escape(message)):

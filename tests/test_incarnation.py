@@ -1,6 +1,7 @@
-"""A stage server takes a job's control calls only from the coordinator incarnation that
-set it up, and lets a job go when it registers with another (protos/incarnation.py):
-a real stage-server gRPC service on loopback, its job set up and stepped for real."""
+"""A stage server takes a Setup only from the coordinator incarnation it is registered
+with, a job's control calls only from the incarnation that set it up, and lets a job go
+when it registers with another (protos/incarnation.py): a real stage-server gRPC
+service on loopback, its job set up and stepped for real."""
 
 from __future__ import annotations
 
@@ -57,6 +58,7 @@ def _refused(call) -> grpc.RpcError:
 
 def test_only_the_incarnation_that_set_a_job_up_controls_it(server):
     service, stubs, store = server
+    service.adopt(OLD)
     _setup(stubs[OLD], store, "owned")
     for who in (NEW, ""):
         for call in (lambda: stubs[who].Connect(pb.ConnectRequest(job_id="owned"), timeout=10),
@@ -66,11 +68,17 @@ def test_only_the_incarnation_that_set_a_job_up_controls_it(server):
             assert err.code() == grpc.StatusCode.PERMISSION_DENIED
             assert f"job 'owned' on this server belongs to coordinator incarnation {OLD!r}" in err.details()
             assert f"this call comes from incarnation {who or '(none)'!r}" in err.details()
-        # Nor may it set up a job of its own on the busy server, nor take this one over.
+        # Nor may it set up a job of its own, nor take this one over: the server is
+        # registered with OLD.
         for job_id in ("owned", "another"):
             err = _refused(lambda: _setup(stubs[who], store, job_id))
-            assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
-            assert err.details() == f"server is busy with job owned of coordinator incarnation {OLD!r}"
+            assert err.code() == grpc.StatusCode.PERMISSION_DENIED
+            assert err.details().startswith(f"this server is registered with coordinator incarnation {OLD!r}; "
+                                            f"a Setup from incarnation {who or '(none)'!r} is refused")
+    # The owner itself sets up no second job beside the first.
+    err = _refused(lambda: _setup(stubs[OLD], store, "another"))
+    assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert err.details() == f"server is busy with job owned of coordinator incarnation {OLD!r}"
     # The owner's calls go through, untouched by the refusals.
     stubs[OLD].Connect(pb.ConnectRequest(job_id="owned"), timeout=30)
     (report,) = stubs[OLD].RunSteps(pb.RunStepsRequest(job_id="owned", num_steps=1), timeout=60)
@@ -80,12 +88,19 @@ def test_only_the_incarnation_that_set_a_job_up_controls_it(server):
 
 def test_registering_with_another_incarnation_drops_the_stale_job(server):
     service, stubs, store = server
+    service.adopt(OLD)
     _setup(stubs[OLD], store, "stale")
     service.adopt(OLD)  # registered again with its own coordinator: kept
     stubs[OLD].Connect(pb.ConnectRequest(job_id="stale"), timeout=30)
     service.adopt(NEW)  # a newer coordinator's registration reply
     err = _refused(lambda: list(stubs[OLD].RunSteps(pb.RunStepsRequest(job_id="stale", num_steps=1), timeout=10)))
     assert err.code() == grpc.StatusCode.NOT_FOUND
+    # An idle server takes no job from the incarnation it left.
+    err = _refused(lambda: _setup(stubs[OLD], store, "late"))
+    assert err.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert err.details() == (f"this server is registered with coordinator incarnation {NEW!r}; a Setup from "
+                             f"incarnation {OLD!r} is refused: only the coordinator it is registered with sets "
+                             f"jobs up on it")
     # Free for the new coordinator's next job.
     _setup(stubs[NEW], store, "fresh")
     stubs[NEW].Connect(pb.ConnectRequest(job_id="fresh"), timeout=30)

@@ -70,3 +70,32 @@ def test_a_job_whose_config_no_longer_loads_fails_by_name(tmp_path):
     final = service.jobs.get(record.job_id)
     assert final.state == "FAILED" and not service.drivers
     assert final.error.startswith("its config no longer loads after the coordinator restarted: train.steps=-1")
+
+
+def test_a_cancel_asked_for_before_the_coordinator_died_ends_the_job_cancelled(tmp_path):
+    path = str(tmp_path / "state.db")
+    store = JobStore(path)
+    record = JobTable(store).create(load_config("", SETTINGS), "", SETTINGS)
+    record.set_state("RUNNING")
+    record.request_cancel()  # CancelJob answered; the coordinator dies before the job is CANCELLED
+    store.close()
+
+    service = CoordinatorService(("127.0.0.1", 0), job_store=JobStore(path))
+    service.resume_jobs()
+    final = service.jobs.get(record.job_id)
+    assert final.state == "CANCELLED" and not service.drivers
+    assert final.reason == "cancelled before the coordinator stopped; recorded after the restart"
+
+
+def test_a_full_disk_is_logged_and_the_job_and_its_watchers_go_on(tmp_path, caplog):
+    store = JobStore(str(tmp_path / "state.db"))
+    record = JobTable(store).create(load_config("", SETTINGS))
+    (pages,) = store._db.execute("PRAGMA page_count").fetchone()
+    store._db.execute(f"PRAGMA max_page_count = {pages}")  # the disk is full from here on
+    watcher = record.follow(poll_s=60)  # would wait a minute for an event not notified
+    for step in range(20):
+        record.add_step(pb.StepEvent(step=step, ranks=[pb.RankMemory(rank=r) for r in range(64)]))
+    assert record.step == 20 and [e.step.step for e in record.events] == list(range(20))
+    assert "could not store job" in caplog.text and "database or disk is full" in caplog.text
+    record.set_state("SUCCEEDED")
+    assert [e.WhichOneof("event") for e in watcher] == ["step"] * 20 + ["status"]

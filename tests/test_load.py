@@ -1,9 +1,15 @@
 """The coordinator under load (issue 10, "What it must show"): as many watchers as it
 serves, and threads calling GetJob and ListServers back to back, while a real job runs.
-Every watcher sees every step, every status call answers within STATUS_BOUND_S, and no
-stage server's heartbeats miss: the longest any server goes unheard, as the coordinator
-sees it, stays under GAP_FACTOR heartbeat intervals (a server is declared dead after
-DEAD_AFTER_S, five of them)."""
+Every watcher sees every step, status calls answer promptly (99% within
+STATUS_P99_BOUND_S, every one within STATUS_MAX_BOUND_S), and no stage server's
+heartbeats miss: the longest any server goes unheard, as the coordinator sees it, stays
+under GAP_FACTOR heartbeat intervals (a server is declared dead after DEAD_AFTER_S,
+five of them).
+
+The bounds leave room for one stall of the test machine (CI: 2 shared cores, a garbage
+collection or another process taking them for a second) yet stay clear of what breaks a
+job: a coordinator slow enough to let a heartbeat gap reach DEAD_AFTER_S would declare
+a live server dead, so gaps must stay two intervals short of it."""
 
 from __future__ import annotations
 
@@ -17,14 +23,21 @@ from tests.conftest import TINY
 
 STEPS = 30
 POLLERS = 4
-STATUS_BOUND_S = 1.0
-GAP_FACTOR = 2.0
-"""A heartbeat is sent every interval; one late by a whole interval is still far from dead."""
+STATUS_P99_BOUND_S = 0.5
+"""Thousands of calls (measured on 2 cores: median 3 ms, p99 22 ms): a stall of a second
+delays a handful, so their 99th percentile is the coordinator's, not one stall's."""
+STATUS_MAX_BOUND_S = 3.0
+"""Any one call, a stall included: far below DEAD_AFTER_S, so it cannot hide a
+coordinator that stops answering long enough to lose a server."""
+GAP_FACTOR = 3.0
+"""A heartbeat is sent every interval; one late by two intervals (a stall) is still two
+intervals short of dead."""
 SAMPLE_S = 0.05
 
 
 def test_heartbeats_and_status_calls_keep_time_under_watchers_and_polling(cluster, client):
-    assert GAP_FACTOR * HEARTBEAT_INTERVAL_S < DEAD_AFTER_S / 2
+    assert GAP_FACTOR * HEARTBEAT_INTERVAL_S <= DEAD_AFTER_S - 2 * HEARTBEAT_INTERVAL_S
+    assert STATUS_MAX_BOUND_S <= DEAD_AFTER_S - 2 * HEARTBEAT_INTERVAL_S
     before = {s.address: s.heartbeat_gap_max_s for s in client.servers()}
     status = client.submit("", TINY + [f"train.steps={STEPS}", "parallel.pp=1", "parallel.vpp=1", "parallel.dp=2"])
     job_id, done = status.job_id, threading.Event()
@@ -81,6 +94,7 @@ def test_heartbeats_and_status_calls_keep_time_under_watchers_and_polling(cluste
     print(f"\n{MAX_WATCHERS} watchers, {POLLERS} pollers: {len(latencies)} status calls, median "
           f"{statistics.median(latencies) * 1000:.1f} ms, p99 {p99 * 1000:.1f} ms, max {latencies[-1] * 1000:.1f} ms; "
           f"largest heartbeat gap {max(gaps.values()):.2f} s (interval {HEARTBEAT_INTERVAL_S} s)")
-    assert latencies[-1] < STATUS_BOUND_S, latencies[-5:]
+    assert p99 < STATUS_P99_BOUND_S, (p99, latencies[-5:])
+    assert latencies[-1] < STATUS_MAX_BOUND_S, latencies[-5:]
     assert all(gap < GAP_FACTOR * HEARTBEAT_INTERVAL_S for gap in gaps.values()), gaps
     assert set(gaps) >= {r.server_address for r in final.ranks}

@@ -1,7 +1,8 @@
 """Prometheus metrics end to end: a real local cluster (a coordinator and 2 stage servers
 as processes), a real Prometheus (Debian's `prometheus`) scraping it through the shipped
 docker/prometheus.yml with the coordinator's service discovery, and the figures held
-to what the jobs must have done."""
+to what the jobs must have done; with no cluster, the counting's own cases (past a job's
+kept history, concurrent scrapes, restarts, cancelled streams, failing pages, dead servers)."""
 
 from __future__ import annotations
 
@@ -11,20 +12,27 @@ import pathlib
 import shutil
 import socket
 import subprocess
+import threading
 import time
 import urllib.error
 import urllib.parse
 import urllib.request
+from concurrent import futures
 
 import grpc
 import pytest
+from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
 from interleaf.clients.launcher import LocalCluster
 from interleaf.coordinator.config import load_config
 from interleaf.coordinator.flops import flops_per_token
+from interleaf.coordinator.http_server import service_discovery
+from interleaf.coordinator.jobs import MAX_EVENTS, JobRecord
 from interleaf.coordinator.memory_model import bucket_sizes
+from interleaf.coordinator.metrics import CoordinatorMetrics
 from interleaf.coordinator.partition import partition
+from interleaf.coordinator.registry import DEAD_AFTER_S, Registry
 from interleaf.protos import interleaf_pb2 as pb
 from interleaf.protos import interleaf_pb2_grpc as rpc
 from interleaf.protos import wire
@@ -197,7 +205,9 @@ def test_prometheus_finds_every_server_and_every_dashboard_query_has_data(cluste
 
 
 def test_values_hold_to_what_the_job_did(cluster, client):
+    started = time.monotonic()
     final, steps = _run(client, DATA_PARALLEL)
+    elapsed = time.monotonic() - started
     config = load_config("", DATA_PARALLEL)
     job, n = final.job_id, config.train.steps
     coordinator = _samples(cluster.http_address)
@@ -205,18 +215,20 @@ def test_values_hold_to_what_the_job_did(cluster, client):
     peaks = [servers[r.server_address].peak_flops for r in final.ranks]
     assert all(p > 0 for p in peaks)
 
-    # Tokens: every step's global batch; tokens/s is the last step's. Over the job, the
-    # wall time its tokens/s imply (tokens over tokens/s, summed: the time from the first
-    # step's completion to the last's) is the steps' time plus the control plane between
-    # RunSteps blocks, less the overlap of ranks' steps; one step's alone is noisy
-    # (measured 0.58-1.83 of its step time: reports arrive in bursts).
+    # Tokens: every step's global batch; tokens/s is the last step's: its tokens over the
+    # coordinator's wall time from the previous step's completion (a RunSteps block's
+    # first step: from the block's start) to its own. Those intervals lie within the job's
+    # run, so their sum is at most the run's time as this test saw it; every rank's steps
+    # ran within them, so each rank's summed step time is at most their sum (below). Both
+    # hold however much control-plane time a loaded machine adds, unlike a ratio to the
+    # step time (measured 0.58-1.83 for one step: reports arrive in bursts).
     tokens = config.train.global_batch * config.model.seq_len
     assert _value(coordinator, "interleaf_tokens_total", job=job) == n * tokens
     assert _value(coordinator, "interleaf_tokens_per_second", job=job) == pytest.approx(
         steps[-1].tokens_per_second, rel=1e-12)
-    wall = sum(tokens / s.tokens_per_second for s in steps[1:])
-    agreement = sum(s.step_seconds for s in steps[1:]) / wall
-    assert 0.5 < agreement <= 1.1, agreement
+    assert len(steps) == n
+    wall = sum(tokens / s.tokens_per_second for s in steps)
+    assert wall <= elapsed, (wall, elapsed)
     assert _value(coordinator, "interleaf_step_seconds_count", job=job) == n
     assert _value(coordinator, "interleaf_step_seconds_sum", job=job) == pytest.approx(
         sum(s.step_seconds for s in steps), rel=1e-9)
@@ -245,6 +257,7 @@ def test_values_hold_to_what_the_job_did(cluster, client):
         comm_seconds = sum(s.value for s in samples if s.name == "interleaf_comm_seconds_total")
         step_sum = _value(samples, "interleaf_rank_step_seconds_sum", **mine)
         assert 0 < comm_seconds < step_sum
+        assert step_sum <= wall, (rank.rank, step_sum, wall)  # the tokens/s intervals hold its steps
 
         # Idle time is the step's time outside compute; the bubble ratio the last step's share.
         compute = _value(samples, "interleaf_rank_compute_seconds_total", **mine)
@@ -298,3 +311,95 @@ def test_rpc_latency_counts_every_call_by_method_and_code_refused_ones_too():
         for server, http, _ in endpoints:
             http.stop()
             server.stop(grace=None)
+
+
+def _counted(metrics: CoordinatorMetrics, name: str, job: str) -> float:
+    return metrics.registry.get_sample_value(name, {"job": job}) or 0.0
+
+
+def test_counters_count_every_event_past_the_kept_history_and_concurrent_scrapes_count_each_once():
+    """A job keeps its newest MAX_EVENTS events; the counters go on past them, counting
+    each event once however many scrapes run at the same time."""
+    record = JobRecord("job-1-00001", load_config("", DATA_PARALLEL))
+    metrics = CoordinatorMetrics(Registry(), lambda: [record])
+    scrapes = 4
+    for step in range(3 * MAX_EVENTS):
+        record.add_step(pb.StepEvent(step=step, tokens=1, step_seconds=0.01, tokens_per_second=100.0))
+        if step % 500 == 499:  # between scrapes, fewer steps than the history keeps
+            threads = [threading.Thread(target=metrics.update) for _ in range(scrapes)]
+            with record._changed:  # each scrape would read what it has counted, then wait here
+                for t in threads:
+                    t.start()
+                time.sleep(0.1)
+            for t in threads:
+                t.join()
+    metrics.update()
+    assert record.events_dropped == 2 * MAX_EVENTS
+    assert _counted(metrics, "interleaf_tokens_total", record.job_id) == 3 * MAX_EVENTS
+    assert _counted(metrics, "interleaf_step_seconds_count", record.job_id) == 3 * MAX_EVENTS
+
+
+def test_a_coordinator_restart_is_counted_apart_from_recoveries():
+    record = JobRecord("job-1-00001", load_config("", DATA_PARALLEL))
+    metrics = CoordinatorMetrics(Registry(), lambda: [record])
+    record.add_recovery(pb.RecoveryEvent(attempt=0, failure="the coordinator restarted", recover_seconds=9.0))
+    record.add_recovery(pb.RecoveryEvent(attempt=1, failure="lost", lost=["a:1", "b:2"], recover_seconds=2.0))
+    metrics.update()
+    job = record.job_id
+    assert _counted(metrics, "interleaf_coordinator_restarts_total", job) == 1
+    assert _counted(metrics, "interleaf_recoveries_total", job) == 1
+    assert _counted(metrics, "interleaf_lost_servers_total", job) == 2
+    assert _counted(metrics, "interleaf_recovery_seconds", job) == 2.0
+
+
+def test_a_stream_its_client_cancels_is_counted_cancelled():
+    registry = CollectorRegistry()
+
+    def forever(request, context):
+        while True:
+            yield b"x"
+            time.sleep(0.01)
+
+    handler = grpc.method_handlers_generic_handler("test.Streams", {
+        "Forever": grpc.unary_stream_rpc_method_handler(forever)})
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2), interceptors=(RpcLatency(registry),))
+    server.add_generic_rpc_handlers((handler,))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            call = channel.unary_stream("/test.Streams/Forever")(b"")
+            next(call)  # the stream is under way
+            call.cancel()
+        count = {"method": "Forever"}
+        deadline = time.monotonic() + 10  # the server sees the cancellation at its next message
+        while registry.get_sample_value("interleaf_rpc_server_seconds_count", {**count, "code": "CANCELLED"}) is None:
+            assert time.monotonic() < deadline, list(registry.collect())
+            time.sleep(0.05)
+        assert registry.get_sample_value("interleaf_rpc_server_seconds_count", {**count, "code": "UNKNOWN"}) is None
+    finally:
+        server.stop(grace=None)
+
+
+def test_a_failing_page_answers_500_without_its_detail():
+    def broken(request):
+        raise RuntimeError("/secret/path/of/the/coordinator")
+
+    http = HttpServer({"/broken": broken}, "127.0.0.1", 0).start()
+    try:
+        with pytest.raises(urllib.error.HTTPError) as failed:
+            _get(f"http://127.0.0.1:{http.port}/broken")
+        assert failed.value.code == 500
+        body = failed.value.read().decode()
+        assert "secret" not in body and "RuntimeError" not in body, body
+    finally:
+        http.stop()
+
+
+def test_service_discovery_leaves_out_dead_servers():
+    servers = Registry()
+    alive = servers.register("127.0.0.1:7001", "", "cpu", 1 << 30, metrics_port=9001)
+    servers.register("127.0.0.1:7002", "", "cpu", 1 << 30, metrics_port=9002)
+    dead = next(e for e in servers.servers() if e.address == "127.0.0.1:7002")
+    dead.last_seen -= DEAD_AFTER_S + 1
+    assert [g["labels"]["server_id"] for g in service_discovery(servers)] == [alive]

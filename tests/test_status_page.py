@@ -1,5 +1,6 @@
 """The coordinator's status page, rendered by a real headless Chromium: its servers, its
-jobs, the newest job's loss curve and its last executed timeline."""
+jobs, the newest job's loss curve and its last executed timeline; and, with no cluster,
+its figures drawn once for what they show."""
 
 from __future__ import annotations
 
@@ -12,6 +13,12 @@ import urllib.request
 import pytest
 
 from conftest import TINY, run_job
+from interleaf.coordinator import status_page
+from interleaf.coordinator.config import load_config
+from interleaf.coordinator.jobs import JobRecord
+from interleaf.coordinator.registry import Registry
+from interleaf.protos import interleaf_pb2 as pb
+from interleaf.protos.http import Request
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 LAYOUT = ["parallel.pp=2", "parallel.vpp=1", "parallel.schedule=1f1b", "train.steps=4"]
@@ -60,3 +67,43 @@ def test_page_renders_in_chromium(cluster, client, finished_job, tmp_path):
     shot = tmp_path / "status.png"
     taken = chromium(f"--screenshot={shot}", "--window-size=1280,1800", url)
     assert taken.returncode == 0 and shot.stat().st_size > 20_000, taken.stderr[-2000:]
+
+
+def test_figures_are_drawn_once_for_what_they_show(monkeypatch):
+    """Reloads redraw nothing; a new step redraws the loss curve, a step traced anew (a
+    re-run after a recovery: other start times) the timeline."""
+    from matplotlib.figure import Figure
+
+    drawn = {"curve": 0, "timeline": 0}
+    curve = status_page.loss_curve_svg
+
+    def count_curve(job):
+        drawn["curve"] += 1
+        return curve(job)
+
+    def draw(trace):
+        drawn["timeline"] += 1
+        return Figure()
+
+    def trace(step: int, started: float):
+        record.traces.add(pb.StepTrace(job_id=record.job_id),
+                          [pb.StepReport(step=step, rank=0, started_unix=started)])
+
+    monkeypatch.setattr(status_page, "loss_curve_svg", count_curve)
+    record = JobRecord("job-1-00001", load_config("", TINY))
+    page = status_page.routes(Registry(), lambda: [record], "127.0.0.1:1", draw)["/"]
+
+    def reload(n: int = 3) -> None:
+        for _ in range(n):
+            assert page(Request("/", {}, {})).status == 200
+
+    record.add_step(pb.StepEvent(step=0, loss=5.0))
+    trace(0, 100.0)
+    reload()
+    assert drawn == {"curve": 1, "timeline": 1}
+    record.add_step(pb.StepEvent(step=1, loss=4.0))
+    reload()
+    assert drawn == {"curve": 2, "timeline": 1}
+    trace(0, 200.0)
+    reload()
+    assert drawn == {"curve": 2, "timeline": 2}

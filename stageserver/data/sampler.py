@@ -32,14 +32,23 @@ class Sampler:
         self.seed = seed
         self.seq_len = seq_len
         self.rows = rows_per_microbatch
+        self._drawn = (-1, np.empty(0, dtype=np.int64))  # the last step's draws so far
 
     def offsets(self, step: int, microbatch: int) -> np.ndarray:
-        rng = np.random.default_rng([self.seed, step])
-        # A window is seq_len+1 tokens; the last one may end at the file's last token.
-        # The generator draws in sequence, so the step's first (microbatch+1)*rows
-        # draws are the same whatever the cut (tests/test_elastic.py checks it).
-        drawn = rng.integers(0, len(self.data) - self.seq_len, size=(microbatch + 1) * self.rows)
-        return drawn[microbatch * self.rows:]
+        """The offsets of the windows of one microbatch of a step."""
+        needed = (microbatch + 1) * self.rows
+        drawn_step, drawn = self._drawn  # one read: another thread may replace it
+        if drawn_step != step or len(drawn) < needed:
+            # One call drawing n values yields the first n of any longer call (the
+            # generator draws in sequence; tests/test_elastic.py checks it), so the step's
+            # draws are made again, at least twice as many, only when a microbatch lies
+            # beyond those kept: each step costs O(its rows), not O(microbatches * rows).
+            # A window is seq_len+1 tokens; the last one may end at the file's last token.
+            size = max(needed, 2 * len(drawn)) if drawn_step == step else needed
+            rng = np.random.default_rng([self.seed, step])
+            drawn = rng.integers(0, len(self.data) - self.seq_len, size=size)
+            self._drawn = (step, drawn)
+        return drawn[microbatch * self.rows:needed]
 
     def microbatch(self, step: int, microbatch: int, replica: int = 0, replicas: int = 1):
         """(inputs, targets), int64 [rows/replicas, seq_len], for one replica's slice."""
