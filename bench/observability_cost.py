@@ -50,10 +50,15 @@ MODELS = {
 }
 SCRAPE_INTERVAL_S = 1.0
 PROMETHEUS_ACCEPT = "application/openmetrics-text;version=1.0.0,text/plain;version=0.0.4;q=0.5,*/*;q=0.1"
-GPU_LOSS_TOLERANCE = 1e-2
-"""On a GPU the two sides may differ in the last bits (bf16, and attention's backward is
-not deterministic there); beyond bf16's bound (tests/test_zero_equivalence.py) they did
-not train the same run. On a CPU every job's losses must be identical."""
+GPU_FIRST_STEPS, GPU_FIRST_STEPS_TOLERANCE = 3, 1e-4
+"""On a GPU, jobs on the same weights and samples differ in the last bits: attention's
+backward and some reductions are not deterministic there. Over many bf16 steps those bits
+grow into percent-level loss differences between any two runs, observed or not (seen on
+an H100: 6e-2 between two unobserved jobs by step 64). So on a GPU the check is that
+(1) every job's first GPU_FIRST_STEPS losses agree within GPU_FIRST_STEPS_TOLERANCE, and
+(2) observed jobs differ from the first unobserved one no more than the other unobserved
+jobs do (twice their largest difference, at least): watching a job changes nothing the
+GPU's own run-to-run differences do not. On a CPU every job's losses must be identical."""
 
 
 class Scraper(threading.Thread):
@@ -220,10 +225,19 @@ def main() -> None:
         "max_relative_loss_difference": max(differences), "runs": runs,
     })
     print(f"results written to {args.out}")
-    tolerance = GPU_LOSS_TOLERANCE if args.device == "cuda" else 0.0
-    if max(differences) > tolerance:
+    if args.device == "cpu" and max(differences) > 0.0:
         raise SystemExit(f"the jobs did not train the same run: largest relative loss difference "
-                         f"{max(differences):.2e} > {tolerance:g}")
+                         f"{max(differences):.2e} > 0")
+    if args.device == "cuda":
+        first = max(max_relative_difference(r["losses"][:GPU_FIRST_STEPS], reference[:GPU_FIRST_STEPS])
+                    for side in runs for r in runs[side])
+        among_unobserved = max(max_relative_difference(r["losses"], reference) for r in runs["unobserved"][1:])
+        observed = max(max_relative_difference(r["losses"], reference) for r in runs["observed"])
+        print(f"GPU run-to-run: first {GPU_FIRST_STEPS} steps within {first:.1e}; over all steps, unobserved jobs "
+              f"differ from the first by up to {among_unobserved:.1e}, observed ones by up to {observed:.1e}")
+        if first > GPU_FIRST_STEPS_TOLERANCE or observed > 2 * among_unobserved:
+            raise SystemExit("the jobs did not train the same run: observed jobs differ from unobserved ones "
+                             "beyond the GPU's own run-to-run differences")
 
 
 if __name__ == "__main__":
