@@ -284,7 +284,8 @@ class JobDriver(threading.Thread):
     def _setup(self, plan: JobPlan, probes: list[pb.FileRef]) -> None:
         job = self.job
         prefix = f"{job.job_id}/{time.monotonic_ns()}"
-        requests = setup_requests(job.job_id, self.config, plan, (*self.store, prefix), COMM_TIMEOUT_S)
+        requests = setup_requests(job.job_id, self.config, plan, (*self.store, prefix), COMM_TIMEOUT_S,
+                                  data_microbatches=job.config.parallel.microbatches)
         for request in requests:
             request.probes.extend(probes)
 

@@ -111,8 +111,11 @@ def describe_state(config: JobConfig) -> str:
 
 
 def setup_requests(
-    job_id: str, config: JobConfig, plan: JobPlan, store: tuple[str, int, str], comm_timeout_s: float
+    job_id: str, config: JobConfig, plan: JobPlan, store: tuple[str, int, str], comm_timeout_s: float,
+    data_microbatches: int = 0,
 ) -> list[pb.SetupRequest]:
+    """`data_microbatches`: the submitted job's microbatches, whose cut defines the samples
+    (stageserver/data/sampler.py), when `config` runs another count (parallel.elastic)."""
     m, p, t = config.model, config.parallel, config.train
     host, port, prefix = store
     requests = []
@@ -135,7 +138,7 @@ def setup_requests(
                     steps=t.steps, global_batch=t.global_batch, lr=t.lr,
                     warmup_steps=t.warmup_steps, weight_decay=t.weight_decay,
                     grad_clip=t.grad_clip, seed=t.seed, microbatches=p.microbatches,
-                    precision=t.precision, recompute=t.recompute,
+                    precision=t.precision, recompute=t.recompute, data_microbatches=data_microbatches,
                 ),
                 data_source=config.data.source,
                 chunks=[

@@ -89,7 +89,8 @@ class StageJob:
                 f"model.vocab_size={m.vocab_size} must exceed every token id in "
                 f"data.source={request.data_source!r}, which holds id {largest}"
             )
-        self.sampler = Sampler(self.data, t.seed, m.seq_len, t.global_batch // t.microbatches)
+        self.sampler = Sampler(self.data, t.seed, m.seq_len, t.global_batch // t.microbatches,
+                               cut_rows=t.global_batch // (t.data_microbatches or t.microbatches))
         self.model: ModelState | None = None
         self.executor: Executor | None = None
         # Every group's traffic, taken per step; None on a server with its metrics off

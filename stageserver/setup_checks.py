@@ -55,6 +55,11 @@ def check_setup(r: pb.SetupRequest) -> None:
     if t.global_batch % (g.dp * t.microbatches):
         raise SetupError(f"train.global_batch={t.global_batch} must be divisible by "
                          f"grid.dp*train.microbatches={g.dp * t.microbatches}")
+    if t.data_microbatches:
+        _within("train.data_microbatches", t.data_microbatches, 1, MAXIMA["parallel.microbatches"])
+        if t.global_batch % t.data_microbatches:
+            raise SetupError(f"train.global_batch={t.global_batch} must be divisible by "
+                             f"train.data_microbatches={t.data_microbatches}")
     _within("train.warmup_steps", t.warmup_steps, 0, MAXIMA["train.warmup_steps"])
     if not (math.isfinite(t.lr) and t.lr > 0):
         raise SetupError(f"train.lr={t.lr} must be a finite number greater than 0")
