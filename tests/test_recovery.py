@@ -107,22 +107,23 @@ def test_no_recovery_without_a_lost_server_and_none_when_max_restarts_is_0(spare
     by_address[address] = process
 
 
-@pytest.mark.parametrize("every,found_by,within", [
-    # Stopped while the driver waits for steps: no rank finishes one within the progress
-    # deadline (2 s), before the heartbeats (5 s) say anything.
-    (3, "no progress: no rank finished a step within 2.0 s", (1.5, 5)),  # timed from the last report
-    # Stopped before a save: the driver waits on the stopped server's copy, and its
-    # missed heartbeats (one a second, dead after 5 s of silence) end that wait.
-    (2, "stopped heartbeating: none for 5 s", (4, 8)),  # the last heartbeat came up to 1 s before
+@pytest.mark.parametrize("every,progress_timeout_s,found_by,within", [
+    # A progress deadline (2 s) shorter than the heartbeats' 5 s: no rank finishes a step
+    # within it, before the heartbeats say anything.
+    (3, 2, "no progress: no rank finished a step within 2.0 s", (1.5, 5)),  # timed from the last report
+    # A long progress deadline: the stopped server's missed heartbeats (one a second, dead
+    # after 5 s of silence) find it, whether the driver then waits for steps or for the
+    # stopped server's part of a save (every=2 puts one right after the stop).
+    (2, 60, "stopped heartbeating: none for 5 s", (4, 8)),  # the last heartbeat came up to 1 s before
 ])
-def test_a_hung_server_is_found_and_replaced(spares, tmp_path, every, found_by, within):
+def test_a_hung_server_is_found_and_replaced(spares, tmp_path, every, progress_timeout_s, found_by, within):
     """SIGSTOP: the process is alive and its sockets open, so no call fails by itself.
     The job finds it by its progress deadline or the server's missed heartbeats, the
     stopped server answers nothing and is lost, and the job recovers on a spare."""
     cluster, client, by_address = spares
     settings = TINY + ["train.steps=8", "parallel.pp=2", "parallel.vpp=1", "parallel.schedule=1f1b"]
     status = client.submit("", settings + [f"checkpoint.dir={tmp_path}", f"checkpoint.every={every}",
-                                           "recovery.progress_timeout_s=2"])
+                                           f"recovery.progress_timeout_s={progress_timeout_s}"])
     events, stopped = [], {}
     for event in client.watch(status.job_id, timeout_s=300):
         events.append(event)

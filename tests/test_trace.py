@@ -7,6 +7,7 @@ from __future__ import annotations
 import collections
 import json
 import os
+import statistics
 import struct
 import subprocess
 import sys
@@ -166,13 +167,19 @@ on 2 cores: 0.26 executed against 0.09 predicted and 0.13 replayed)."""
     ["parallel.schedule=interleaved-1f1b", "parallel.vpp=2"],
 ], ids=["1f1b", "interleaved"])
 def test_executed_bubble_matches_the_simulator(client, layout):
-    final, _ = run_job(client, HEAVY + layout)
+    """Over the four steps after the first (each traced), the median difference: one step
+    in which a rank was descheduled between computes does not decide it."""
+    final, _ = run_job(client, HEAVY + layout + ["train.steps=5", "trace.steps=1,2,3,4"])
     assert final.state == "SUCCEEDED", final.error
-    trace = client.trace(final.job_id)
-    measured = traces.measured_bubble(trace)
-    predicted, _ = traces.predicted(trace)
-    replayed = traces.replayed(trace)
-    print(f"{layout[0]}: measured {measured:.4f}, predicted {predicted.bubble_fraction:.4f}, "
-          f"replayed {replayed.bubble_fraction:.4f}")
-    assert abs(measured - replayed.bubble_fraction) <= REPLAY_TOLERANCE
-    assert abs(measured - predicted.bubble_fraction) <= PREDICTION_TOLERANCE
+    to_replay, to_prediction = [], []
+    for step in (1, 2, 3, 4):
+        trace = client.trace(final.job_id, step)
+        measured = traces.measured_bubble(trace)
+        predicted, _ = traces.predicted(trace)
+        replayed = traces.replayed(trace)
+        print(f"{layout[0]} step {step}: measured {measured:.4f}, predicted {predicted.bubble_fraction:.4f}, "
+              f"replayed {replayed.bubble_fraction:.4f}")
+        to_replay.append(abs(measured - replayed.bubble_fraction))
+        to_prediction.append(abs(measured - predicted.bubble_fraction))
+    assert statistics.median(to_replay) <= REPLAY_TOLERANCE, to_replay
+    assert statistics.median(to_prediction) <= PREDICTION_TOLERANCE, to_prediction
