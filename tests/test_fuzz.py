@@ -26,6 +26,7 @@ from interleaf.coordinator.plan import ServerSlot, plan_job, setup_requests
 from interleaf.protos import interleaf_pb2 as pb
 from interleaf.protos import interleaf_pb2_grpc as rpc
 from interleaf.protos import wire
+from interleaf.protos.incarnation import AttachIncarnation
 from tests.conftest import TINY
 
 FUZZ = settings(max_examples=60, deadline=None, derandomize=True, database=None,
@@ -44,7 +45,14 @@ def fuzz_cluster(tmp_path_factory):
     with LocalCluster(2, threads_per_server=1, log_dir=str(tmp_path_factory.mktemp("fuzz-logs"))) as running:
         client = running.client()
         real = {s.address for s in client.servers()}
-        channels = {a: wire.channel(a, running.security) for a in [running.address, *sorted(real)]}
+        # The stage servers take Setups only from the coordinator they registered with: the
+        # fuzz speaks to them as that incarnation, learnt as any registering server learns it.
+        coordinator = wire.channel(running.address, running.security)
+        owner = rpc.CoordinatorStub(coordinator).RegisterServer(
+            pb.RegisterRequest(address="127.0.0.1:9", host="fuzz", device="cpu"), timeout=TIMEOUT_S).incarnation
+        channels = {running.address: coordinator}
+        channels.update({a: grpc.intercept_channel(wire.channel(a, running.security), AttachIncarnation(owner))
+                         for a in sorted(real)})
         yield running, client, real, channels
         for channel in channels.values():
             channel.close()
