@@ -51,6 +51,11 @@ def measured_bubble(trace: pb.StepTrace) -> float:
     return sum(r.idle_seconds for r in trace.reports) / total if total else 0.0
 
 
+def _measured_text(trace: pb.StepTrace) -> str:
+    idle, total = sum(r.idle_seconds for r in trace.reports), sum(r.step_seconds for r in trace.reports)
+    return f"bubble {measured_bubble(trace):.3f} (idle {idle:.3f} s of {total:.3f} rank-seconds)"
+
+
 def measured_costs(trace: pb.StepTrace) -> Costs:
     """Mean seconds of one chunk's forward, backward and of the update, over every rank."""
     def mean(kind: str) -> float:
@@ -194,9 +199,7 @@ def figure(trace: pb.StepTrace):
         bars = [picture.bar_of(parse(s.action), s.kind, (offset + s.start_seconds) * 1e3,
                                (offset + s.end_seconds) * 1e3, pp) for s in report.spans]
         rows.append((f"rank {report.rank} · dp{c.dp} pp{c.pp} tp{c.tp}", bars))
-    idle, total = sum(r.idle_seconds for r in trace.reports), sum(r.step_seconds for r in trace.reports)
-    executed = picture.Panel(f"executed: bubble {measured_bubble(trace):.3f} (idle {idle:.3f} s of "
-                             f"{total:.3f} rank-seconds)", rows)
+    executed = picture.Panel(f"executed: {_measured_text(trace)}", rows)
     result, costs = predicted(trace)
     ms = [[s._replace(start=s.start * 1e3, end=s.end * 1e3) for s in spans] for spans in result.timeline]
     prediction = picture.Panel(f"simulator's prediction ({_costs_text(costs)}): bubble {result.bubble_fraction:.3f}",
@@ -216,8 +219,7 @@ def summary(trace: pb.StepTrace) -> str:
         lines.append(f"{r.rank:<5} {c.dp:<3} {c.pp:<3} {c.tp:<3} {r.step_seconds:<9.4f} {r.compute_seconds:<10.4f} "
                      f"{r.idle_seconds:<9.4f} {bubble:.3f}")
     result, costs = predicted(trace)
-    idle, total = sum(r.idle_seconds for r in trace.reports), sum(r.step_seconds for r in trace.reports)
-    lines.append(f"measured bubble {measured_bubble(trace):.3f} (idle {idle:.3f} s of {total:.3f} rank-seconds)")
+    lines.append(f"measured {_measured_text(trace)}")
     lines.append(f"predicted bubble {result.bubble_fraction:.3f} (the simulator, {_costs_text(costs)})")
     lines.append(f"replayed bubble {replayed(trace).bubble_fraction:.3f} (the simulator, each compute taking "
                  f"what it took in this step)")

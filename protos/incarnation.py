@@ -15,7 +15,7 @@ import secrets
 
 import grpc
 
-from interleaf.protos.security import _CallDetails
+from interleaf.protos.security import AttachHeader
 
 HEADER = "interleaf-incarnation"
 
@@ -29,22 +29,6 @@ def of(context: grpc.ServicerContext) -> str:
     return dict(context.invocation_metadata() or ()).get(HEADER, "")
 
 
-class AttachIncarnation(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
-                        grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
+def AttachIncarnation(incarnation: str) -> AttachHeader:  # noqa: N802 - named as the interceptor it makes
     """Adds the incarnation to every call made on a channel, streams included."""
-
-    def __init__(self, incarnation: str):
-        self._header = (HEADER, incarnation)
-
-    def _details(self, d: grpc.ClientCallDetails) -> _CallDetails:
-        metadata = [m for m in (d.metadata or ()) if m[0] != HEADER] + [self._header]
-        return _CallDetails(d.method, d.timeout, metadata, d.credentials, d.wait_for_ready, d.compression)
-
-    def intercept_unary_unary(self, continuation, client_call_details, request):
-        return continuation(self._details(client_call_details), request)
-
-    def intercept_stream_unary(self, continuation, client_call_details, request_iterator):
-        return continuation(self._details(client_call_details), request_iterator)
-
-    intercept_unary_stream = intercept_unary_unary
-    intercept_stream_stream = intercept_stream_unary
+    return AttachHeader(HEADER, incarnation)

@@ -132,15 +132,16 @@ class _CallDetails(collections.namedtuple("_CallDetails", ("method", "timeout", 
     pass
 
 
-class AttachToken(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
-                  grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
-    """Adds the token to every call made on a channel, streams included."""
+class AttachHeader(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
+                   grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
+    """Adds one metadata header (replacing any of that name) to every call made on a
+    channel, streams included."""
 
-    def __init__(self, token: str):
-        self._header = (HEADER, f"Bearer {token}")
+    def __init__(self, name: str, value: str):
+        self._name, self._header = name, (name, value)
 
     def _details(self, d: grpc.ClientCallDetails) -> _CallDetails:
-        metadata = [m for m in (d.metadata or ()) if m[0] != HEADER] + [self._header]
+        metadata = [m for m in (d.metadata or ()) if m[0] != self._name] + [self._header]
         return _CallDetails(d.method, d.timeout, metadata, d.credentials, d.wait_for_ready, d.compression)
 
     def intercept_unary_unary(self, continuation, client_call_details, request):
@@ -151,6 +152,11 @@ class AttachToken(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterc
 
     intercept_unary_stream = intercept_unary_unary
     intercept_stream_stream = intercept_stream_unary
+
+
+def AttachToken(token: str) -> AttachHeader:  # noqa: N802 - named as the interceptor it makes
+    """Adds the token to every call made on a channel, streams included."""
+    return AttachHeader(HEADER, f"Bearer {token}")
 
 
 class RequireToken(grpc.ServerInterceptor):

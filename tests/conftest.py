@@ -5,8 +5,10 @@ single-process reference, computed once per distinct training setup."""
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import os
+import re
 import shutil
 import tempfile
 
@@ -54,6 +56,21 @@ def client(cluster):
     c = cluster.client()
     yield c
     c.close()
+
+
+@contextlib.contextmanager
+def servers_by_address(logs, servers: int = 4):
+    """A cluster of `servers` stage servers driven one step per call, for tests that kill
+    or stop servers: (cluster, client, {address: the server's process})."""
+    with LocalCluster(servers, threads_per_server=1, log_dir=str(logs), steps_per_call=1) as cluster:
+        client = cluster.client()
+        # Each server logs the address it serves on; the coordinator is process 0.
+        by_address = {re.search(r"stage server on (\S+) ", (logs / f"stage-server-{i}.log").read_text())[1]:
+                      cluster.processes[1 + i] for i in range(servers)}
+        try:
+            yield cluster, client, by_address
+        finally:
+            client.close()
 
 
 @functools.lru_cache(maxsize=None)

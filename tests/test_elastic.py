@@ -14,11 +14,10 @@ import numpy as np
 import pytest
 import torch
 
-from interleaf.clients.launcher import LocalCluster
 from interleaf.coordinator.config import ConfigError, load_config
 from interleaf.coordinator.elastic import smaller_layouts
 from interleaf.stageserver.data import Sampler, TokenFile, write_tokens
-from tests.conftest import TINY, layout_free, reference
+from tests.conftest import TINY, layout_free, reference, servers_by_address
 from tests.test_equivalence import LOSS_RTOL
 
 STEPS = 12
@@ -122,13 +121,8 @@ def test_elastic_is_validated_at_submit(overrides, message):
 @pytest.fixture(scope="module")
 def no_spares(tmp_path_factory):
     """A coordinator and four servers, each process known by its address."""
-    logs = tmp_path_factory.mktemp("elastic-logs")
-    with LocalCluster(4, threads_per_server=1, log_dir=str(logs), steps_per_call=1) as cluster:
-        client = cluster.client()
-        by_address = {re.search(r"stage server on (\S+) ", (logs / f"stage-server-{i}.log").read_text())[1]:
-                      cluster.processes[1 + i] for i in range(4)}
-        yield cluster, client, by_address
-        client.close()
+    with servers_by_address(tmp_path_factory.mktemp("elastic-logs")) as cluster:
+        yield cluster
 
 
 @pytest.mark.parametrize("layout,victim_rank,after,what", [

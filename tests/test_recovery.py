@@ -4,15 +4,13 @@ the losses of a run never interrupted (issue 10, recovery)."""
 
 from __future__ import annotations
 
-import re
 import signal
 import threading
 import time
 
 import pytest
 
-from interleaf.clients.launcher import LocalCluster
-from tests.conftest import TINY, layout_free, reference
+from tests.conftest import TINY, layout_free, reference, servers_by_address
 from tests.test_equivalence import LOSS_RTOL
 
 STEPS = 12
@@ -21,14 +19,8 @@ STEPS = 12
 @pytest.fixture(scope="module")
 def spares(tmp_path_factory):
     """A coordinator and four servers, each process known by its address."""
-    logs = tmp_path_factory.mktemp("recovery-logs")
-    with LocalCluster(4, threads_per_server=1, log_dir=str(logs), steps_per_call=1) as cluster:
-        client = cluster.client()
-        # Each server logs the address it serves on; the coordinator is process 0.
-        by_address = {re.search(r"stage server on (\S+) ", (logs / f"stage-server-{i}.log").read_text())[1]:
-                      cluster.processes[1 + i] for i in range(4)}
-        yield cluster, client, by_address
-        client.close()
+    with servers_by_address(tmp_path_factory.mktemp("recovery-logs")) as spares:
+        yield spares
 
 
 @pytest.mark.parametrize("layout,victim_rank,what", [
