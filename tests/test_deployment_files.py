@@ -50,10 +50,7 @@ def _flag(args: list[str], flag: str) -> str:
 
 def _docker_compose() -> str:
     found = shutil.which("docker-compose")
-    if found is None:
-        if os.environ.get("CI"):
-            pytest.fail("docker-compose is missing: .ci/run installs Debian's docker-compose")
-        pytest.skip("docker-compose is not installed (apt-get install docker-compose)")
+    assert found, "docker-compose is missing: .ci/run installs Debian's docker-compose (apt-get install docker-compose)"
     return found
 
 
