@@ -5,9 +5,9 @@ the status page draws.
 The measured bubble is the executed timeline's idle time: over all ranks, the part of
 their step time in which they ran no compute (forward, backward, weight update),
 sum(idle_seconds) / sum(step_seconds). The prediction simulates the same programs with
-the forward and backward costs of each chunk and the update's measured in the same step
-(means over its microbatches and ranks), and free communication: what the schedule
-alone would leave idle.
+the forward and backward costs of each chunk, and the update's and each kind of
+posting's on each stage, measured in the same step (means over its microbatches and
+ranks), and messages that travel in no time: what the schedule alone would leave idle.
 Ranks are lined up by when each began the step (StepReport.started_unix).
 """
 
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from interleaf.coordinator.schedule import CostModel, SimResult, simulate
 from interleaf.protos import interleaf_pb2 as pb
-from interleaf.protos.actions import Action, Kind, parse
+from interleaf.protos.actions import CATEGORIES, COMPUTE, Action, Kind, parse
 
 PREDICTION_LINKS = "eager"
 """The link semantics of the prediction. The executor never waits for a send (it is
@@ -68,34 +68,45 @@ def measured_costs(trace: pb.StepTrace) -> Costs:
 def predicted(trace: pb.StepTrace) -> tuple[SimResult, Costs]:
     """The simulator's prediction from the step's measured costs: each chunk's forward and
     backward take that chunk's mean over the step's microbatches (and over the stage's
-    data- and tensor-parallel ranks), the update its stage's mean; communication is free.
-    Per chunk, because chunks differ (the first holds the embedding, the last the head
-    and the loss). Also returns the overall means, for the titles."""
+    data- and tensor-parallel ranks), the update its stage's mean, and posting a send, a
+    receive or an exchange the stage's mean for that kind; the messages travel in no
+    time. Per chunk, because chunks differ (the first holds the embedding, the last the
+    head and the loss). Also returns the overall compute means, for the titles."""
     taken: dict[tuple, list[float]] = {}
     coords = _coords(trace)
     for report in trace.reports:
         for s in report.spans:
-            if s.kind in _COMPUTE_KINDS:
-                action = parse(s.action)
-                key = (s.kind, action.chunk) if action.chunk >= 0 else (s.kind, "stage", coords[report.rank].pp)
-                taken.setdefault(key, []).append(s.end_seconds - s.start_seconds)
+            if s.kind in _COMPUTE_KINDS or s.kind in _POSTING_KINDS:
+                taken.setdefault(_cost_key(parse(s.action), s.kind, coords[report.rank].pp), []).append(
+                    s.end_seconds - s.start_seconds)
     steps = programs(trace)
-    measured = [[_mean(taken.get((_CATEGORY[a.kind], a.chunk) if a.kind in (Kind.FORWARD, Kind.BACKWARD)
-                                 else ("update", "stage", rank))) if a.kind in _CATEGORY else None
-                 for a in program] for rank, program in enumerate(steps)]
+    measured = [[_mean(taken.get(_cost_key(a, CATEGORIES.get(a.kind), rank))) for a in program]
+                for rank, program in enumerate(steps)]
     return simulate(steps, CostModel(), links=PREDICTION_LINKS, measured=measured), measured_costs(trace)
 
 
+def _cost_key(action: Action, kind: str | None, stage: int) -> tuple:
+    """What a cost is averaged over in the prediction: a forward or backward with every
+    other of its chunk, the update and posting with the others of that kind on the stage."""
+    if action.kind in COMPUTE:
+        return kind, action.chunk
+    return kind, "stage", stage
+
+
 def replayed(trace: pb.StepTrace) -> SimResult:
-    """The simulator replaying the step: every compute takes what it took (per pipeline
-    rank, the mean over that stage's data- and tensor-parallel ranks), communication is
-    free. What the step's bubble would have been from the schedule and its compute times
-    alone: the executed bubble beyond it is communication and the executor's overhead."""
+    """The simulator replaying the step: every action takes what its rank spent in it
+    (per pipeline rank, the mean over that stage's data- and tensor-parallel ranks):
+    each compute its compute, each send, receive and exchange the executor's work
+    posting it; the messages themselves travel in no time, and every wait for another
+    rank is the simulator's. What the step's bubble would have been from the schedule
+    and the ranks' own work alone: the executed bubble beyond it is the transfers, the
+    executor's work between actions (reading samples included) and time the ranks were
+    not scheduled."""
     coords, taken = _coords(trace), {}
     for report in trace.reports:
         stage = taken.setdefault(coords[report.rank].pp, {})
         for s in report.spans:
-            if s.kind in _COMPUTE_KINDS:
+            if s.kind in _COMPUTE_KINDS or s.kind in _POSTING_KINDS:
                 stage.setdefault(s.action, []).append(s.end_seconds - s.start_seconds)
     steps = programs(trace)
     measured = [[_mean(taken[r].get(str(a))) for a in program] for r, program in enumerate(steps)]
@@ -103,7 +114,10 @@ def replayed(trace: pb.StepTrace) -> SimResult:
 
 
 _COMPUTE_KINDS = ("forward", "backward", "update")
-_CATEGORY = {Kind.FORWARD: "forward", Kind.BACKWARD: "backward", Kind.OPTIMIZER_STEP: "update"}
+_POSTING_KINDS = ("send", "recv", "exchange")
+"""Point-to-point actions, which the executor posts and never waits in (a receive is
+waited by its consumer, a send reaped once the network has it): their spans are the
+executor's own work."""
 
 
 def _mean(values: list[float] | None) -> float | None:
@@ -221,6 +235,6 @@ def summary(trace: pb.StepTrace) -> str:
     result, costs = predicted(trace)
     lines.append(f"measured {_measured_text(trace)}")
     lines.append(f"predicted bubble {result.bubble_fraction:.3f} (the simulator, {_costs_text(costs)})")
-    lines.append(f"replayed bubble {replayed(trace).bubble_fraction:.3f} (the simulator, each compute taking "
-                 f"what it took in this step)")
+    lines.append(f"replayed bubble {replayed(trace).bubble_fraction:.3f} (the simulator, each compute and each "
+                 f"posting taking what it took in this step)")
     return "\n".join(lines)

@@ -226,6 +226,26 @@ def test_reductions_and_optimizer_are_charged_and_tie_waits_for_both_ranks():
     assert ties[0][0].start != ties[2][0].start  # rank 2 finishes earlier and waits
 
 
+@pytest.mark.parametrize("links", ["eager", "rendezvous"])
+def test_replay_charges_posting_before_the_message_leaves(links):
+    # GPipe, pp=2, one microbatch: F0.0 SA0.0>1 RG0.0<1 B0.0 TIE OPT on rank 0 and
+    # RA1.0<0 F1.0 B1.0 SG1.0>0 TIE OPT on rank 1, replayed with measured computes
+    # (forward 1 s, backward 2 s) and posting (rank 0's send 0.5 s, rank 1's receive
+    # 0.25 s, rank 1's send 0.125 s).
+    programs = build_programs("gpipe", 2, 1, 1, dp=1)
+    costs = {"F0.0": 1.0, "B0.0": 2.0, "SA0.0>1": 0.5, "RA1.0<0": 0.25, "F1.0": 1.0, "B1.0": 2.0,
+             "SG1.0>0": 0.125}
+    result = simulate(programs, CostModel(), links=links,
+                      measured=[[costs.get(str(a)) for a in program] for program in programs])
+    spans = [{str(s.action): (s.start, s.end) for s in timeline} for timeline in result.timeline]
+    assert spans[0]["SA0.0>1"] == (1.0, 1.5)  # posting holds its rank
+    assert spans[1]["F1.0"] == (1.5, 2.5)  # the message left when its posting ended
+    assert spans[1]["SG1.0>0"] == (4.5, 4.625)
+    assert spans[0]["B0.0"] == (4.625, 6.625)
+    # Computes 6 s of the 2 x 6.625 rank-seconds; posting is idle time, as on a server.
+    assert result.bubble_fraction == pytest.approx(1 - 6.0 / 13.25)
+
+
 def test_cost_model_refuses_negative_costs():
     with pytest.raises(ValueError, match="CostModel.latency_s=-1"):
         CostModel(latency_s=-1)

@@ -106,8 +106,10 @@ def simulate(programs: list[list[Action]], cost: CostModel = CostModel(),
     """Runs every rank until it blocks, repeating until all are done or none can move.
 
     `measured` replays an executed step: per rank, per action of its program, the
-    seconds its compute took (None for an action that does not compute), in place of
-    the cost model's forward, backward and optimizer costs.
+    seconds its compute took, in place of the cost model's forward, backward and
+    optimizer costs, and for a send, receive or exchange the seconds the rank spent
+    posting it, before its messages leave or its wait begins (None: nothing measured,
+    the cost model's cost, which for posting is none).
 
     This computes the same times as a global event queue would: an action's start
     depends only on its own rank's previous action and on when the partners it waits
@@ -141,7 +143,7 @@ def simulate(programs: list[list[Action]], cost: CostModel = CostModel(),
             gathers[rank].pop(action.chunk, None)
             end = start
         elif action.p2p_ops():
-            end = link.complete(rank, action, start)
+            end = link.complete(rank, action, start + (own or 0.0))
             if end is None:
                 return False
         elif action.kind is Kind.REDUCE_TIED_GRADS:
