@@ -22,9 +22,13 @@ from interleaf.protos.actions import CATEGORIES, COMPUTE, Action, Kind, parse
 
 PREDICTION_LINKS = "eager"
 """The link semantics of the prediction. The executor never waits for a send (it is
-reaped later) and waits for a receive only when its consumer needs it, which eager links
-model; rendezvous links make each send wait for its receiver, which the programs are
-checked under for deadlock but which the executor on gloo does not do."""
+reaped later), which eager links model; rendezvous links make each send wait for its
+receiver, which the programs are checked under for deadlock but which the executor on
+gloo does not do. Eager links wait for a receive where the program posts it, the
+executor only where its consumer needs it: where a receive is posted ahead of its
+consumer (coordinator/schedule/fuse.py) and its message is late, the simulator idles
+the rank at the receive while the executor computed on, so it can predict more idle
+time than the executor had, never less."""
 
 
 @dataclass(frozen=True)
@@ -100,8 +104,9 @@ def replayed(trace: pb.StepTrace) -> SimResult:
     posting it; the messages themselves travel in no time, and every wait for another
     rank is the simulator's. What the step's bubble would have been from the schedule
     and the ranks' own work alone: the executed bubble beyond it is the transfers, the
-    executor's work between actions (reading samples included) and time the ranks were
-    not scheduled."""
+    collectives (data-parallel and tied-embedding all-reduces, ZeRO's reduce-scatters
+    and gathers, which cost nothing here), the executor's work between actions (reading
+    samples included) and time the ranks were not scheduled."""
     coords, taken = _coords(trace), {}
     for report in trace.reports:
         stage = taken.setdefault(coords[report.rank].pp, {})
@@ -117,7 +122,9 @@ _COMPUTE_KINDS = ("forward", "backward", "update")
 _POSTING_KINDS = ("send", "recv", "exchange")
 """Point-to-point actions, which the executor posts and never waits in (a receive is
 waited by its consumer, a send reaped once the network has it): their spans are the
-executor's own work."""
+executor's own work. (On NCCL, a communicator's first point-to-point call also connects
+to its peer and waits for it: a step traced first on a communicator, trace.steps=0 or
+the first after an elastic re-plan, charges that wait as posting.)"""
 
 
 def _mean(values: list[float] | None) -> float | None:

@@ -105,6 +105,19 @@ def test_zero3_working_set_is_bounded_by_the_prefetch(client):
     assert peaks["p0"] < peaks["p1"] and peaks["p0"] < peaks["zero2"]
 
 
+def test_sends_are_freed_as_the_network_takes_them(client):
+    """Sixteen microbatches of interleaved 1F1B (pp=2, vpp=2), each rank sending 48 activations and
+    gradients a step: the model frees each send at once, the executor when it reaps it,
+    one action later. Gloo's sends said they were complete only once waited, and were
+    held to the step's end: the communication peak came out 5.7 and 10.7 times the
+    model's; reaped by a thread per group, it equalled the model's on both ranks."""
+    sets = ["parallel.pp=2", "parallel.vpp=2", "parallel.microbatches=16", "train.global_batch=32",
+            "parallel.schedule=interleaved-1f1b"]
+    _, pairs = _measured_and_predicted(client, sets)
+    for measured, predicted in pairs:
+        assert measured.communication_peak_bytes <= 2 * predicted["communication_peak_bytes"], measured.rank
+
+
 def test_recompute_lowers_the_activation_peak_by_the_predicted_amount(client):
     base = ["parallel.dp=2", "parallel.pp=2", "parallel.vpp=2", "parallel.zero=1"]
     _, plain = _measured_and_predicted(client, base)

@@ -8,6 +8,8 @@ and comparisons are equality.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from gloo_world import run_world
@@ -75,6 +77,19 @@ def _verbs(rank: int, t, size: int) -> dict:
         work.wait()
     out["ring"] = received
 
+    # A send the network has taken says so without being waited (the executor reaps its
+    # sends by asking, and frees what they held): every receive has landed once the
+    # barrier is passed, so every send has completed.
+    sent = t.send(_message(rank, 0), right, 0)
+    landed = torch.zeros(2)
+    t.recv(landed, left, 0).wait()
+    t.all_reduce(torch.zeros(1))
+    deadline = time.monotonic() + 10
+    while not sent.is_completed() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    out["send_completed_unwaited"] = sent.is_completed()
+    sent.wait()
+
     x = torch.arange(6, dtype=torch.float32) + 10 * rank
     assert t.all_reduce(x) is None
     out["all_reduce"] = x
@@ -119,6 +134,11 @@ def test_tagged_send_recv_matches_by_tag_across_a_ring(world):
         left = (rank - 1) % size
         for tag in TAGS:
             assert torch.equal(r["ring"][tag], _message(left, tag)), (rank, tag)
+
+
+def test_a_taken_send_is_completed_without_being_waited(world):
+    _, results = world
+    assert [r["send_completed_unwaited"] for r in results] == [True] * len(results)
 
 
 def test_all_reduce_sums(world):

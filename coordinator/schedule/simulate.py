@@ -1,6 +1,7 @@
 """Runs all ranks' programs together against a cost model: step time, bubble, deadlock.
 
-Compute and reductions occupy their rank; sends, receives and exchanges complete as the
+Compute and reductions occupy their rank, and so does posting a send, receive or
+exchange when a replay measured it; sends, receives and exchanges complete as the
 link semantics say (`links.py`: "rendezvous" by default, a send completing only when
 its peer reaches the matching receive, or "eager", sends buffered without limit); the
 tie reduction completes when both of its ranks have reached it. A parameter gather runs
@@ -54,7 +55,8 @@ class CostModel:
 
 
 class Span(NamedTuple):
-    """One action's time on its rank; for a receive, the time spent waiting for it."""
+    """One action's time on its rank; for a receive, the time spent posting it and then
+    waiting for its message."""
     action: Action
     start: float
     end: float

@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import datetime
+import queue
+import threading
 
 import torch
 import torch.distributed as dist
@@ -17,9 +19,10 @@ class GlooTransport:
         self.rank = rank
         self.size = size
         self._group = group
+        self._sends = _SendReaper(name)
 
     def send(self, tensor: torch.Tensor, peer: int, tag: int):
-        return self._group.send([tensor], peer, tag)
+        return self._sends.reap(self._group.send([tensor], peer, tag))
 
     def recv(self, tensor: torch.Tensor, peer: int, tag: int):
         return self._group.recv([tensor], peer, tag)
@@ -76,6 +79,64 @@ class GlooTransport:
 
     def close(self) -> None:
         self._group.shutdown()
+        self._sends.close()
+
+
+class _SendReaper:
+    """Gloo's send works say they are complete only once waited (torch's SendWork has no
+    isCompleted of its own), so a step could not tell a send the network has taken from
+    one still going, and would hold every tensor it sent until its end. One thread per
+    group waits each send, in posting order, and marks it done: `is_completed` then
+    answers without blocking. Started with the group's first send."""
+
+    def __init__(self, name: str):
+        self._name = name
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def reap(self, work) -> _ReapedSend:
+        send = _ReapedSend(work)
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name=f"gloo-sends-{self._name}", daemon=True)
+                self._thread.start()
+            self._queue.put(send)
+        return send
+
+    def _run(self) -> None:
+        while (send := self._queue.get()) is not None:
+            try:
+                send.work.wait()
+            except Exception as err:  # the group failed or was aborted: the sender's wait raises it
+                send.error = err
+            send.done.set()
+
+    def close(self) -> None:
+        """Ends the thread once the sends before it are done or failed (the group's
+        shutdown fails those still in flight); never waits for that."""
+        with self._lock:
+            if self._thread is not None:
+                self._queue.put(None)
+                self._thread = None
+
+
+class _ReapedSend:
+    """A send whose completion the group's reaper thread marks."""
+
+    def __init__(self, work):
+        self.work = work
+        self.done = threading.Event()
+        self.error: Exception | None = None
+
+    def wait(self) -> bool:
+        self.done.wait()
+        if self.error is not None:
+            raise self.error
+        return True
+
+    def is_completed(self) -> bool:
+        return self.done.is_set()
 
 
 class _AllOf:
