@@ -5,8 +5,9 @@ never gives out a job id twice.
 Kept per job: the config as submitted (TOML text and overrides), state, reason, error,
 steps completed, the newest checkpoint's manifest, whether its cancel was asked for (a
 coordinator that died before the job stopped ends it CANCELLED when started again,
-rather than run it again), and its newest MAX_STORED_EVENTS
-events (what watchers replay after a restart). Each event is written as it is
+rather than run it again), its newest MAX_STORED_EVENTS
+events (what watchers replay after a restart) and its traced steps (`interleaf trace`;
+trace.steps names at most 64). Each event is written as it is
 published, with the job's row, in one transaction: WAL with synchronous=NORMAL commits
 without an fsync each time and loses nothing when the process is killed (only an
 operating system crash can lose the last commits).
@@ -52,6 +53,12 @@ CREATE TABLE IF NOT EXISTS events (
     event BLOB NOT NULL          -- a serialized JobEvent
 );
 CREATE INDEX IF NOT EXISTS events_by_job ON events (job_id, id);
+CREATE TABLE IF NOT EXISTS traces (
+    job_id TEXT NOT NULL,
+    step INTEGER NOT NULL,
+    trace BLOB NOT NULL,         -- a serialized StepTrace, its traced_steps left empty
+    PRIMARY KEY (job_id, step)
+);
 """
 
 
@@ -122,6 +129,23 @@ class JobStore:
         except sqlite3.Error as err:
             raise JobStoreError(f"--state-db={self.path!r} could not store job {job_id}'s newest event ({state} at "
                                 f"step {step}): {err}") from None
+
+    def save_trace(self, job_id: str, trace: pb.StepTrace) -> None:
+        """A traced step; one run again after a recovery replaces the earlier run.
+        JobStoreError when the database refuses the write."""
+        try:
+            with self._lock, self._db:
+                self._db.execute("INSERT OR REPLACE INTO traces (job_id, step, trace) VALUES (?, ?, ?)",
+                                 (job_id, trace.step, trace.SerializeToString()))
+        except sqlite3.Error as err:
+            raise JobStoreError(f"--state-db={self.path!r} could not store job {job_id}'s trace of step "
+                                f"{trace.step}: {err}") from None
+
+    def load_traces(self, job_id: str) -> list[pb.StepTrace]:
+        """The job's traced steps, by step."""
+        with self._lock:
+            rows = self._db.execute("SELECT trace FROM traces WHERE job_id=? ORDER BY step", (job_id,)).fetchall()
+        return [pb.StepTrace.FromString(blob) for (blob,) in rows]
 
     def request_cancel(self, job_id: str) -> None:
         """Records that the job's cancel was asked for, before it is answered."""

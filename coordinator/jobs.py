@@ -39,11 +39,20 @@ class JobRecord:
     events: list = field(default_factory=list)
     events_dropped: int = 0
     cancel_requested: threading.Event = field(default_factory=threading.Event)
-    traces: Traces = field(default_factory=Traces, repr=False)  # in memory only: lost with a restart
+    traces: Traces = field(default_factory=Traces, repr=False)
     store: JobStore | None = field(default=None, repr=False)
 
     def __post_init__(self):
         self._changed = threading.Condition()
+        if self.store is not None:
+            self.traces = Traces(self.store.load_traces(self.job_id), persist=self._store_trace)
+
+    def _store_trace(self, trace: pb.StepTrace) -> None:
+        """A trace the store refuses (a full disk) is still served, until a restart."""
+        try:
+            self.store.save_trace(self.job_id, trace)
+        except JobStoreError as err:
+            log.error("job %s: %s; it is kept in memory only", self.job_id, err)
 
     @property
     def final(self) -> bool:

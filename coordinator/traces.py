@@ -1,6 +1,7 @@
 """A job's traced steps (trace.steps): every rank's StepReport with its action spans, kept
-with the job in the coordinator's memory for `interleaf trace` (GetTrace), each with the
-plan it ran under (an elastic job may be planned anew between two traced steps).
+with the job for `interleaf trace` (GetTrace), each with the plan it ran under (an
+elastic job may be planned anew between two traced steps). Each is written through to
+the job store as it is added, so a restarted coordinator still serves it.
 
 At most trace.steps' steps are kept (64), so a job's traces stay small: one step of
 pp=4, vpp=2, 16 microbatches is about 200 spans per rank.
@@ -9,6 +10,7 @@ pp=4, vpp=2, 16 microbatches is about 200 spans per rank.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable, Iterable
 
 from interleaf.coordinator.config import JobConfig
 from interleaf.coordinator.plan import JobPlan
@@ -34,9 +36,12 @@ def trace_plan(job_id: str, config: JobConfig, plan: JobPlan) -> pb.StepTrace:
 
 
 class Traces:
-    def __init__(self):
+    def __init__(self, stored: Iterable[pb.StepTrace] = (), persist: Callable[[pb.StepTrace], None] | None = None):
+        """`stored`: the job's traces a previous coordinator kept; `persist` writes each
+        new one through to the job store."""
         self._lock = threading.Lock()
-        self._steps: dict[int, pb.StepTrace] = {}
+        self._steps: dict[int, pb.StepTrace] = {trace.step: trace for trace in stored}
+        self._persist = persist
 
     def add(self, plan: pb.StepTrace, reports: list[pb.StepReport]) -> None:
         """Keeps a traced step (a step run again after a recovery replaces the earlier run)."""
@@ -46,6 +51,8 @@ class Traces:
         trace.reports.extend(sorted(reports, key=lambda r: r.rank))
         with self._lock:
             self._steps[trace.step] = trace
+        if self._persist is not None:
+            self._persist(trace)
 
     def steps(self) -> list[int]:
         with self._lock:

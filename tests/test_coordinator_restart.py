@@ -77,9 +77,13 @@ def test_a_killed_coordinator_restarts_and_its_job_resumes_with_the_uninterrupte
         new_incarnation = incarnations[-1]
         assert new_incarnation != old_incarnation
 
-        # Known by its id at once, recovering, its history replayed.
+        # Known by its id at once, recovering, its history replayed, and its traced step
+        # (trace.steps' default: the second and the last) from before the kill served.
         status = client.status(job_id)
         assert status.state in ("RECOVERING", "SETTING_UP", "RUNNING"), status
+        trace = client.trace(job_id, 1)
+        assert (trace.step, sorted(r.rank for r in trace.reports)) == (1, [0, 1, 2, 3])
+        assert all(r.spans for r in trace.reports)
         after: list[pb.JobEvent] = []
         _watch(client, job_id, after, until=lambda e: e.HasField("recovery"))
         (recovery,) = [e.recovery for e in after if e.HasField("recovery")]

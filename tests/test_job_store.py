@@ -1,6 +1,7 @@
 """The coordinator's job state in SQLite (coordinator/job_store.py), with no processes:
-what a restarted coordinator reads back, ids that never repeat, the bound on stored
-events, and the lock that keeps a second coordinator off the same database."""
+what a restarted coordinator reads back (traced steps included), ids that never repeat,
+the bound on stored events, and the lock that keeps a second coordinator off the same
+database."""
 
 from __future__ import annotations
 
@@ -99,3 +100,43 @@ def test_a_full_disk_is_logged_and_the_job_and_its_watchers_go_on(tmp_path, capl
     assert "could not store job" in caplog.text and "database or disk is full" in caplog.text
     record.set_state("SUCCEEDED")
     assert [e.WhichOneof("event") for e in watcher] == ["step"] * 20 + ["status"]
+
+
+def _traced(step: int, step_seconds: float) -> tuple[pb.StepTrace, list[pb.StepReport]]:
+    plan = pb.StepTrace(job_id="j", programs=[pb.PipelineProgram(pipeline_rank=0, actions=[pb.Action(text="F0.0")])],
+                        grid=pb.Coordinates(dp=1, pp=1, tp=1), schedule="1f1b", vpp=1, microbatches=1)
+    reports = [pb.StepReport(step=step, rank=r, step_seconds=step_seconds,
+                             spans=[pb.ActionSpan(action="F0.0", kind="forward", end_seconds=step_seconds)])
+               for r in (1, 0)]
+    return plan, reports
+
+
+def test_traced_steps_are_served_after_a_restart(tmp_path):
+    path = str(tmp_path / "state.db")
+    store = JobStore(path)
+    record = JobTable(store).create(load_config("", SETTINGS))
+    for step, seconds in [(1, 0.5), (4, 0.25), (1, 0.75)]:  # step 1 run again after a recovery
+        record.traces.add(*_traced(step, seconds))
+    before = {step: record.traces.get(step) for step in (1, 4)}
+    store.close()
+
+    again = JobTable(JobStore(path)).get(record.job_id)
+    assert again.traces.steps() == [1, 4]
+    for step in (1, 4):
+        assert again.traces.get(step) == before[step]
+    assert [r.rank for r in again.traces.get(1).reports] == [0, 1]
+    assert again.traces.get(1).reports[0].step_seconds == 0.75  # the later run of step 1
+    assert list(again.traces.get().traced_steps) == [1, 4]  # the newest, with every step traced
+
+
+def test_a_trace_the_store_refuses_is_served_from_memory(tmp_path, caplog):
+    store = JobStore(str(tmp_path / "state.db"))
+    record = JobTable(store).create(load_config("", SETTINGS))
+    (pages,) = store._db.execute("PRAGMA page_count").fetchone()
+    store._db.execute(f"PRAGMA max_page_count = {pages}")  # the disk is full from here on
+    plan, reports = _traced(2, 0.5)
+    reports = [pb.StepReport(step=2, rank=r, spans=[pb.ActionSpan(action="F0.0", kind="forward")] * 2000)
+               for r in range(8)]  # more than the free space left on the database's pages
+    record.traces.add(plan, reports)
+    assert "could not store job" in caplog.text and "trace of step 2" in caplog.text
+    assert record.traces.steps() == [2] and len(record.traces.get(2).reports) == 8
