@@ -137,7 +137,7 @@ class JobStore:
             with self._lock, self._db:
                 self._db.execute("INSERT OR REPLACE INTO traces (job_id, step, trace) VALUES (?, ?, ?)",
                                  (job_id, trace.step, trace.SerializeToString()))
-        except sqlite3.Error as err:
+        except (sqlite3.Error, OverflowError, ValueError) as err:  # a full disk; a trace of over 2 GiB
             raise JobStoreError(f"--state-db={self.path!r} could not store job {job_id}'s trace of step "
                                 f"{trace.step}: {err}") from None
 

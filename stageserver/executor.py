@@ -3,7 +3,8 @@
 The program comes from the coordinator (coordinator/schedule) and is the same every
 step. Receives and exchanges (one tick's sends and receives as one batch) are posted
 where the program puts them, often ahead of their consumer, and waited by the compute
-that needs what they receive; sends are reaped as the network takes them. The
+that needs what they receive; sends are reaped as the network takes them (an
+exchange's once its receives have been waited too). The
 coordinator accepts only programs that run to the end even if every send and receive
 were waited where posted, until its partner is there (rendezvous semantics, NCCL's),
 so waiting later cannot deadlock either. Reductions and

@@ -134,7 +134,7 @@ def test_a_trace_the_store_refuses_is_served_from_memory(tmp_path, caplog):
     record = JobTable(store).create(load_config("", SETTINGS))
     (pages,) = store._db.execute("PRAGMA page_count").fetchone()
     store._db.execute(f"PRAGMA max_page_count = {pages}")  # the disk is full from here on
-    plan, reports = _traced(2, 0.5)
+    plan, _ = _traced(2, 0.5)
     reports = [pb.StepReport(step=2, rank=r, spans=[pb.ActionSpan(action="F0.0", kind="forward")] * 2000)
                for r in range(8)]  # more than the free space left on the database's pages
     record.traces.add(plan, reports)

