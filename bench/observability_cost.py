@@ -37,7 +37,7 @@ from interleaf.coordinator.config import MAX_TRACED_STEPS
 
 # Siblings in bench/ (the script's own directory is first on sys.path).
 from interleaf_run import run_job
-from measure import machine, max_relative_difference, table, write_json
+from measure import machine, max_relative_difference, steady as steps_after_warmup, table, write_json
 
 MODELS = {
     # About 50 ms a step on 2 one-thread CPU processes: short enough that a per-step or
@@ -129,7 +129,7 @@ def steady(run: dict, key: str, warmup: int) -> list[float]:
     (the blocks that start after it)."""
     if key == "control_seconds":
         return [b["control_seconds"] for b in run["blocks"] if b["first_step"] >= warmup]
-    return run[key][warmup:]
+    return steps_after_warmup(run[key], warmup)
 
 
 def summarize(runs: list[dict], warmup: int) -> dict:

@@ -259,7 +259,8 @@ class JobDriver(threading.Thread):
             return None
 
         offer(job.config)
-        slots = self.registry.claim(job.job_id, choose, timeout_s=0.0)
+        # A job cancelled before its driver started (CancelJob during SubmitJob) claims nothing.
+        slots = None if job.cancel_requested.is_set() else self.registry.claim(job.job_id, choose, timeout_s=0.0)
         if slots is None and shrink:  # planned outside the registry's lock: it may take a while
             for config in smaller_layouts(job.config):
                 offer(config)

@@ -80,18 +80,19 @@ def predicted(trace: pb.StepTrace) -> tuple[SimResult, Costs]:
     coords = _coords(trace)
     for report in trace.reports:
         for s in report.spans:
-            if s.kind in _COMPUTE_KINDS or s.kind in _POSTING_KINDS:
-                taken.setdefault(_cost_key(parse(s.action), s.kind, coords[report.rank].pp), []).append(
+            if s.kind in _COSTED_KINDS:
+                taken.setdefault(_cost_key(parse(s.action), coords[report.rank].pp), []).append(
                     s.end_seconds - s.start_seconds)
     steps = programs(trace)
-    measured = [[_mean(taken.get(_cost_key(a, CATEGORIES.get(a.kind), rank))) for a in program]
-                for rank, program in enumerate(steps)]
+    measured = [[_mean(taken.get(_cost_key(a, rank))) for a in program] for rank, program in enumerate(steps)]
     return simulate(steps, CostModel(), links=PREDICTION_LINKS, measured=measured), measured_costs(trace)
 
 
-def _cost_key(action: Action, kind: str | None, stage: int) -> tuple:
+def _cost_key(action: Action, stage: int) -> tuple:
     """What a cost is averaged over in the prediction: a forward or backward with every
-    other of its chunk, the update and posting with the others of that kind on the stage."""
+    other of its chunk, the update and posting with the others of that kind on the stage
+    (a span's kind is its action's category)."""
+    kind = CATEGORIES.get(action.kind)
     if action.kind in COMPUTE:
         return kind, action.chunk
     return kind, "stage", stage
@@ -111,7 +112,7 @@ def replayed(trace: pb.StepTrace) -> SimResult:
     for report in trace.reports:
         stage = taken.setdefault(coords[report.rank].pp, {})
         for s in report.spans:
-            if s.kind in _COMPUTE_KINDS or s.kind in _POSTING_KINDS:
+            if s.kind in _COSTED_KINDS:
                 stage.setdefault(s.action, []).append(s.end_seconds - s.start_seconds)
     steps = programs(trace)
     measured = [[_mean(taken[r].get(str(a))) for a in program] for r, program in enumerate(steps)]
@@ -125,6 +126,8 @@ waited by its consumer, a send reaped once the network has it): their spans are 
 executor's own work. (On NCCL, a communicator's first point-to-point call also connects
 to its peer and waits for it: a step traced first on a communicator, trace.steps=0 or
 the first after an elastic re-plan, charges that wait as posting.)"""
+_COSTED_KINDS = _COMPUTE_KINDS + _POSTING_KINDS
+"""The spans whose durations the prediction and the replay charge."""
 
 
 def _mean(values: list[float] | None) -> float | None:

@@ -118,28 +118,20 @@ class JobStore:
              event: pb.JobEvent) -> None:
         """The job's row as it is now and one more event; older events beyond the bound go.
         JobStoreError when the database refuses the write (a full disk)."""
-        try:
-            with self._lock, self._db:
-                self._db.execute("UPDATE jobs SET state=?, reason=?, error=?, step=?, checkpoint=? WHERE job_id=?",
-                                 (state, reason, error, step, checkpoint, job_id))
-                self._db.execute("INSERT INTO events (job_id, event) VALUES (?, ?)",
-                                 (job_id, event.SerializeToString()))
-                self._db.execute("DELETE FROM events WHERE job_id=? AND id <= (SELECT id FROM events WHERE job_id=? "
-                                 "ORDER BY id DESC LIMIT 1 OFFSET ?)", (job_id, job_id, MAX_STORED_EVENTS))
-        except sqlite3.Error as err:
-            raise JobStoreError(f"--state-db={self.path!r} could not store job {job_id}'s newest event ({state} at "
-                                f"step {step}): {err}") from None
+        self._write(f"job {job_id}'s newest event ({state} at step {step})", [
+            ("UPDATE jobs SET state=?, reason=?, error=?, step=?, checkpoint=? WHERE job_id=?",
+             (state, reason, error, step, checkpoint, job_id)),
+            ("INSERT INTO events (job_id, event) VALUES (?, ?)", (job_id, event.SerializeToString())),
+            ("DELETE FROM events WHERE job_id=? AND id <= (SELECT id FROM events WHERE job_id=? "
+             "ORDER BY id DESC LIMIT 1 OFFSET ?)", (job_id, job_id, MAX_STORED_EVENTS)),
+        ])
 
     def save_trace(self, job_id: str, trace: pb.StepTrace) -> None:
         """A traced step; one run again after a recovery replaces the earlier run.
         JobStoreError when the database refuses the write."""
-        try:
-            with self._lock, self._db:
-                self._db.execute("INSERT OR REPLACE INTO traces (job_id, step, trace) VALUES (?, ?, ?)",
-                                 (job_id, trace.step, trace.SerializeToString()))
-        except (sqlite3.Error, OverflowError, ValueError) as err:  # a full disk; a trace of over 2 GiB
-            raise JobStoreError(f"--state-db={self.path!r} could not store job {job_id}'s trace of step "
-                                f"{trace.step}: {err}") from None
+        self._write(f"job {job_id}'s trace of step {trace.step}", lambda: [
+            ("INSERT OR REPLACE INTO traces (job_id, step, trace) VALUES (?, ?, ?)",
+             (job_id, trace.step, trace.SerializeToString()))])
 
     def load_traces(self, job_id: str) -> list[pb.StepTrace]:
         """The job's traced steps, by step."""
@@ -149,11 +141,18 @@ class JobStore:
 
     def request_cancel(self, job_id: str) -> None:
         """Records that the job's cancel was asked for, before it is answered."""
+        self._write(f"job {job_id}'s cancel", [("UPDATE jobs SET cancel_requested=1 WHERE job_id=?", (job_id,))])
+
+    def _write(self, what: str, statements) -> None:
+        """Runs `statements` ((sql, parameters) pairs, or a function making them) in one
+        transaction; JobStoreError naming `what` when the database refuses them (a full
+        disk) or a value cannot be stored (a message over protobuf's or SQLite's 2 GiB)."""
         try:
             with self._lock, self._db:
-                self._db.execute("UPDATE jobs SET cancel_requested=1 WHERE job_id=?", (job_id,))
-        except sqlite3.Error as err:
-            raise JobStoreError(f"--state-db={self.path!r} could not store job {job_id}'s cancel: {err}") from None
+                for sql, parameters in (statements() if callable(statements) else statements):
+                    self._db.execute(sql, parameters)
+        except (sqlite3.Error, OverflowError, ValueError) as err:
+            raise JobStoreError(f"--state-db={self.path!r} could not store {what}: {err}") from None
 
     def load(self, job_id: str) -> StoredJob | None:
         with self._lock:

@@ -39,13 +39,14 @@ class JobRecord:
     events: list = field(default_factory=list)
     events_dropped: int = 0
     cancel_requested: threading.Event = field(default_factory=threading.Event)
-    traces: Traces = field(default_factory=Traces, repr=False)
     store: JobStore | None = field(default=None, repr=False)
+    traces: Traces = field(init=False, repr=False)  # written through to the store, read back from it
 
     def __post_init__(self):
         self._changed = threading.Condition()
-        if self.store is not None:
-            self.traces = Traces(self.store.load_traces(self.job_id), persist=self._store_trace)
+        stored = self.store is not None
+        self.traces = Traces(self.store.load_traces(self.job_id) if stored else (),
+                             persist=self._store_trace if stored else None)
 
     def _store_trace(self, trace: pb.StepTrace) -> None:
         """A trace the store refuses (a full disk) is still served, until a restart."""

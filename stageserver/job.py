@@ -140,11 +140,11 @@ class StageJob:
         executor = self.executor  # read once: close() may clear it from another thread
         if executor is None:
             raise RuntimeError(f"job {self.job_id} is not connected")
-        if self.comm is None:
-            return executor.run_step(step, trace)
-        self.comm.take()  # what moved between steps (a checkpoint's load) is no step's
+        if self.comm is not None:
+            self.comm.take()  # what moved between steps (a checkpoint's load) is no step's
         stats = executor.run_step(step, trace)
-        stats.comm = self.comm.take()
+        if self.comm is not None:
+            stats.comm = self.comm.take()
         return stats
 
     def _local(self, path: str) -> str:

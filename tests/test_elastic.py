@@ -41,7 +41,7 @@ def test_a_steps_samples_are_the_same_however_it_is_cut(tmp_path):
 
     whole = step_rows(submitted, 1)
     assert whole.shape == (batch, 16)
-    for microbatches, replicas in [(4, 2), (8, 2), (4, 4), (16, 1), (8, 1), (16, 1)]:
+    for microbatches, replicas in [(4, 2), (8, 2), (4, 4), (16, 1), (8, 1)]:
         assert torch.equal(step_rows(microbatches, replicas), whole), (microbatches, replicas)
     assert not torch.equal(step_rows(submitted, 1, step=6), whole)  # another step
     # Run as submitted, microbatch j is block j: the samples of every earlier release.

@@ -18,7 +18,7 @@ from interleaf.coordinator import executed_step as traces
 from interleaf.coordinator.config import ConfigError, load_config
 from interleaf.coordinator.schedule import CostModel, build_programs, simulate
 from interleaf.protos import interleaf_pb2 as pb
-from interleaf.protos.actions import CATEGORIES, Kind, parse
+from interleaf.protos.actions import CATEGORIES, P2P, SENDS, Kind, parse
 from interleaf.protos.security import TOKEN_ENV
 from tests.conftest import TINY, run_job
 
@@ -203,15 +203,12 @@ def _simulated_trace(programs, cost_of) -> tuple[pb.StepTrace, object]:
     for rank, spans in enumerate(result.timeline):
         report = trace.reports.add(rank=rank, step=1, step_seconds=result.makespan_s, started_unix=1000.0)
         for (span, cost) in zip(spans, measured[rank]):
-            end = span.start + (cost or 0.0) if span.action.kind in RECVS_AND_SENDS else span.end
+            end = span.start + (cost or 0.0) if span.action.kind in P2P | {Kind.EXCHANGE} else span.end
             report.spans.add(action=str(span.action), kind=CATEGORIES[span.action.kind],
                              start_seconds=span.start, end_seconds=end)
         report.compute_seconds = result.busy_s[rank]
         report.idle_seconds = result.makespan_s - result.busy_s[rank]
     return trace, result
-
-
-RECVS_AND_SENDS = (Kind.SEND_ACT, Kind.SEND_GRAD, Kind.RECV_ACT, Kind.RECV_GRAD, Kind.EXCHANGE)
 
 
 def _uneven(rank: int, a) -> float | None:
@@ -222,7 +219,7 @@ def _uneven(rank: int, a) -> float | None:
         return 2.0 + 0.5 * (a.microbatch % 2)
     if a.kind is Kind.OPTIMIZER_STEP:
         return 0.25
-    return 0.05 if a.kind in (Kind.SEND_ACT, Kind.SEND_GRAD) else None
+    return 0.05 if a.kind in SENDS else None
 
 
 def _by_chunk(rank: int, a) -> float | None:
