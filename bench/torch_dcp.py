@@ -44,7 +44,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from interleaf.coordinator.config import JobConfig
-from interleaf.stageserver.model import GPTConfig, full_model
+from interleaf.stageserver.model import full_model, shape_of
 
 import data_parallel  # siblings in bench/
 import torch_training
@@ -103,7 +103,7 @@ def _state_bytes(state: dict) -> dict:
 def checkpoints(rank: int, config: JobConfig, folder: str, saves: int, every: int, sync_files: bool) -> dict:
     m, p, t = config.model, config.parallel, config.train
     replicas = data_parallel.check_layout(config, "DCP")
-    model = full_model(GPTConfig(m.n_layers, m.d_model, m.n_heads, m.seq_len, m.vocab_size), t.seed)
+    model = full_model(shape_of(m), t.seed)
     fully_shard(model, mesh=init_device_mesh("cpu", (replicas,)))
     params = list(model.parameters())
     optimizer, lr_schedule, sampler = torch_training.training_setup(config, [model])

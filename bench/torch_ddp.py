@@ -13,7 +13,7 @@ import contextlib
 from torch.nn.parallel import DistributedDataParallel
 
 from interleaf.coordinator.config import JobConfig
-from interleaf.stageserver.model import GPTConfig, full_model
+from interleaf.stageserver.model import full_model, shape_of
 
 import data_parallel  # siblings in bench/
 import memory
@@ -29,7 +29,7 @@ def train_with(rank: int, config: JobConfig, name: str, make_optimizer, optimize
     the state this rank holds (ZeRO-1's peer passes its sharded optimizer)."""
     m, p, t = config.model, config.parallel, config.train
     data_parallel.check_layout(config, name)
-    model = full_model(GPTConfig(m.n_layers, m.d_model, m.n_heads, m.seq_len, m.vocab_size), t.seed)
+    model = full_model(shape_of(m), t.seed)
     ddp = DistributedDataParallel(model)
     params = list(model.parameters())
     optimizer, lr_schedule, sampler = torch_training.training_setup(config, [model], make_optimizer)

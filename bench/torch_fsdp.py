@@ -33,7 +33,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from interleaf.coordinator.config import JobConfig
-from interleaf.stageserver.model import GPTConfig, full_model
+from interleaf.stageserver.model import full_model, shape_of
 
 import data_parallel  # siblings in bench/
 import memory
@@ -45,7 +45,7 @@ def train(rank: int, config: JobConfig, per_block: bool = True) -> dict:
     data_parallel.check_layout(config, "FSDP2")
     # Built whole from the seed on every rank, then sharded: the shards are slices of
     # the same initial weights every Interleaf layout starts from.
-    model = full_model(GPTConfig(m.n_layers, m.d_model, m.n_heads, m.seq_len, m.vocab_size), t.seed)
+    model = full_model(shape_of(m), t.seed)
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     if per_block:
         for block in model.h.values():

@@ -24,7 +24,7 @@ from torch.distributed.pipelining.schedules import PipelineScheduleMulti
 
 from interleaf.coordinator.config import JobConfig
 from interleaf.coordinator.partition import chunks_of, partition
-from interleaf.stageserver.model import GPTChunk, GPTConfig
+from interleaf.stageserver.model import ModelChunk, shape_of
 from interleaf.stageserver.transport import SoloTransport
 
 import torch_training  # sibling in bench/
@@ -35,9 +35,9 @@ SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved-1f1b": S
 class LogitsHead(nn.Module):
     """The last chunk returning logits instead of the loss: torch's schedules compute the
     loss themselves, from the last stage's output and the target, with loss_fn. The
-    compute is GPTChunk.forward's with the cross-entropy moved into loss_fn."""
+    compute is ModelChunk.forward's with the cross-entropy moved into loss_fn."""
 
-    def __init__(self, chunk: GPTChunk):
+    def __init__(self, chunk: ModelChunk):
         super().__init__()
         self.chunk = chunk
 
@@ -55,9 +55,9 @@ def train(rank: int, config: JobConfig) -> dict:
     m, p, t = config.model, config.parallel, config.train
     if p.pp != 2 or dist.get_world_size() != 2 or p.dp != 1 or p.tp != 1:
         raise ValueError("the pipeline peer runs pp=2, dp=tp=1 on 2 processes")
-    gpt = GPTConfig(m.n_layers, m.d_model, m.n_heads, m.seq_len, m.vocab_size)
+    gpt = shape_of(m)
     held = chunks_of(partition(m.n_layers, p.pp, p.vpp), rank)
-    chunks = [GPTChunk(gpt, c.layers, c.has_embedding, c.has_head, SoloTransport(), t.seed) for c in held]
+    chunks = [ModelChunk(gpt, c.layers, c.has_embedding, c.has_head, SoloTransport(), t.seed) for c in held]
     stages = [
         PipelineStage(LogitsHead(chunk) if c.has_head else chunk, c.index, p.pp * p.vpp, torch.device("cpu"))
         for c, chunk in zip(held, chunks)

@@ -14,11 +14,11 @@ import torch.distributed as dist
 
 from interleaf.coordinator.config import JobConfig
 from interleaf.stageserver.data import Sampler, resolve_source
-from interleaf.stageserver.model import GPTChunk
+from interleaf.stageserver.model import ModelChunk
 from interleaf.stageserver.optim import BETAS, EPS, Schedule, clip_coefficient
 
 
-def param_groups(chunks: list[GPTChunk], weight_decay: float) -> list[dict]:
+def param_groups(chunks: list[ModelChunk], weight_decay: float) -> list[dict]:
     """Interleaf's two groups: decayed (matrices, embeddings) and not (biases, norms).
     Names are read after any wrapping (fully_shard keeps them), so the parameters
     grouped are the ones the optimizer will see."""
@@ -30,7 +30,7 @@ def param_groups(chunks: list[GPTChunk], weight_decay: float) -> list[dict]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": plain, "weight_decay": 0.0}]
 
 
-def adamw(chunks: list[GPTChunk], weight_decay: float) -> torch.optim.AdamW:
+def adamw(chunks: list[ModelChunk], weight_decay: float) -> torch.optim.AdamW:
     return torch.optim.AdamW(param_groups(chunks, weight_decay), lr=0.0, betas=BETAS, eps=EPS)
 
 
@@ -59,7 +59,7 @@ def step(optimizer: torch.optim.AdamW, schedule: Schedule, step_index: int) -> N
     optimizer.step()
 
 
-def training_setup(config: JobConfig, chunks: list[GPTChunk], optimizer=adamw):
+def training_setup(config: JobConfig, chunks: list[ModelChunk], optimizer=adamw):
     """The peer's optimizer (`optimizer(chunks, weight_decay)`), learning-rate schedule
     and sampler, matched to Interleaf's."""
     m, p, t = config.model, config.parallel, config.train

@@ -17,14 +17,14 @@ import torch
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from interleaf.coordinator.config import JobConfig
-from interleaf.stageserver.model import GPTChunk
+from interleaf.stageserver.model import ModelChunk
 from interleaf.stageserver.optim import BETAS, EPS
 
 import torch_ddp  # siblings in bench/
 import torch_training
 
 
-def zero_redundancy_adamw(chunks: list[GPTChunk], weight_decay: float) -> ZeroRedundancyOptimizer:
+def zero_redundancy_adamw(chunks: list[ModelChunk], weight_decay: float) -> ZeroRedundancyOptimizer:
     # parameters_as_bucket_view: each rank's partition lives in one flat bucket, so the
     # post-step broadcast is one collective per rank, not one per parameter (torch's
     # default): the faster of torch's two ways, so the stronger baseline.

@@ -7,17 +7,17 @@ from __future__ import annotations
 import torch
 
 from interleaf.coordinator.checkpoints import Checkpoint, CheckpointError, find
-from interleaf.stageserver.model import GPTConfig
+from interleaf.stageserver.model import ModelShape
 from interleaf.stageserver.state_io import Pieces
 
 __all__ = ["Checkpoint", "CheckpointError", "find", "load_parameters", "model_config"]
 
 
-def model_config(checkpoint: Checkpoint) -> GPTConfig:
+def model_config(checkpoint: Checkpoint) -> ModelShape:
     if "model" not in checkpoint.manifest:
         raise CheckpointError(f"{checkpoint.manifest_path} does not record the model's shape "
                               f"(written by an older Interleaf)")
-    return GPTConfig(**checkpoint.manifest["model"])
+    return ModelShape(**checkpoint.manifest["model"])
 
 
 def load_parameters(checkpoint: Checkpoint) -> dict[str, torch.Tensor]:

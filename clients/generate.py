@@ -12,7 +12,7 @@ import torch
 from interleaf.clients.checkpoint import Checkpoint, load_parameters, model_config
 from interleaf.stageserver import safetensors
 from interleaf.stageserver.data.tokenizer import decode, encode
-from interleaf.stageserver.model.gpt import GPTChunk, full_model, next_token_logits
+from interleaf.stageserver.model.chunk import ModelChunk, full_model, next_token_logits
 
 
 EXPORT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp64": torch.float64}
@@ -33,7 +33,7 @@ def export(checkpoint: Checkpoint, out: str | pathlib.Path, dtype: str = "") -> 
     return len(params), sum(t.numel() for t in params.values())
 
 
-def load_model(checkpoint: Checkpoint) -> GPTChunk:
+def load_model(checkpoint: Checkpoint) -> ModelChunk:
     """The whole model in float32 on the CPU, with the checkpoint's weights."""
     model = full_model(model_config(checkpoint), seed=0)
     params = {name: t.float() for name, t in load_parameters(checkpoint).items()}
@@ -50,14 +50,14 @@ def check_sampling(tokens: int, temperature: float, top_k: int) -> None:
         raise ValueError(f"--top-k={top_k} must be 0 (no limit) or more")
 
 
-def generate(model: GPTChunk, prompt: str, tokens: int, temperature: float = 0.0, top_k: int = 0,
+def generate(model: ModelChunk, prompt: str, tokens: int, temperature: float = 0.0, top_k: int = 0,
              seed: int = 0) -> str:
     """The text that follows `prompt` (see generate_ids)."""
     return decode(generate_ids(model, prompt, tokens, temperature, top_k, seed))
 
 
 @torch.no_grad()
-def generate_ids(model: GPTChunk, prompt: str, tokens: int, temperature: float = 0.0, top_k: int = 0,
+def generate_ids(model: ModelChunk, prompt: str, tokens: int, temperature: float = 0.0, top_k: int = 0,
                  seed: int = 0) -> list[int]:
     """The token ids that follow `prompt`: greedy at temperature 0, else sampled from the
     softmax of logits/temperature over the top_k most likely tokens (all when 0), with

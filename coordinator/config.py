@@ -44,27 +44,92 @@ def _bounded(section: str, obj) -> None:
         raise ConfigError(why)
 
 
+ARCHS = ("gpt2", "llama")
+
+
+def llama_ffn_hidden(d_model: int) -> int:
+    """Llama's MLP width: 2/3 of GPT's 4·d_model (SwiGLU has three matrices, not two),
+    rounded up to a multiple of 256 (Touvron et al. 2023, section 2.2; Meta's
+    `multiple_of`)."""
+    return -(-(8 * d_model // 3) // 256) * 256
+
+
 @dataclass(frozen=True)
 class ModelConfig:
+    arch: str = "gpt2"
+    """gpt2 (LayerNorm, GELU MLP, learned positions, biases) or llama (RMSNorm, SwiGLU
+    MLP, rotary positions, grouped-query attention, no biases)."""
     n_layers: int = 4
     """Transformer blocks."""
     d_model: int = 128
     """Hidden size; must be divisible by n_heads."""
     n_heads: int = 4
     """Attention heads; divisible by parallel.tp (heads are split across tensor ranks)."""
+    n_kv_heads: int = 0
+    """Key/value heads (grouped-query attention, llama; 0: n_heads). Divides n_heads, and
+    is divisible by parallel.tp: key/value heads are split across tensor ranks too."""
+    ffn_hidden: int = 0
+    """MLP hidden size; 0: the architecture's rule (gpt2 4·d_model; llama 8/3·d_model
+    rounded up to a multiple of 256). Divisible by parallel.tp."""
     seq_len: int = 128
-    """Tokens per sample, and the number of learned positions."""
+    """Tokens per training sample (gpt2: also the number of learned positions)."""
     vocab_size: int = 256
-    """Token ids are in [0, vocab_size); the byte tokenizer needs 256. Divisible by
-    parallel.tp: the vocabulary is split across tensor ranks, never padded."""
+    """Token ids are in [0, vocab_size); the byte tokenizer needs 256."""
+    pad_vocab_to: int = 128
+    """The embedding and head are padded to a multiple of this times parallel.tp
+    (Megatron's make-vocab-size-divisible-by), so any vocabulary splits over any tp;
+    padded logits never enter the softmax, and checkpoints and exports hold the true
+    vocabulary only."""
+    norm_eps: float = 1e-5
+    """Epsilon of every LayerNorm (gpt2) or RMSNorm (llama)."""
+    rope_theta: float = 10000.0
+    """Base of llama's rotary position embedding (gpt2 has learned positions)."""
+    tie_embeddings: bool | None = None
+    """The output head reuses the input embedding's weights; default true for gpt2,
+    false for llama."""
 
     def __post_init__(self):
-        _positive("model", self, "n_layers", "d_model", "n_heads", "seq_len", "vocab_size")
+        if self.arch not in ARCHS:
+            raise ConfigError(f"model.arch={shown(self.arch)} must be one of {', '.join(ARCHS)}")
+        _positive("model", self, "n_layers", "d_model", "n_heads", "seq_len", "vocab_size", "pad_vocab_to")
+        for name in ("n_kv_heads", "ffn_hidden"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"model.{name}={getattr(self, name)} must be 0 (the default) or more")
+        # The architecture's defaults, resolved here so everything downstream (the wire,
+        # checkpoints, the memory model) sees one complete shape.
+        if not self.n_kv_heads:
+            object.__setattr__(self, "n_kv_heads", self.n_heads)
+        if not self.ffn_hidden:
+            ffn = 4 * self.d_model if self.arch == "gpt2" else llama_ffn_hidden(self.d_model)
+            object.__setattr__(self, "ffn_hidden", ffn)
+        if self.tie_embeddings is None:
+            object.__setattr__(self, "tie_embeddings", self.arch == "gpt2")
         _bounded("model", self)
         if self.d_model % self.n_heads:
             raise ConfigError(
                 f"model.d_model={self.d_model} must be divisible by model.n_heads={self.n_heads}"
             )
+        if self.n_heads % self.n_kv_heads:
+            raise ConfigError(f"model.n_kv_heads={self.n_kv_heads} must divide model.n_heads={self.n_heads}: "
+                              f"each key/value head serves a group of query heads")
+        if self.arch == "gpt2" and self.n_kv_heads != self.n_heads:
+            raise ConfigError(f"model.n_kv_heads={self.n_kv_heads} must equal model.n_heads={self.n_heads} "
+                              f"for model.arch='gpt2' (grouped-query attention is llama's)")
+        if self.arch == "llama" and self.head_dim % 2:
+            raise ConfigError(f"model.d_model/model.n_heads={self.head_dim} must be even for model.arch='llama': "
+                              f"rotary embeddings turn pairs of features")
+        if not (self.norm_eps > 0 and self.rope_theta > 0):
+            raise ConfigError(f"model.norm_eps={self.norm_eps} and model.rope_theta={self.rope_theta} "
+                              f"must be greater than 0")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    def padded_vocab(self, tp: int) -> int:
+        """vocab_size rounded up to a multiple of pad_vocab_to·tp (Megatron's rule)."""
+        multiple = self.pad_vocab_to * tp
+        return -(-self.vocab_size // multiple) * multiple
 
 
 @dataclass(frozen=True)
@@ -211,11 +276,18 @@ class DataConfig:
     source: str = "builtin"
     """'builtin' (the Python standard library's sources, tokenized by bytes and cached)
     or the path of a token file written by `interleaf data prepare`, readable on every
-    stage server."""
+    stage server. Several files blend: `a.bin:0.7,b.bin:0.3` draws each sample from one
+    of them in those proportions, deterministically."""
+    tokenizer: str = "bytes"
+    """How text becomes tokens (for `interleaf generate` and the check that the data fits
+    the model): 'bytes' (one token per UTF-8 byte, vocabulary 256), or the path of a
+    tokenizers `tokenizer.json` or of a Hugging Face model folder holding one."""
 
     def __post_init__(self):
         if not self.source.strip():
             raise ConfigError("data.source='' must be 'builtin' or a token file path")
+        if not self.tokenizer.strip():
+            raise ConfigError("data.tokenizer='' must be 'bytes' or the path of a tokenizer.json or model folder")
 
 
 @dataclass(frozen=True)
@@ -232,6 +304,10 @@ class CheckpointConfig:
     """A checkpoint to continue from (a manifest, a step folder, or a checkpoint.dir,
     whose newest complete step is taken), written under this or any other layout of the
     same model; training continues at its step with its optimizer state."""
+    init: str = ""
+    """Start this job (at step 0, with a fresh optimizer) from these weights: an
+    Interleaf checkpoint or a Hugging Face model folder (config.json and safetensors)
+    of LlamaForCausalLM or GPT2LMHeadModel, whose model section the job takes."""
 
     def __post_init__(self):
         _bounded("checkpoint", self)
@@ -310,10 +386,11 @@ class JobConfig:
             raise ConfigError(
                 f"model.n_heads={m.n_heads} must be divisible by parallel.tp={p.tp}"
             )
-        if m.vocab_size % p.tp:
-            raise ConfigError(
-                f"model.vocab_size={m.vocab_size} must be divisible by parallel.tp={p.tp}"
-            )
+        if m.n_kv_heads % p.tp:
+            raise ConfigError(f"model.n_kv_heads={m.n_kv_heads} must be divisible by parallel.tp={p.tp}: "
+                              f"key/value heads are split across tensor ranks")
+        if m.ffn_hidden % p.tp:
+            raise ConfigError(f"model.ffn_hidden={m.ffn_hidden} must be divisible by parallel.tp={p.tp}")
         if t.global_batch % (p.dp * p.microbatches):
             raise ConfigError(
                 f"train.global_batch={t.global_batch} must be divisible by "
@@ -369,7 +446,7 @@ def _convert(section: str, key: str, kind: type, value):
 
 
 def _field_types(cls) -> dict[str, type]:
-    hints = {"int": int, "float": float, "str": str, "bool": bool, "tuple[int, ...]": tuple}
+    hints = {"int": int, "float": float, "str": str, "bool": bool, "bool | None": bool, "tuple[int, ...]": tuple}
     return {f.name: hints[f.type] for f in dataclasses.fields(cls)}
 
 

@@ -65,7 +65,8 @@ def plan_programs(config: JobConfig) -> tuple[list[list[Action]], float]:
     under rendezvous semantics, or `DeadlockError`) and simulates it with uniform
     costs (forward = backward, free communication)."""
     p = config.parallel
-    programs = build_programs(p.schedule, p.pp, p.vpp, p.microbatches, p.dp, p.zero, p.zero_prefetch)
+    programs = build_programs(p.schedule, p.pp, p.vpp, p.microbatches, p.dp, p.zero, p.zero_prefetch,
+                              tied=config.model.tie_embeddings)
     validate_programs(programs, p.pp, p.vpp, p.microbatches, p.zero)
     result = simulate(programs, CostModel(forward_s=1.0, backward_s=1.0))
     return programs, result.bubble_fraction
@@ -132,7 +133,9 @@ def setup_requests(
                 vpp=p.vpp,
                 model=pb.ModelSpec(
                     n_layers=m.n_layers, d_model=m.d_model, n_heads=m.n_heads,
-                    seq_len=m.seq_len, vocab_size=m.vocab_size,
+                    seq_len=m.seq_len, vocab_size=m.vocab_size, arch=m.arch, n_kv_heads=m.n_kv_heads,
+                    ffn_hidden=m.ffn_hidden, norm_eps=m.norm_eps, rope_theta=m.rope_theta,
+                    tie_embeddings=m.tie_embeddings, pad_vocab_to=m.pad_vocab_to,
                 ),
                 train=pb.TrainSpec(
                     steps=t.steps, global_batch=t.global_batch, lr=t.lr,

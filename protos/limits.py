@@ -23,6 +23,11 @@ MAXIMA = {
     "model.n_heads": 1024,
     "model.seq_len": 1 << 20,
     "model.vocab_size": 1 << 24,  # token files hold uint16 or uint32 ids
+    "model.n_kv_heads": 1024,
+    "model.ffn_hidden": 1 << 20,
+    "model.pad_vocab_to": 1 << 16,
+    "model.norm_eps": 1.0,
+    "model.rope_theta": 1e12,
     "parallel.dp": 4096,
     "parallel.tp": 256,
     "parallel.pp": 1024,

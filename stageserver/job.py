@@ -19,10 +19,11 @@ from interleaf.protos.actions import parse
 from interleaf.protos import interleaf_pb2 as pb
 from interleaf.stageserver import safetensors, state_io
 from interleaf.stageserver.data import Sampler, resolve_source
+from interleaf.stageserver.data.vocab_check import data_too_big
 from interleaf.stageserver.background_writes import BackgroundWrites
 from interleaf.stageserver.setup_checks import SetupError, check_setup
 from interleaf.stageserver.executor import Executor, StepStats
-from interleaf.stageserver.model import GPTConfig
+from interleaf.stageserver.model import ModelShape
 from interleaf.stageserver.spool import Spool, default_root
 from interleaf.stageserver.model_state import DTYPES, ChunkPlan, ModelState, TrainPlan
 from interleaf.stageserver.transport.groups import TRANSPORTS, connect_group, make_group_id
@@ -47,7 +48,7 @@ class StageJob:
         self.hostname = hostname
         self.cancelled = threading.Event()
         m, t = request.model, request.train
-        self.config = GPTConfig(m.n_layers, m.d_model, m.n_heads, m.seq_len, m.vocab_size)
+        self.config = model_shape(m)
         try:
             self.program = [parse(a.text) for a in request.program]
         except ValueError as err:
@@ -83,6 +84,8 @@ class StageJob:
             self.data = resolve_source(request.data_source)
         except (OSError, ValueError) as err:
             raise JobRejected(str(err)) from None
+        if self.data.vocab_size is not None and self.data.vocab_size > m.vocab_size:
+            raise JobRejected(data_too_big(m.vocab_size, request.data_source, self.data.vocab_size))
         largest = int(np.max(self.data.tokens)) if len(self.data) else 0
         if largest >= m.vocab_size:
             raise JobRejected(
@@ -176,6 +179,14 @@ class StageJob:
             self.model.close()
             self.model = None
             self.executor = None
+
+
+def model_shape(m: pb.ModelSpec) -> ModelShape:
+    """The model a ModelSpec describes; its unset fields (0, "") are the defaults."""
+    return ModelShape(m.n_layers, m.d_model, m.n_heads, m.seq_len, m.vocab_size, arch=m.arch or "gpt2",
+                      n_kv_heads=m.n_kv_heads, ffn_hidden=m.ffn_hidden, pad_vocab_to=m.pad_vocab_to or 1,
+                      norm_eps=m.norm_eps or 1e-5, rope_theta=m.rope_theta or 10000.0,
+                      tie_embeddings=m.tie_embeddings if m.arch else None)
 
 
 def _check_transport(transport: str, device: torch.device) -> None:

@@ -17,8 +17,9 @@ from interleaf.protos.actions import Action
 from interleaf.stageserver.data import Sampler
 from interleaf.stageserver.buckets import BucketLayout
 from interleaf.stageserver.memory import MemoryLedger
-from interleaf.stageserver.model import GPTChunk, GPTConfig
-from interleaf.stageserver.model.gpt import TIED
+from interleaf.stageserver.model import ModelChunk, ModelShape
+from interleaf.stageserver.model.chunk import InitialValues
+from interleaf.stageserver.model.params import TIED
 from interleaf.stageserver.optim import Schedule, clip_coefficient, squared_norm
 from interleaf.stageserver.sharded_bucket import Pending, ShardedBucket
 from interleaf.stageserver.transport import Transport
@@ -52,7 +53,7 @@ class TrainPlan:
 class ModelState:
     def __init__(
         self,
-        config: GPTConfig,
+        config: ModelShape,
         chunks: list[ChunkPlan],
         groups: dict[str, Transport],
         sampler: Sampler,
@@ -60,7 +61,9 @@ class ModelState:
         last_chunk: int,
         zero: int = 0,
         device: torch.device = torch.device("cpu"),
+        initial: InitialValues | None = None,
     ):
+        """`initial`: the weights to start from (checkpoint.init), else (seed, name)'s."""
         self.config = config
         self.device = device
         self.groups = groups
@@ -73,17 +76,17 @@ class ModelState:
         self.schedule = Schedule(train.lr, train.warmup_steps, train.steps)
         self.last_chunk = last_chunk
         self.ledger = MemoryLedger()
-        self.chunks: dict[int, GPTChunk] = {}
+        self.chunks: dict[int, ModelChunk] = {}
         self.buckets: dict[int, list[ShardedBucket]] = {}
         self.tied: dict[int, ShardedBucket] = {}  # chunk -> its tied-embedding bucket
         self.norm_segments: dict[tuple[int, int], list[tuple[int, int]]] = {}
         for plan in chunks:
-            chunk = GPTChunk(config, plan.layers, plan.has_embedding, plan.has_head, self.tp, train.seed)
+            chunk = ModelChunk(config, plan.layers, plan.has_embedding, plan.has_head, self.tp, train.seed, initial)
             self.chunks[plan.index] = chunk
             self.buckets[plan.index] = self._bucketize(plan, chunk)
 
-    def _bucketize(self, plan: ChunkPlan, chunk: GPTChunk) -> list[ShardedBucket]:
-        """The tied embedding in a bucket of its own (see buckets.py), the rest in one."""
+    def _bucketize(self, plan: ChunkPlan, chunk: ModelChunk) -> list[ShardedBucket]:
+        """The input embedding in a bucket of its own (see buckets.py), the rest in one."""
         specs = chunk.param_specs()
         named = list(chunk.named_parameters())
         groups = [[(n, p) for n, p in named if n == TIED], [(n, p) for n, p in named if n != TIED]]
@@ -95,7 +98,7 @@ class ModelState:
                 n for n, _ in params if self._counts_toward_norm(plan, specs[n]))
             buckets.append(ShardedBucket(params, layout, self.zero, self.dtype, MASTER_DTYPES[self.dtype],
                                          self.dp, self.ledger, decayed, self.train.weight_decay, self.device))
-            if params[0][0] == TIED:
+            if specs[params[0][0]].tied:
                 self.tied[plan.index] = buckets[-1]
         return buckets
 

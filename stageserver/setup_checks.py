@@ -13,6 +13,7 @@ import math
 
 from interleaf.protos import interleaf_pb2 as pb
 from interleaf.protos.limits import MAX_RANKS, MAX_TEXT_CHARS, MAXIMA, shown
+from interleaf.stageserver.model.architectures import ARCHITECTURES
 
 MAX_JOB_ID_CHARS = 128
 """Job ids name spool folders and log lines; the coordinator's are job-N-NNNNN."""
@@ -46,9 +47,17 @@ def check_setup(r: pb.SetupRequest) -> None:
     _within("vpp", r.vpp, 1, MAXIMA["parallel.vpp"])
     for name in ("n_layers", "d_model", "n_heads", "seq_len", "vocab_size"):
         _within(f"model.{name}", getattr(m, name), 1, MAXIMA[f"model.{name}"])
-    if m.d_model % m.n_heads or m.n_heads % g.tp or m.vocab_size % g.tp:
-        raise SetupError(f"model.d_model={m.d_model}, model.n_heads={m.n_heads} and model.vocab_size="
-                         f"{m.vocab_size} must split: d_model by n_heads, n_heads and vocab_size by grid.tp={g.tp}")
+    if m.arch not in ("", *ARCHITECTURES):
+        raise SetupError(f"model.arch={shown(m.arch)} must be one of {', '.join(ARCHITECTURES)}")
+    for name in ("n_kv_heads", "ffn_hidden", "pad_vocab_to"):
+        _within(f"model.{name}", getattr(m, name), 0, MAXIMA[f"model.{name}"])
+    kv_heads, ffn = m.n_kv_heads or m.n_heads, m.ffn_hidden or 4 * m.d_model
+    if m.d_model % m.n_heads or m.n_heads % kv_heads or (m.n_heads | kv_heads | ffn) % g.tp:
+        raise SetupError(f"model.d_model={m.d_model}, model.n_heads={m.n_heads}, model.n_kv_heads={kv_heads} and "
+                         f"model.ffn_hidden={ffn} must split: d_model by n_heads, n_heads by n_kv_heads, and "
+                         f"n_heads, n_kv_heads and ffn_hidden by grid.tp={g.tp}")
+    for name in ("norm_eps", "rope_theta"):
+        _within(f"model.{name}", getattr(m, name), 0.0, MAXIMA[f"model.{name}"])
     _within("train.microbatches", t.microbatches, 1, MAXIMA["parallel.microbatches"])
     for name in ("steps", "global_batch"):
         _within(f"train.{name}", getattr(t, name), 1, MAXIMA[f"train.{name}"])

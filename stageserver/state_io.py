@@ -10,6 +10,10 @@ piece: data-parallel replicas of a ZeRO-0 bucket leave it to rank 0, tensor-repl
 parameters to tp rank 0, and the tied embedding's second copy (with the head) to the
 first chunk's, which holds the same values.
 
+A padded vocabulary (model.pad_vocab_to) is written without its padding: of the
+embedding's and head's local rows only those of real tokens, so the files hold the true
+vocabulary and load under a tp whose padding differs.
+
 What a rank reads: every file's header, and the pieces of the parameters it holds
 under the new layout (safetensors reads a tensor without the rest of its file). From
 them it rebuilds each of those parameters' full tensors (joining tensor-parallel
@@ -28,7 +32,7 @@ import math
 import torch
 
 from interleaf.stageserver import safetensors
-from interleaf.stageserver.model.tensor_parallel import tp_shard
+from interleaf.stageserver.model.params import shard, true_rows
 from interleaf.stageserver.model_state import ModelState
 
 KINDS = ("master", "exp_avg", "exp_avg_sq")
@@ -55,13 +59,17 @@ def collect(model: ModelState) -> tuple[dict[str, torch.Tensor], dict[str, str]]
                 if (spec.tied and not chunk.has_embedding) or (spec.tp_dim is None and tp.rank > 0):
                     continue  # another rank writes the same values
                 start, n = bucket.layout.offsets[name]
+                rows = true_rows(spec, tp.rank, tp.size)
+                if rows is not None:  # the padding rows come last: leave them out
+                    n = rows * math.prod(local[name][1:])
                 a, e = max(start, lo), min(start + n, hi)
                 if a >= e:
                     continue
                 for kind, buffer in buffers.items():
                     tensors[f"{name}|{kind}|{a - start}"] = buffer[a - lo:e - lo].detach().to("cpu", copy=True)
                 shapes[name] = [list(local[name]), spec.tp_dim, tp.rank if spec.tp_dim is not None else 0,
-                                tp.size if spec.tp_dim is not None else 1]
+                                tp.size if spec.tp_dim is not None else 1,
+                                None if rows is None else spec.full_shape[0]]
     return tensors, {"shapes": json.dumps(shapes), "steps": str(steps)}
 
 
@@ -73,7 +81,8 @@ class Pieces:
     def __init__(self, paths: list[str], wanted: dict[str, set[str]] | None = None,
                  kinds: tuple[str, ...] = KINDS):
         self.pieces: dict[tuple[str, str], list[tuple[int, int, torch.Tensor]]] = {}
-        self.shapes: dict[str, tuple[list[int], int | None, int]] = {}
+        # name -> (local shape, tp dim, tp size, true rows of a padded vocabulary or None)
+        self.shapes: dict[str, tuple[list[int], int | None, int, int | None]] = {}
         self.steps = None
         for path in paths:
             with safetensors.open(path) as f:
@@ -82,10 +91,11 @@ class Pieces:
                 if self.steps is not None and steps != self.steps:
                     raise ValueError(f"{path} holds optimizer step {steps}, other files {self.steps}")
                 self.steps = steps
-                shapes = json.loads(meta["shapes"])  # name -> [local shape, tp dim, tp rank, tp size]
-                for name, (shape, dim, _, size) in shapes.items():
+                # name -> [local shape, tp dim, tp rank, tp size(, true vocabulary rows)]
+                shapes = json.loads(meta["shapes"])
+                for name, (shape, dim, _, size, *vocab) in shapes.items():
                     if wanted is None or name in wanted:
-                        self.shapes[name] = (shape, dim, size)
+                        self.shapes[name] = (shape, dim, size, vocab[0] if vocab else None)
                         for kind in (kinds if wanted is None else wanted[name]):
                             self.pieces.setdefault((name, kind), [])
                 for key in f.keys():
@@ -100,19 +110,23 @@ class Pieces:
     def full(self, name: str, kind: str) -> torch.Tensor:
         if name not in self.shapes:
             raise ValueError(f"the checkpoint holds no state for parameter {name!r}")
-        shape, dim, size = self.shapes[name]
+        shape, dim, size, vocab = self.shapes[name]
         numel = math.prod(shape)
+        # A padded vocabulary's slices hold only their real rows; the padding is zeros.
+        expected = [numel if vocab is None else max(0, min(shape[0], vocab - r * shape[0])) * numel // shape[0]
+                    for r in range(size)]
         dtype = next((t.dtype for _, _, t in self.pieces[(name, kind)]), torch.float64)
-        parts = [torch.empty(numel, dtype=dtype) for _ in range(size)]
+        parts = [torch.zeros(numel, dtype=dtype) for _ in range(size)]
         covered = [0] * size
         for rank, offset, tensor in self.pieces[(name, kind)]:
             parts[rank][offset:offset + tensor.numel()] = tensor
             covered[rank] += tensor.numel()
-        if covered != [numel] * size:
-            raise ValueError(f"the checkpoint's {kind} of {name!r} covers {covered} of {numel} elements "
+        if covered != expected:
+            raise ValueError(f"the checkpoint's {kind} of {name!r} covers {covered} of {expected} elements "
                              f"per tensor-parallel slice")
         views = [p.view(shape) for p in parts]
-        return views[0] if dim is None else torch.cat(views, dim=dim)
+        full = views[0] if dim is None else torch.cat(views, dim=dim)
+        return full if vocab is None else full[:vocab]
 
 
 def _needed(bucket, name: str) -> set[str]:
@@ -142,7 +156,7 @@ def restore(model: ModelState, paths: list[str]) -> int:
             for name in bucket.layout.names:
                 start, n = bucket.layout.offsets[name]
                 for kind in _needed(bucket, name):
-                    mine = tp_shard(pieces.full(name, kind), specs[name].tp_dim, model.tp)
+                    mine = shard(pieces.full(name, kind), specs[name], model.tp)
                     flat[kind][start:start + n] = mine.reshape(-1)
             bucket.load_state(flat["master"], flat["exp_avg"], flat["exp_avg_sq"], pieces.steps)
     return pieces.steps

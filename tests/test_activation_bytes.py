@@ -1,5 +1,5 @@
 """The coordinator's predicted activation bytes (coordinator/activation_bytes.py) against
-what a stage server measures (stageserver/activation_meter.py) on a real GPTChunk fed by
+what a stage server measures (stageserver/activation_meter.py) on a real ModelChunk fed by
 the real sampler, for both recompute modes, at tp=1 in-process and tp=2 on gloo.
 
 Tolerance: none, equality to the byte. Every kept tensor's size is a function of the
@@ -21,7 +21,7 @@ from interleaf.coordinator.activation_bytes import chunk_activation_bytes, chunk
 from interleaf.stageserver.activation_meter import ActivationMeter, parameter_storages
 from interleaf.stageserver.data.sampler import Sampler
 from interleaf.stageserver.data.tokenfile import TokenFile, write_tokens
-from interleaf.stageserver.model import GPTChunk, GPTConfig
+from interleaf.stageserver.model import ModelChunk, ModelShape
 from interleaf.stageserver.transport import SoloTransport
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
@@ -52,8 +52,8 @@ def _measure(tp, token_file: str, case: tuple) -> dict[str, int]:
     executor would)."""
     precision, emb, head, layers, rows, seq, d, heads, vocab = case
     dtype = DTYPES[precision]
-    config = GPTConfig(n_layers=layers, d_model=d, n_heads=heads, seq_len=seq, vocab_size=vocab)
-    chunk = GPTChunk(config, range(layers), emb, head, tp, seed=5).to(dtype)
+    config = ModelShape(n_layers=layers, d_model=d, n_heads=heads, seq_len=seq, vocab_size=vocab)
+    chunk = ModelChunk(config, range(layers), emb, head, tp, seed=5).to(dtype)
     meter = ActivationMeter(parameter_storages(chunk))
     ids, targets = Sampler(TokenFile(token_file), 0, seq, rows).microbatch(0, 0)
     hidden = torch.randn(rows, seq, d, generator=torch.Generator().manual_seed(1)).to(dtype)
@@ -106,8 +106,8 @@ def test_tp_shards_the_activations():
 def test_measuring_changes_nothing(precision):
     """The meter's forward yields bit-identical outputs and gradients, and a forward
     whose backward never comes (an aborted step) frees its graph."""
-    config = GPTConfig(n_layers=1, d_model=32, n_heads=4, seq_len=8, vocab_size=64)
-    chunk = GPTChunk(config, range(1), False, False, SoloTransport(), seed=5).to(DTYPES[precision])
+    config = ModelShape(n_layers=1, d_model=32, n_heads=4, seq_len=8, vocab_size=64)
+    chunk = ModelChunk(config, range(1), False, False, SoloTransport(), seed=5).to(DTYPES[precision])
     meter = ActivationMeter(parameter_storages(chunk))
     x = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(1)).to(DTYPES[precision])
     grad = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(2)).to(DTYPES[precision])

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from interleaf.coordinator.config import load_config
-from interleaf.stageserver.model import GPTConfig, full_model
+from interleaf.stageserver.model import full_model, shape_of
 from tests.conftest import TINY, layout_free, load_parameters, reference, run_job
 
 LOSS_RTOL = 1e-5
@@ -89,7 +89,7 @@ def check_equivalent(client, layout, tmp_path, setup=(), loss_rtol=LOSS_RTOL,
 def reference_initial():
     config = load_config("", list(layout_free(TINY)))
     m = config.model
-    model = full_model(GPTConfig(m.n_layers, m.d_model, m.n_heads, m.seq_len, m.vocab_size), config.train.seed)
+    model = full_model(shape_of(m), config.train.seed)
     return {n: p.detach() for n, p in model.named_parameters()}
 
 

@@ -17,8 +17,8 @@ from interleaf.clients.generate import generate, generate_ids, load_model
 from interleaf.coordinator.config import load_config
 from interleaf.stageserver import safetensors
 from interleaf.stageserver.data import Sampler, resolve_source
-from interleaf.stageserver.model import GPTConfig
-from interleaf.stageserver.model.gpt import full_model, next_token_logits
+from interleaf.stageserver.model import ModelShape, shape_of
+from interleaf.stageserver.model.chunk import full_model, next_token_logits
 from tests.conftest import TINY, layout_free, reference, run_job
 
 LAYOUT = ["parallel.pp=2", "parallel.vpp=2", "parallel.tp=2", "parallel.dp=2", "parallel.zero=3"]
@@ -41,7 +41,7 @@ def saved(client, tmp_path_factory):
 def _loss(params: dict[str, torch.Tensor]) -> float:
     config = load_config("", TINY)
     m = config.model
-    model = full_model(GPTConfig(m.n_layers, m.d_model, m.n_heads, m.seq_len, m.vocab_size), seed=0)
+    model = full_model(shape_of(m), seed=0)
     model.load_state_dict(params, strict=True)
     inputs, targets = Sampler(resolve_source("builtin"), 7, m.seq_len, 8).microbatch(0, 0)
     with torch.no_grad():
@@ -104,7 +104,7 @@ def test_the_newest_complete_step_is_taken_and_a_damaged_file_is_named(saved, tm
 
 
 def test_next_token_logits_are_the_models_own_prediction():
-    config = GPTConfig(n_layers=2, d_model=32, n_heads=4, seq_len=16, vocab_size=256)
+    config = ModelShape(n_layers=2, d_model=32, n_heads=4, seq_len=16, vocab_size=256)
     model = full_model(config, seed=3)
     tokens = torch.randint(0, 256, (3, 9), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():

@@ -5,12 +5,12 @@ products (the blocks' projections and the tied head), counted from the module.""
 from __future__ import annotations
 
 from interleaf.coordinator.flops import flops_per_token, matrix_parameters
-from interleaf.stageserver.model import GPTConfig
-from interleaf.stageserver.model.gpt import full_model
+from interleaf.stageserver.model import ModelShape
+from interleaf.stageserver.model.chunk import full_model
 
 
 def test_matrix_parameters_are_the_models_matrix_weights():
-    config = GPTConfig(n_layers=3, d_model=64, n_heads=4, seq_len=32, vocab_size=256)
+    config = ModelShape(n_layers=3, d_model=64, n_heads=4, seq_len=32, vocab_size=256)
     model = full_model(config, seed=0)
     # 2-D weights, but the position table: a lookup, not a matrix product. The token
     # embedding counts once, for the head's product with it.

@@ -1,5 +1,5 @@
 """The memory ledger (stageserver/memory.py) and the coordinator's memory model
-(coordinator/memory_model.py): bucket sizes against real GPTChunk parameters, the ZeRO
+(coordinator/memory_model.py): bucket sizes against real ModelChunk parameters, the ZeRO
 state per stage against the table in memory_model.py's docstring, and that prediction
 against the ledger of real buckets. All figures are integers of bytes: compared exactly.
 """
@@ -17,8 +17,8 @@ from interleaf.coordinator.partition import chunks_of, partition
 from interleaf.coordinator.plan import plan_programs
 from interleaf.stageserver.buckets import BucketLayout
 from interleaf.stageserver.memory import KINDS, MemoryLedger, reset_rss_peak, rss_peak_bytes
-from interleaf.stageserver.model import GPTChunk, GPTConfig
-from interleaf.stageserver.model.gpt import TIED
+from interleaf.stageserver.model import ModelChunk, ModelShape, shape_of
+from interleaf.stageserver.model.params import TIED
 from interleaf.stageserver.sharded_bucket import ShardedBucket
 from interleaf.stageserver.transport import SoloTransport
 
@@ -94,9 +94,9 @@ def _config(n_layers: int, pp: int, vpp: int, *extra: str):
                                     "train.global_batch=12", *extra])
 
 
-def _gpt(config) -> GPTConfig:
+def _gpt(config) -> ModelShape:
     m = config.model
-    return GPTConfig(m.n_layers, m.d_model, m.n_heads, m.seq_len, m.vocab_size)
+    return shape_of(m)
 
 
 def _split(names_numels) -> list[int]:
@@ -111,7 +111,7 @@ def test_bucket_sizes_are_the_chunks_parameter_counts(layout):
     chunks = partition(config.model.n_layers, config.parallel.pp, config.parallel.vpp)
     assert any(c.has_embedding and not c.has_head for c in chunks) or len(chunks) == 1
     for chunk in chunks:
-        gpt = GPTChunk(_gpt(config), chunk.layers, chunk.has_embedding, chunk.has_head, SoloTransport(), seed=0)
+        gpt = ModelChunk(_gpt(config), chunk.layers, chunk.has_embedding, chunk.has_head, SoloTransport(), seed=0)
         expected = _split([(name, p.numel()) for name, p in gpt.named_parameters()])
         assert bucket_sizes(config, chunk) == expected, chunk
         assert len(expected) == (2 if chunk.has_embedding or chunk.has_head else 1)
@@ -211,7 +211,7 @@ def test_prediction_equals_the_ledger_of_real_buckets(zero, precision):
     for rank in range(2):
         ledger = MemoryLedger()
         for chunk in chunks_of(partition(4, 2, 2), rank):
-            gpt = GPTChunk(_gpt(config), chunk.layers, chunk.has_embedding, chunk.has_head, SoloTransport(), 0)
+            gpt = ModelChunk(_gpt(config), chunk.layers, chunk.has_embedding, chunk.has_head, SoloTransport(), 0)
             named = list(gpt.named_parameters())
             for params in ([(n, p) for n, p in named if n == TIED], [(n, p) for n, p in named if n != TIED]):
                 if params:

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from interleaf.stageserver.model import GPTChunk, GPTConfig, ParamSpec, full_model
+from interleaf.stageserver.model import ModelChunk, ModelShape, ParamSpec, full_model
 from interleaf.stageserver.model.config import INIT_STD
 from interleaf.stageserver.model.tensor_parallel import (
     ColumnParallelLinear,
@@ -18,7 +18,7 @@ from interleaf.stageserver.model.tensor_parallel import (
     VocabParallelEmbedding,
 )
 
-CONFIG = GPTConfig(n_layers=4, d_model=32, n_heads=4, seq_len=16, vocab_size=64)
+CONFIG = ModelShape(n_layers=4, d_model=32, n_heads=4, seq_len=16, vocab_size=64)
 SEED = 5
 
 
@@ -43,9 +43,9 @@ def test_chunks_chain_to_the_full_model():
 
     solo = full.tp
     chunks = [
-        GPTChunk(CONFIG, range(0, 1), True, False, solo, SEED),
-        GPTChunk(CONFIG, range(1, 3), False, False, solo, SEED),
-        GPTChunk(CONFIG, range(3, 4), False, True, solo, SEED),
+        ModelChunk(CONFIG, range(0, 1), True, False, solo, SEED),
+        ModelChunk(CONFIG, range(1, 3), False, False, solo, SEED),
+        ModelChunk(CONFIG, range(3, 4), False, True, solo, SEED),
     ]
     # Detach between chunks as a pipeline does: each chunk's backward starts from the
     # gradient of its output, received from the next chunk.
@@ -124,7 +124,7 @@ def test_param_specs_describe_every_shard():
 
     # Every tp rank's shard is the slice of the single model's tensor, bit for bit.
     for rank in range(4):
-        shard = GPTChunk(CONFIG, range(CONFIG.n_layers), True, True, _RankOf(rank, 4), SEED)
+        shard = ModelChunk(CONFIG, range(CONFIG.n_layers), True, True, _RankOf(rank, 4), SEED)
         assert shard.param_specs() == full_specs
         for name, param in shard.named_parameters():
             whole, dim = full.get_parameter(name), full_specs[name].tp_dim
@@ -153,21 +153,22 @@ def test_qkv_weight_is_head_major():
     [
         (lambda: ColumnParallelLinear(8, 10, _RankOf(0, 4)), "out_features=10 must be divisible"),
         (lambda: RowParallelLinear(10, 8, _RankOf(0, 4)), "in_features=10 must be divisible"),
-        (lambda: VocabParallelEmbedding(50, 8, _RankOf(0, 4)), "vocab_size=50 must be divisible"),
+        (lambda: VocabParallelEmbedding(50, 8, _RankOf(0, 4)), "rows=50 must be divisible"),
         (
-            lambda: GPTChunk(GPTConfig(2, 24, 6, 8, 64), range(2), True, True, _RankOf(0, 4), 0),
+            lambda: ModelChunk(ModelShape(2, 24, 6, 8, 64), range(2), True, True, _RankOf(0, 4), 0),
             "n_heads=6 must be divisible by the tensor-parallel size 4",
         ),
         (
-            lambda: GPTChunk(GPTConfig(2, 30, 4, 8, 64), range(2), True, True, _RankOf(0, 1), 0),
+            lambda: ModelChunk(ModelShape(2, 30, 4, 8, 64), range(2), True, True, _RankOf(0, 1), 0),
             "d_model=30 must be divisible by n_heads=4",
         ),
         (
-            lambda: GPTChunk(GPTConfig(2, 32, 4, 8, 63), range(2), True, True, _RankOf(0, 2), 0),
-            "vocab_size=63 must be divisible by the tensor-parallel size 2",
+            lambda: ModelChunk(ModelShape(2, 32, 4, 8, 64, n_kv_heads=2, arch="llama"), range(2), True, True,
+                               _RankOf(0, 4), 0),
+            "n_kv_heads=2 must be divisible by the tensor-parallel size 4",
         ),
         (
-            lambda: GPTChunk(CONFIG, range(3, 5), False, False, _RankOf(0, 1), 0),
+            lambda: ModelChunk(CONFIG, range(3, 5), False, False, _RankOf(0, 1), 0),
             "must be a contiguous range within",
         ),
     ],

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from gloo_world import run_world
 from torch import nn
 
-from interleaf.stageserver.model import GPTChunk, GPTConfig, full_model
+from interleaf.stageserver.model import ModelChunk, ModelShape, full_model
 from interleaf.stageserver.model.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -29,7 +29,7 @@ LAYER_TOL = dict(rtol=1e-5, atol=1e-6)
 GRAD_TOL = dict(rtol=1e-4, atol=1e-6)
 BF16_GRAD_TOL = dict(rtol=2**-8, atol=1e-6)  # one bf16 rounding of the fp32 gradient
 IN, OUT, VOCAB, DIM = 8, 12, 20, 6
-GPT = GPTConfig(n_layers=2, d_model=32, n_heads=4, seq_len=8, vocab_size=64)
+GPT = ModelShape(n_layers=2, d_model=32, n_heads=4, seq_len=8, vocab_size=64)
 
 
 def _case() -> dict[str, torch.Tensor]:
@@ -175,8 +175,8 @@ def test_vocab_parallel_cross_entropy_bf16(sharded):
         )
 
 
-def _run_gpt(rank: int, tp, config: GPTConfig, seed: int, ids, targets) -> dict:
-    model = GPTChunk(config, range(config.n_layers), True, True, tp, seed)
+def _run_gpt(rank: int, tp, config: ModelShape, seed: int, ids, targets) -> dict:
+    model = ModelChunk(config, range(config.n_layers), True, True, tp, seed)
     params = {name: p.detach().clone() for name, p in model.named_parameters()}
     loss = model(ids, targets)
     loss.backward()

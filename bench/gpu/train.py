@@ -47,12 +47,12 @@ from interleaf.clients.launcher import LocalCluster  # noqa: E402
 from interleaf.coordinator.flops import flops_per_token, matrix_parameters  # noqa: E402
 from interleaf_run import run_job  # noqa: E402
 from interleaf.stageserver.data import Sampler, resolve_source  # noqa: E402
-from interleaf.stageserver.model import GPTConfig  # noqa: E402
-from interleaf.stageserver.model.gpt import full_model  # noqa: E402
+from interleaf.stageserver.model import ModelShape  # noqa: E402
+from interleaf.stageserver.model import full_model  # noqa: E402
 from interleaf.stageserver.optim import BETAS, EPS, Schedule  # noqa: E402
 from torch_training import param_groups  # noqa: E402
 
-MODEL = GPTConfig(n_layers=20, d_model=2048, n_heads=16, seq_len=2048, vocab_size=50304)
+MODEL = ModelShape(n_layers=20, d_model=2048, n_heads=16, seq_len=2048, vocab_size=50304)
 ROWS, MICROBATCHES, SEED = 8, 4, 1
 LR, WARMUP_STEPS, WEIGHT_DECAY, CLIP = 3e-4, 2, 0.1, 1.0
 H100_SXM_DENSE_BF16 = 989e12

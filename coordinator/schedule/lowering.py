@@ -135,18 +135,19 @@ def _reduction_points(program: list[Action], rank: int, pp: int, vpp: int) -> di
 
 
 def build_programs(schedule: str, pp: int, vpp: int, microbatches: int,
-                   dp: int, zero: int = 0, prefetch: int = 1) -> list[list[Action]]:
+                   dp: int, zero: int = 0, prefetch: int = 1, tied: bool = True) -> list[list[Action]]:
     """One program per pipeline rank; its DP and TP replicas run the same program.
 
-    GPT's input and output embeddings are always tied (DESIGN.md, "Model and tensor
-    parallelism"), so the tie reduction is added whenever the model has several chunks.
+    `tied`: the model ties its input and output embeddings (model.tie_embeddings), so
+    the tie reduction is added whenever the model has several chunks. Untied, the
+    embedding lives only with the first chunk and the head only with the last.
     """
     if zero not in (0, 1, 2, 3):
         raise ValueError(f"zero={zero} must be 0, 1, 2 or 3")
     programs = add_p2p(compute_order(schedule, pp, vpp, microbatches), pp, vpp)
     programs = place_p2p(programs, pair_steady_state=schedule == "interleaved-1f1b" and vpp > 1)
     programs = [
-        add_gradient_sync(program, rank, pp, vpp, dp, tied_embedding_pipeline=True, zero=zero)
+        add_gradient_sync(program, rank, pp, vpp, dp, tied_embedding_pipeline=tied, zero=zero)
         for rank, program in enumerate(programs)
     ]
     if zero == 3:

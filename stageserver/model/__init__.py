@@ -1,6 +1,7 @@
-"""The GPT model and its Megatron-style tensor-parallel layers."""
+"""Decoder-only transformers (gpt2, llama) and their Megatron-style tensor-parallel layers."""
 
-from interleaf.stageserver.model.config import GPTConfig
-from interleaf.stageserver.model.gpt import GPTChunk, ParamSpec, full_model
+from interleaf.stageserver.model.chunk import ModelChunk, full_model
+from interleaf.stageserver.model.config import ModelShape, shape_of
+from interleaf.stageserver.model.params import ParamSpec
 
-__all__ = ["GPTConfig", "GPTChunk", "ParamSpec", "full_model"]
+__all__ = ["ModelShape", "ModelChunk", "ParamSpec", "full_model", "shape_of"]

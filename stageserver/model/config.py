@@ -1,15 +1,19 @@
-"""The model's shape, as the stage server receives it (see protos: ModelSpec)."""
+"""The model's shape, as the stage server receives it (see protos: ModelSpec).
+
+The fields and their defaults mirror the job config's `[model]` section
+(coordinator/config.py), which validates them for users; a checkpoint's manifest records
+them by name, so `ModelShape(**manifest["model"])` rebuilds the model it holds."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 INIT_STD = 0.02
 """GPT-2's initializer scale; residual output projections use INIT_STD/sqrt(2*n_layers)."""
 
 
 @dataclass(frozen=True)
-class GPTConfig:
+class ModelShape:
     n_layers: int
     """Transformer blocks in the whole (unsplit) model."""
     d_model: int
@@ -17,10 +21,44 @@ class GPTConfig:
     n_heads: int
     """Attention heads; d_model // n_heads is the head size."""
     seq_len: int
-    """Tokens per sample; also the number of learned positions."""
+    """Tokens per training sample; gpt2's number of learned positions."""
     vocab_size: int
-    """Token ids are in [0, vocab_size)."""
+    """Token ids are in [0, vocab_size): the true vocabulary, unpadded."""
+    arch: str = "gpt2"
+    """gpt2 or llama (stageserver/model/architectures.py)."""
+    n_kv_heads: int = 0
+    """Key/value heads (grouped-query attention); 0: n_heads."""
+    ffn_hidden: int = 0
+    """MLP hidden size; 0: 4·d_model (the llama rule is resolved by the job config)."""
+    pad_vocab_to: int = 1
+    """Embedding and head rows are padded to a multiple of this times tp."""
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    tie_embeddings: bool | None = None
+    """The head reuses the input embedding; None: the architecture's default (gpt2 ties)."""
+
+    def __post_init__(self):
+        # Defaults resolved once, so every reader sees one complete shape.
+        if not self.n_kv_heads:
+            object.__setattr__(self, "n_kv_heads", self.n_heads)
+        if not self.ffn_hidden:
+            object.__setattr__(self, "ffn_hidden", 4 * self.d_model)
+        if self.tie_embeddings is None:
+            object.__setattr__(self, "tie_embeddings", self.arch == "gpt2")
 
     @property
     def head_dim(self) -> int:
         return self.d_model // self.n_heads
+
+    def padded_vocab(self, tp: int) -> int:
+        """Rows of the embedding and head under `tp` tensor ranks: vocab_size rounded up
+        to a multiple of pad_vocab_to·tp (Megatron's make-vocab-size-divisible-by), so
+        any vocabulary splits evenly over any tp."""
+        multiple = max(self.pad_vocab_to, 1) * tp
+        return -(-self.vocab_size // multiple) * multiple
+
+
+def shape_of(model) -> ModelShape:
+    """The shape of anything with ModelShape's fields as attributes (the job config's
+    `[model]` section, a ModelSpec off the wire)."""
+    return ModelShape(**{f.name: getattr(model, f.name) for f in fields(ModelShape)})

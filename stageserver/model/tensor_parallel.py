@@ -3,7 +3,7 @@
 Each layer holds only this rank's shard of the unsharded parameter; `TP_DIMS` names the
 dimension each parameter is split along (None: replicated), so whoever initialises or
 checkpoints the model can slice the full tensor with `tp_shard`. Layers are created
-uninitialised: the owner (GPTChunk) fills them from the unsharded initialisation, which
+uninitialised: the owner (ModelChunk) fills them from the unsharded initialisation, which
 is what keeps every layout bit-identical at step 0.
 
 The two conjugate operators of the paper's figure 3:
@@ -79,12 +79,12 @@ class ColumnParallelLinear(nn.Module):
 
     TP_DIMS: ClassVar[dict[str, int | None]] = {"weight": 0, "bias": 0}
 
-    def __init__(self, in_features: int, out_features: int, tp: Transport):
+    def __init__(self, in_features: int, out_features: int, tp: Transport, bias: bool = True):
         super().__init__()
         local = _divide(out_features, tp, "ColumnParallelLinear out_features")
         self.tp = tp
         self.weight = nn.Parameter(torch.empty(local, in_features))
-        self.bias = nn.Parameter(torch.empty(local))
+        self.bias = nn.Parameter(torch.empty(local)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(copy_to_tp(x, self.tp), self.weight, self.bias)
@@ -97,26 +97,28 @@ class RowParallelLinear(nn.Module):
 
     TP_DIMS: ClassVar[dict[str, int | None]] = {"weight": 1, "bias": None}
 
-    def __init__(self, in_features: int, out_features: int, tp: Transport):
+    def __init__(self, in_features: int, out_features: int, tp: Transport, bias: bool = True):
         super().__init__()
         local = _divide(in_features, tp, "RowParallelLinear in_features")
         self.tp = tp
         self.weight = nn.Parameter(torch.empty(out_features, local))
-        self.bias = nn.Parameter(torch.empty(out_features))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return reduce_from_tp(F.linear(x, self.weight), self.tp) + self.bias
+        y = reduce_from_tp(F.linear(x, self.weight), self.tp)
+        return y if self.bias is None else y + self.bias
 
 
 class VocabParallelEmbedding(nn.Module):
-    """Rank t holds rows [t*V/tp, (t+1)*V/tp) of the embedding table. Each rank looks up
-    the ids it owns, contributes zeros for the rest, and the sum over ranks is the lookup."""
+    """Rank t holds rows [t*V/tp, (t+1)*V/tp) of the (padded) embedding table of V rows.
+    Each rank looks up the ids it owns, contributes zeros for the rest, and the sum over
+    ranks is the lookup."""
 
     TP_DIMS: ClassVar[dict[str, int | None]] = {"weight": 0}
 
-    def __init__(self, vocab_size: int, dim: int, tp: Transport):
+    def __init__(self, rows: int, dim: int, tp: Transport):
         super().__init__()
-        local = _divide(vocab_size, tp, "VocabParallelEmbedding vocab_size")
+        local = _divide(rows, tp, "VocabParallelEmbedding rows")
         self.tp = tp
         self.start = tp.rank * local
         self.weight = nn.Parameter(torch.empty(local, dim))
@@ -128,6 +130,23 @@ class VocabParallelEmbedding(nn.Module):
         return reduce_from_tp(rows, self.tp)
 
 
+class VocabParallelHead(nn.Module):
+    """The output head of a model with untied embeddings: rows split over the vocabulary
+    as the embedding's are, so logits stay vocab-parallel for the cross-entropy."""
+
+    TP_DIMS: ClassVar[dict[str, int | None]] = {"weight": 0}
+
+    def __init__(self, rows: int, dim: int, tp: Transport):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(_divide(rows, tp, "VocabParallelHead rows"), dim))
+
+
+def vocab_parallel_logits(x: torch.Tensor, head_weight: torch.Tensor, tp: Transport) -> torch.Tensor:
+    """This rank's vocabulary slice of the logits. copy_to_tp: every rank multiplies the
+    same hidden states by its slice, so their input gradients are partial sums."""
+    return F.linear(copy_to_tp(x, tp), head_weight)
+
+
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     """Cross-entropy over logits split along the vocabulary, as Megatron's
     _VocabParallelCrossEntropy: only per-token scalars cross the network, never logits.
@@ -137,11 +156,18 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     the logits' own dtype. float32 and float64 logits are used as they are."""
 
     @staticmethod
-    def forward(ctx, logits_shard: torch.Tensor, targets: torch.Tensor, tp: Transport):
+    def forward(ctx, logits_shard: torch.Tensor, targets: torch.Tensor, tp: Transport, vocab_size: int):
         local_vocab = logits_shard.size(-1)
         logits = logits_shard.reshape(-1, local_vocab)
         if torch.finfo(logits.dtype).bits < 32:
             logits = logits.float()
+        start = tp.rank * local_vocab
+        if start + local_vocab > vocab_size:
+            # Padding rows of a padded vocabulary: their logits never enter the softmax
+            # (exp(-inf) = 0), so the loss and every gradient are the unpadded model's.
+            # A fresh tensor: the logits may be autograd's own output.
+            logits = logits.masked_fill(
+                torch.arange(start, start + local_vocab, device=logits.device) >= vocab_size, float("-inf"))
         flat_targets = targets.reshape(-1)
         n = logits.size(0)
         if flat_targets.numel() != n:
@@ -156,7 +182,6 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         tp.all_gather(maxima, logits.max(dim=-1).values)
         shifted = logits - maxima.view(tp.size, n).max(dim=0).values.unsqueeze(1)
 
-        start = tp.rank * local_vocab
         outside = (flat_targets < start) | (flat_targets >= start + local_vocab)
         local_targets = (flat_targets - start).masked_fill(outside, 0)
         predicted = shifted.gather(1, local_targets.unsqueeze(1)).squeeze(1)
@@ -183,12 +208,15 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             1, local_targets.unsqueeze(1), (outside.to(softmax.dtype) - 1.0).unsqueeze(1)
         )
         grad.mul_(grad_loss / softmax.size(0))
-        return grad.view(ctx.logits_shape).to(ctx.logits_dtype), None, None
+        return grad.view(ctx.logits_shape).to(ctx.logits_dtype), None, None, None
 
 
 def vocab_parallel_cross_entropy(
-    logits_shard: torch.Tensor, targets: torch.Tensor, tp: Transport
+    logits_shard: torch.Tensor, targets: torch.Tensor, tp: Transport, vocab_size: int | None = None
 ) -> torch.Tensor:
-    """Mean cross-entropy over all tokens; `logits_shard` [..., V/tp] is this rank's vocab
-    slice, `targets` [...] (int64) are global token ids. Returns the same scalar on every rank."""
-    return _VocabParallelCrossEntropy.apply(logits_shard, targets, tp)
+    """Mean cross-entropy over all tokens; `logits_shard` [..., Vp/tp] is this rank's
+    slice of a vocabulary padded to Vp, of which ids from `vocab_size` on (default: none)
+    are padding; `targets` [...] (int64) are global token ids. Returns the same scalar on
+    every rank."""
+    padded = logits_shard.size(-1) * tp.size
+    return _VocabParallelCrossEntropy.apply(logits_shard, targets, tp, padded if vocab_size is None else vocab_size)

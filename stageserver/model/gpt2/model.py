@@ -1,0 +1,70 @@
+"""GPT-2's blocks, final norm and position embedding, as the chunk builder
+(stageserver/model/chunk.py) asks an architecture for them."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from interleaf.stageserver.model.attention import LayerCache, causal_attention
+from interleaf.stageserver.model.config import ModelShape
+from interleaf.stageserver.model.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from interleaf.stageserver.transport import Transport
+
+LEARNED_POSITIONS = True
+"""The first chunk adds a learned position embedding `wpe` to the token embedding."""
+
+
+class Attention(nn.Module):
+    """Causal self-attention with the heads split across tp ranks (n_heads/tp each).
+
+    The unsharded qkv weight [3d, d] is head-major - rows [q_h, k_h, v_h] for head h, each
+    head_dim long - so a rank's heads are one contiguous slice of it."""
+
+    def __init__(self, config: ModelShape, tp: Transport):
+        super().__init__()
+        d = config.d_model
+        self.local_heads = config.n_heads // tp.size
+        self.head_dim = config.head_dim
+        self.qkv = ColumnParallelLinear(d, 3 * d, tp)
+        self.proj = RowParallelLinear(d, d, tp)
+
+    def forward(self, x: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
+        b, s, _ = x.shape
+        qkv = self.qkv(x).view(b, s, self.local_heads, 3, self.head_dim)
+        q, k, v = (t.transpose(1, 2) for t in qkv.unbind(dim=3))  # each [b, heads, s, hd]
+        if cache is not None:
+            k, v = cache.extend(k, v)
+        y = causal_attention(q, k, v)
+        return self.proj(y.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelShape, tp: Transport):
+        super().__init__()
+        self.up = ColumnParallelLinear(config.d_model, config.ffn_hidden, tp)
+        self.down = RowParallelLinear(config.ffn_hidden, config.d_model, tp)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # GPT-2's tanh approximation of GELU; elementwise, so it applies per shard.
+        return self.down(F.gelu(self.up(x), approximate="tanh"))
+
+
+class Block(nn.Module):
+    """Pre-LayerNorm transformer block: x + attn(ln_1(x)), then + mlp(ln_2(.))."""
+
+    def __init__(self, config: ModelShape, tp: Transport):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.d_model, eps=config.norm_eps)
+        self.attn = Attention(config, tp)
+        self.ln_2 = nn.LayerNorm(config.d_model, eps=config.norm_eps)
+        self.mlp = MLP(config, tp)
+
+    def forward(self, x: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), cache)
+        return x + self.mlp(self.ln_2(x))
+
+
+def final_norm(config: ModelShape) -> nn.Module:
+    return nn.LayerNorm(config.d_model, eps=config.norm_eps)

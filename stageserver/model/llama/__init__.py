@@ -1,0 +1,2 @@
+"""Llama (Touvron et al. 2023): RMSNorm, SwiGLU MLP, rotary position embeddings,
+grouped-query attention, no biases, untied embeddings by default."""

@@ -1,0 +1,96 @@
+"""Llama's blocks and final norm, as the chunk builder (stageserver/model/chunk.py)
+asks an architecture for them. Positions enter through rotary embeddings inside
+attention, so there is no position table and seq_len bounds only the training length."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from interleaf.stageserver.model.attention import LayerCache, causal_attention
+from interleaf.stageserver.model.config import ModelShape
+from interleaf.stageserver.model.llama.rope import apply_rotary, rotary_tables
+from interleaf.stageserver.model.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from interleaf.stageserver.transport import Transport
+
+LEARNED_POSITIONS = False
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) · weight (Zhang & Sennrich 2019). Narrow dtypes are normalised in
+    float32 and cast back before the scale, as transformers' LlamaRMSNorm does."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        work = x.float() if torch.finfo(x.dtype).bits < 32 else x
+        normed = work * torch.rsqrt(work.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * normed.to(x.dtype)
+
+
+class Attention(nn.Module):
+    """Grouped-query attention with rotary positions. Query heads and key/value heads
+    are both split across tp ranks (q, k and v column-parallel, each head-major), so
+    rank t's query heads read exactly its own key/value heads."""
+
+    def __init__(self, config: ModelShape, tp: Transport):
+        super().__init__()
+        d, hd = config.d_model, config.head_dim
+        self.local_heads = config.n_heads // tp.size
+        self.local_kv_heads = config.n_kv_heads // tp.size
+        self.head_dim, self.theta = hd, config.rope_theta
+        self.q = ColumnParallelLinear(d, config.n_heads * hd, tp, bias=False)
+        self.k = ColumnParallelLinear(d, config.n_kv_heads * hd, tp, bias=False)
+        self.v = ColumnParallelLinear(d, config.n_kv_heads * hd, tp, bias=False)
+        self.proj = RowParallelLinear(config.n_heads * hd, d, tp, bias=False)
+
+    def forward(self, x: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
+        b, s, _ = x.shape
+        q = self.q(x).view(b, s, self.local_heads, self.head_dim).transpose(1, 2)
+        k = self.k(x).view(b, s, self.local_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v(x).view(b, s, self.local_kv_heads, self.head_dim).transpose(1, 2)
+        start = 0 if cache is None else cache.length
+        positions = torch.arange(start, start + s, device=x.device)
+        cos, sin = rotary_tables(positions, self.head_dim, self.theta, q.dtype)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if cache is not None:
+            k, v = cache.extend(k, v)
+        y = causal_attention(q, k, v)
+        return self.proj(y.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    """SwiGLU (Shazeer 2020): down(silu(gate(x)) · up(x)); gate and up column-parallel,
+    elementwise per shard, down row-parallel."""
+
+    def __init__(self, config: ModelShape, tp: Transport):
+        super().__init__()
+        self.gate = ColumnParallelLinear(config.d_model, config.ffn_hidden, tp, bias=False)
+        self.up = ColumnParallelLinear(config.d_model, config.ffn_hidden, tp, bias=False)
+        self.down = RowParallelLinear(config.ffn_hidden, config.d_model, tp, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+class Block(nn.Module):
+    """Pre-norm block: x + attn(ln_1(x)), then + mlp(ln_2(.)), with RMSNorms."""
+
+    def __init__(self, config: ModelShape, tp: Transport):
+        super().__init__()
+        self.ln_1 = RMSNorm(config.d_model, config.norm_eps)
+        self.attn = Attention(config, tp)
+        self.ln_2 = RMSNorm(config.d_model, config.norm_eps)
+        self.mlp = MLP(config, tp)
+
+    def forward(self, x: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), cache)
+        return x + self.mlp(self.ln_2(x))
+
+
+def final_norm(config: ModelShape) -> nn.Module:
+    return RMSNorm(config.d_model, config.norm_eps)
