@@ -43,6 +43,21 @@ TINY = [
     "train.lr=0.001", "parallel.microbatches=4",
 ]
 
+# The same run as a Llama: grouped-query attention (two query heads per key/value head),
+# an untied head, and a vocabulary of 259 (the bytes' 256 and three more) that only
+# padding splits (to 384 at tp=1, 512 at tp 2 and 4). tp=4 needs four key/value heads:
+# see `arch_setup`.
+LLAMA = ["model.arch=llama", "model.n_kv_heads=2", "model.ffn_hidden=64", "model.vocab_size=259"]
+ARCHS = {"gpt2": [], "llama": LLAMA}
+
+
+def arch_setup(arch: str, layout: list[str]) -> list[str]:
+    """The model overrides of `arch` for `layout`: key/value heads split over tp, so a
+    Llama at tp=4 keeps one per rank."""
+    if arch == "llama" and "parallel.tp=4" in layout:
+        return LLAMA + ["model.n_kv_heads=4"]
+    return ARCHS[arch]
+
 
 @pytest.fixture(scope="session")
 def cluster(tmp_path_factory):
@@ -81,7 +96,9 @@ def reference(overrides: tuple[str, ...]):
 
 def layout_free(overrides: list[str]) -> tuple[str, ...]:
     """The overrides that matter to the reference (layout keys dropped), so layouts of
-    one training setup share one reference run."""
+    one training setup share one reference run. The microbatch count stays: it changes
+    no sample, but the reference accumulates its gradients in that many parts, as the
+    layouts do, which keeps reduced-precision rounding alike."""
     kept = [o for o in overrides if not o.startswith("parallel.") or o.startswith("parallel.microbatches")]
     # The reference needs a layout that is valid on one process.
     return tuple(kept + ["parallel.pp=1", "parallel.vpp=1", "parallel.schedule=1f1b"])

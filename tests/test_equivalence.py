@@ -21,7 +21,7 @@ import torch
 
 from interleaf.coordinator.config import load_config
 from interleaf.stageserver.model import full_model, shape_of
-from tests.conftest import TINY, layout_free, load_parameters, reference, run_job
+from tests.conftest import TINY, arch_setup, layout_free, load_parameters, reference, run_job
 
 LOSS_RTOL = 1e-5
 PARAM_RTOL = 1e-4
@@ -79,25 +79,41 @@ def check_equivalent(client, layout, tmp_path, setup=(), loss_rtol=LOSS_RTOL,
         assert params[name].dtype == want.dtype, name
         assert relative_error(params[name], want) <= param_rtol, (name, relative_error(params[name], want))
     # Training moved the weights: equal-to-reference is not equal-to-initial.
-    initial = reference_initial()
+    initial = reference_initial(tuple(setup))
     moved = min(relative_error(expected[n].float(), initial[n]) for n in expected if initial[n].any())
     assert moved > 10 * param_rtol
     return steps
 
 
-@functools.lru_cache(maxsize=1)
-def reference_initial():
-    config = load_config("", list(layout_free(TINY)))
+@functools.lru_cache(maxsize=None)
+def reference_initial(setup: tuple[str, ...] = ()):
+    config = load_config("", list(layout_free(TINY + list(setup))))
     m = config.model
     model = full_model(shape_of(m), config.train.seed)
-    return {n: p.detach() for n, p in model.named_parameters()}
+    return model.unpadded_parameters()
 
 
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
 @pytest.mark.parametrize("name", PIPELINE_LAYOUTS)
-def test_pipeline_layouts_match_reference(client, tmp_path, name):
-    check_equivalent(client, PIPELINE_LAYOUTS[name], tmp_path)
+def test_pipeline_layouts_match_reference(client, tmp_path, name, arch):
+    check_equivalent(client, PIPELINE_LAYOUTS[name], tmp_path, arch_setup(arch, PIPELINE_LAYOUTS[name]))
 
 
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
 @pytest.mark.parametrize("name", PTD_LAYOUTS)
-def test_data_and_tensor_parallel_layouts_match_reference(client, tmp_path, name):
-    check_equivalent(client, PTD_LAYOUTS[name], tmp_path)
+def test_data_and_tensor_parallel_layouts_match_reference(client, tmp_path, name, arch):
+    check_equivalent(client, PTD_LAYOUTS[name], tmp_path, arch_setup(arch, PTD_LAYOUTS[name]))
+
+
+# Both architectures with the other tying: a Llama whose embedding is tied over the
+# pipeline ends (the tie reduction), a GPT-2 whose head is its own (none), each with a
+# vocabulary only padding splits over tp=2.
+TYINGS = {
+    "llama-tied": ["model.arch=llama", "model.n_kv_heads=2", "model.tie_embeddings=true", "model.vocab_size=300"],
+    "gpt2-untied": ["model.tie_embeddings=false", "model.vocab_size=259"],
+}
+
+
+@pytest.mark.parametrize("tying", TYINGS)
+def test_either_tying_over_pipeline_and_tensor_ranks_matches_reference(client, tmp_path, tying):
+    check_equivalent(client, layout(tp=2, pp=2, vpp=2), tmp_path, TYINGS[tying])

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import TINY, layout_free, reference, run_job
+from tests.conftest import ARCHS, TINY, layout_free, reference, run_job
 from tests.test_equivalence import check_equivalent, layout
 
 # dp=4 needs a global batch divisible by dp*microbatches = 16.
@@ -31,27 +31,32 @@ COMPOSED = {
 }
 
 
+
+
+@pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("name", STAGES)
-def test_each_zero_stage_matches_reference(client, tmp_path, name):
+def test_each_zero_stage_matches_reference(client, tmp_path, name, arch):
     sets, setup = STAGES[name]
-    check_equivalent(client, sets, tmp_path, setup)
+    check_equivalent(client, sets, tmp_path, ARCHS[arch] + setup)
 
 
+@pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("name", COMPOSED)
-def test_zero_composed_with_tp_pp_and_recompute_matches_reference(client, tmp_path, name):
+def test_zero_composed_with_tp_pp_and_recompute_matches_reference(client, tmp_path, name, arch):
     sets, setup = COMPOSED[name]
-    check_equivalent(client, sets, tmp_path, setup)
+    check_equivalent(client, sets, tmp_path, ARCHS[arch] + setup)
 
 
 LONG = ["train.steps=50", "train.warmup_steps=5", "train.lr=0.003", "train.precision=fp64"]
 
 
-def test_fp64_long_run_of_ptd_zero3_matches_reference_to_1e9(client, tmp_path):
+@pytest.mark.parametrize("arch", ARCHS)
+def test_fp64_long_run_of_ptd_zero3_matches_reference_to_1e9(client, tmp_path, arch):
     """50 steps of dp2·tp2·pp2·vpp2 with ZeRO-3 at the default learning rate, in fp64:
     with no rounding noise to hide behind, every step's loss and gradient norm agree
     to 1e-9 relative (measured: 1.1e-14 on losses, 6.5e-13 on gradient norms, 3.4e-13
     tensor-wise on the final parameters)."""
-    check_equivalent(client, layout(dp=2, tp=2, pp=2, vpp=2) + ["parallel.zero=3"], tmp_path, LONG,
+    check_equivalent(client, layout(dp=2, tp=2, pp=2, vpp=2) + ["parallel.zero=3"], tmp_path, ARCHS[arch] + LONG,
                      loss_rtol=1e-9, param_rtol=1e-9)
 
 

@@ -114,6 +114,11 @@ class ModelChunk(nn.Module):
         """Every parameter's unsharded description, in named_parameters order."""
         return dict(self._specs)
 
+    def unpadded_parameters(self) -> dict[str, torch.Tensor]:
+        """This rank's parameters as checkpoints hold them: padding rows cut off (views)."""
+        return {name: (p.detach()[:self._specs[name].full_shape[0]] if self._specs[name].padded_rows else p.detach())
+                for name, p in self.named_parameters()}
+
     def embed(self, tokens: torch.Tensor, start: int = 0) -> torch.Tensor:
         """Hidden states of token ids [b, s] at positions start, start+1, ..."""
         x = self.wte(tokens)
