@@ -66,5 +66,5 @@ def training_setup(config: JobConfig, chunks: list[ModelChunk], optimizer=adamw)
     return (
         optimizer(chunks, t.weight_decay),
         Schedule(t.lr, t.warmup_steps, t.steps),
-        Sampler(resolve_source(config.data.source), t.seed, m.seq_len, t.global_batch // p.microbatches),
+        Sampler(resolve_source(config.data.source), t.seed, m.seq_len, t.global_batch, p.microbatches),
     )

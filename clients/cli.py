@@ -9,13 +9,12 @@ import pathlib
 import signal
 import sys
 
+from interleaf.clients.data_commands import add_data_commands
 from interleaf.clients.follow import MetricsOut, follow
+from interleaf.clients.usage import UsageError
+from interleaf.clients.weights_commands import add_weights_commands
 
 DEFAULT_COORDINATOR = os.environ.get("INTERLEAF_COORDINATOR", "127.0.0.1:50051")
-
-
-class UsageError(Exception):
-    """A bad command line or config: one line on stderr, exit status 2, nothing started."""
 
 
 class Stopped(BaseException):
@@ -85,14 +84,20 @@ def _client(args):
     return Client(args.coordinator, _security(args))
 
 
-def _load(args):
-    from interleaf.coordinator.config import ConfigError, load_config
+def _load(args, remote: bool = False):
+    """(the config's text, the JobConfig). For a `remote` coordinator, a checkpoint.init
+    this machine does not see leaves the config to it (None): the path is the cluster's."""
+    from interleaf.coordinator.config import ConfigError, InitNotFound, load_config
 
     if getattr(args, "resume", None):  # --resume DIR is checkpoint.resume, made absolute
         args.set.append(f"checkpoint.resume={os.path.abspath(args.resume)}")
     text = _config_text(args.config)
     try:
         return text, load_config(text, args.set)
+    except InitNotFound as err:
+        if remote:
+            return text, None
+        raise UsageError(str(err)) from None
     except ConfigError as err:
         raise UsageError(str(err)) from None
 
@@ -100,9 +105,9 @@ def _load(args):
 def cmd_run(args) -> int:
     from interleaf.clients.launcher import LocalCluster
 
-    text, config = _load(args)
-    world = config.parallel.world_size
     remote = args.coordinator and args.local is None
+    text, config = _load(args, remote)  # None: the remote coordinator alone reads checkpoint.init
+    world = None if remote else config.parallel.world_size
     servers = args.local if args.local is not None else world
     if not remote and servers != world:
         raise UsageError(f"--local {servers} must equal parallel.dp*parallel.tp*parallel.pp={world}")
@@ -112,6 +117,7 @@ def cmd_run(args) -> int:
                          "over loopback, guarded by a random token of its own")
     client = _client(args) if remote else None  # a bad --token-file or --tls-* stops it here
     if not remote:
+        _check_vocab_locally(config)
         _admit_locally(config, servers, args.device)
     metrics = MetricsOut(args.metrics_out)
     note = "the job goes on at the coordinator" if remote else "stopping the local servers"
@@ -120,7 +126,7 @@ def cmd_run(args) -> int:
             if remote:
                 job = client.submit(text, args.set)
                 print(f"submitted {job.job_id}", file=sys.stderr)
-                return follow(client, job.job_id, config.train.steps, metrics)
+                return follow(client, job.job_id, job.steps, metrics)
             print(f"starting a coordinator and {servers} stage servers", file=sys.stderr)
             cluster = LocalCluster(servers, log_dir=args.log_dir, device=args.device)
             try:
@@ -136,6 +142,17 @@ def cmd_run(args) -> int:
         return 128 + stopped.signum
     finally:
         metrics.close()
+
+
+def _check_vocab_locally(config) -> None:
+    """The coordinator's vocabulary check, made before any local process starts; here,
+    where the job runs, data.tokenizer must load."""
+    from interleaf.stageserver.data.vocab_check import check_vocab
+
+    try:
+        check_vocab(config.model.vocab_size, config.data.source, config.data.tokenizer, tokenizer_needed=True)
+    except ValueError as err:  # VocabError, TokenizerError, a blend that does not parse
+        raise UsageError(str(err)) from None
 
 
 def _admit_locally(config, servers: int, device: str) -> None:
@@ -248,7 +265,7 @@ def cmd_stage_server(args) -> int:
 
 
 def cmd_submit(args) -> int:
-    text, _ = _load(args)
+    text, _ = _load(args, remote=True)
     print(_client(args).submit(text, args.set).job_id)
     return 0
 
@@ -319,17 +336,6 @@ def cmd_health(args) -> int:
     return 0 if status == "SERVING" else 1
 
 
-def cmd_data_prepare(args) -> int:
-    from interleaf.stageserver.data import prepare
-
-    missing = [t for t in args.texts if not os.path.isfile(t)]
-    if missing:
-        raise UsageError(f"text file {missing[0]!r} does not exist")
-    meta = prepare(args.texts, args.out)
-    print(f"wrote {meta['tokens']:,} tokens ({meta['dtype']}) to {args.out}")
-    return 0
-
-
 def _checkpoint(path: str):
     from interleaf.clients.checkpoint import CheckpointError, find
 
@@ -339,27 +345,18 @@ def _checkpoint(path: str):
         raise UsageError(str(err)) from None
 
 
-def cmd_export(args) -> int:
-    from interleaf.clients.checkpoint import CheckpointError
-    from interleaf.clients.generate import export
-
-    checkpoint = _checkpoint(args.checkpoint)
-    try:
-        tensors, parameters = export(checkpoint, args.out, args.dtype)
-    except (CheckpointError, ValueError) as err:
-        raise UsageError(str(err)) from None
-    print(f"wrote {tensors} tensors ({parameters:,} parameters) of step {checkpoint.step} to {args.out}")
-    return 0
-
-
 def cmd_generate(args) -> int:
     from interleaf.clients.checkpoint import CheckpointError
     from interleaf.clients.generate import check_sampling, generate, load_model
+    from interleaf.stageserver.data.text_tokenizer import load_tokenizer
 
     try:
         check_sampling(args.tokens, args.temperature, args.top_k)
-        model = load_model(_checkpoint(args.checkpoint))
-        text = generate(model, args.prompt, args.tokens, args.temperature, args.top_k, args.seed)
+        checkpoint = _checkpoint(args.checkpoint)
+        spec = args.tokenizer or checkpoint.manifest.get("tokenizer", "bytes")
+        tokenizer = load_tokenizer(spec, "--tokenizer" if args.tokenizer else "the checkpoint's data.tokenizer")
+        model = load_model(checkpoint)
+        text = generate(model, args.prompt, args.tokens, args.temperature, args.top_k, args.seed, tokenizer)
     except (CheckpointError, ValueError) as err:
         raise UsageError(str(err)) from None
     print(args.prompt + text)
@@ -511,25 +508,16 @@ def _parser() -> argparse.ArgumentParser:
     with_security(p)
     p.set_defaults(fn=cmd_health)
 
-    data = sub.add_parser("data", help="token files").add_subparsers(dest="data_command", required=True)
-    p = data.add_parser("prepare", help="tokenize text files (bytes) into one token file")
-    p.add_argument("texts", nargs="+", metavar="TEXT")
-    p.add_argument("--out", required=True)
-    p.set_defaults(fn=cmd_data_prepare)
+    add_data_commands(sub)
 
-    p = sub.add_parser("export", help="write a checkpoint's parameters, unsharded, to one safetensors file")
-    p.add_argument("checkpoint", metavar="CKPT", help="a manifest, a step-NNNNNN folder, or checkpoint.dir "
-                                                      "(its newest complete step)")
-    p.add_argument("out", metavar="OUT.safetensors")
-    p.add_argument("--dtype", default="", choices=("", "fp32", "bf16", "fp16", "fp64"),
-                   help="cast the parameters (default: the master weights' own precision: fp32, "
-                        "or fp64 for an fp64 job)")
-    p.set_defaults(fn=cmd_export)
+    add_weights_commands(sub)  # export, eval
 
     p = sub.add_parser("generate", help="sample text from a checkpoint on the CPU")
     p.add_argument("checkpoint", metavar="CKPT", help="as for export")
     p.add_argument("--prompt", required=True, help="the text to continue")
-    p.add_argument("--tokens", type=int, default=200, help="tokens (bytes) to generate")
+    p.add_argument("--tokens", type=int, default=200, help="tokens to generate")
+    p.add_argument("--tokenizer", default="", help="'bytes', a tokenizer.json or a model folder (default: the "
+                                                   "job's data.tokenizer, as its checkpoint records it)")
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy; more: sample")
     p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0: all)")
     p.add_argument("--seed", type=int, default=0, help="seeds the sampling")

@@ -9,9 +9,10 @@ import pathlib
 
 import torch
 
-from interleaf.clients.checkpoint import Checkpoint, load_parameters, model_config
+from interleaf.clients.checkpoint import Checkpoint, CheckpointError, load_parameters, model_config
 from interleaf.stageserver import safetensors
-from interleaf.stageserver.data.tokenizer import decode, encode
+from interleaf.stageserver.data.text_tokenizer import load_tokenizer
+from interleaf.stageserver.model.attention import LayerCache
 from interleaf.stageserver.model.chunk import ModelChunk, full_model, next_token_logits
 
 
@@ -35,9 +36,16 @@ def export(checkpoint: Checkpoint, out: str | pathlib.Path, dtype: str = "") -> 
 
 def load_model(checkpoint: Checkpoint) -> ModelChunk:
     """The whole model in float32 on the CPU, with the checkpoint's weights."""
-    model = full_model(model_config(checkpoint), seed=0)
     params = {name: t.float() for name, t in load_parameters(checkpoint).items()}
-    model.load_state_dict(params, strict=True)
+
+    def saved(name: str, spec) -> torch.Tensor:
+        if name not in params:
+            raise CheckpointError(f"{checkpoint.manifest_path} holds no {name!r}, which its model has")
+        return params.pop(name)
+
+    model = full_model(model_config(checkpoint), seed=0, initial=saved)
+    if params:
+        raise CheckpointError(f"{checkpoint.manifest_path} holds parameters its model has not: {sorted(params)}")
     return model.eval()
 
 
@@ -51,35 +59,48 @@ def check_sampling(tokens: int, temperature: float, top_k: int) -> None:
 
 
 def generate(model: ModelChunk, prompt: str, tokens: int, temperature: float = 0.0, top_k: int = 0,
-             seed: int = 0) -> str:
-    """The text that follows `prompt` (see generate_ids)."""
-    return decode(generate_ids(model, prompt, tokens, temperature, top_k, seed))
+             seed: int = 0, tokenizer=None) -> str:
+    """The text that follows `prompt` (see generate_ids), encoded and decoded by
+    `tokenizer` (stageserver/data/text_tokenizer.py; default: bytes)."""
+    tokenizer = tokenizer or load_tokenizer("bytes")
+    (ids,) = tokenizer.encode_batch([prompt])
+    return tokenizer.decode(generate_ids(model, [int(i) for i in ids], tokens, temperature, top_k, seed))
 
 
 @torch.no_grad()
-def generate_ids(model: ModelChunk, prompt: str, tokens: int, temperature: float = 0.0, top_k: int = 0,
+def generate_ids(model: ModelChunk, prompt: list[int], tokens: int, temperature: float = 0.0, top_k: int = 0,
                  seed: int = 0) -> list[int]:
     """The token ids that follow `prompt`: greedy at temperature 0, else sampled from the
     softmax of logits/temperature over the top_k most likely tokens (all when 0), with
-    a generator seeded by `seed`. The context is the last seq_len tokens."""
+    a generator seeded by `seed`.
+
+    The context is the last seq_len tokens. Each layer's keys and values are cached, so
+    a new token costs one position's forward; once the window is full it slides, and
+    the cache is rebuilt over the window's tokens (gpt2 has no positions beyond
+    seq_len; a llama saw none beyond it in training)."""
     check_sampling(tokens, temperature, top_k)
-    ids = [int(t) for t in encode(prompt)]
-    if not ids:
+    if not prompt:
         raise ValueError("--prompt must not be empty: generation continues a text")
-    vocab = model.config.vocab_size
-    if max(ids) >= vocab:
-        raise ValueError(f"--prompt holds byte {max(ids)}, outside the model's vocabulary of {vocab}")
+    vocab, window = model.config.vocab_size, model.config.seq_len
+    if max(prompt) >= vocab:
+        raise ValueError(f"--prompt holds token {max(prompt)}, outside the model's vocabulary of {vocab}")
     generator = torch.Generator().manual_seed(seed)
+    seen, cache, fresh = list(prompt), None, []
     out: list[int] = []
     for _ in range(tokens):
-        context = torch.tensor([(ids + out)[-model.config.seq_len:]])
-        logits = next_token_logits(model, context)[0].float()
+        if cache is None or cache[0].length + len(fresh) > window:
+            cache = [LayerCache() for _ in range(model.config.n_layers)]
+            fresh = seen[-window:]
+        logits = next_token_logits(model, torch.tensor([fresh]), cache)[0].float()
         if temperature == 0:
-            out.append(int(logits.argmax()))
-            continue
-        logits = logits / temperature
-        if 0 < top_k < vocab:
-            threshold = torch.topk(logits, top_k).values[-1]
-            logits = logits.masked_fill(logits < threshold, float("-inf"))
-        out.append(int(torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator)))
+            token = int(logits.argmax())
+        else:
+            logits = logits / temperature
+            if 0 < top_k < vocab:
+                threshold = torch.topk(logits, top_k).values[-1]
+                logits = logits.masked_fill(logits < threshold, float("-inf"))
+            token = int(torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator))
+        out.append(token)
+        seen.append(token)
+        fresh = [token]
     return out

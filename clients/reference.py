@@ -16,8 +16,9 @@ import torch
 from interleaf.coordinator.config import JobConfig
 from interleaf.stageserver.data import Sampler, resolve_source
 from interleaf.stageserver.buckets import BucketLayout
+from interleaf.stageserver.init_weights import initial_values
 from interleaf.stageserver.memory import MemoryLedger
-from interleaf.stageserver.model import GPTConfig, full_model
+from interleaf.stageserver.model import full_model, shape_of
 from interleaf.stageserver.model_state import DTYPES, MASTER_DTYPES
 from interleaf.stageserver.optim import Schedule, clip_coefficient, squared_norm
 from interleaf.stageserver.sharded_bucket import ShardedBucket
@@ -36,7 +37,10 @@ class ReferenceStep:
 
 def train(config: JobConfig, on_step=None) -> tuple[list[ReferenceStep], dict[str, torch.Tensor]]:
     m, t, microbatches = config.model, config.train, config.parallel.microbatches
-    model = full_model(GPTConfig(m.n_layers, m.d_model, m.n_heads, m.seq_len, m.vocab_size), t.seed)
+    shape = shape_of(m)
+    # checkpoint.init (resolved where the config was built): the weights every server starts from.
+    initial = initial_values(config.checkpoint.init, shape) if config.checkpoint.init else None
+    model = full_model(shape, t.seed, initial)
     specs = model.param_specs()
     named = list(model.named_parameters())
     dtype = DTYPES[t.precision]
@@ -45,7 +49,7 @@ def train(config: JobConfig, on_step=None) -> tuple[list[ReferenceStep], dict[st
                          dtype, MASTER_DTYPES[dtype], SoloTransport(), MemoryLedger(),
                          {n for n in specs if specs[n].weight_decay}, t.weight_decay)
     schedule = Schedule(t.lr, t.warmup_steps, t.steps)
-    sampler = Sampler(resolve_source(config.data.source), t.seed, m.seq_len, t.global_batch // microbatches)
+    sampler = Sampler(resolve_source(config.data.source), t.seed, m.seq_len, t.global_batch, microbatches)
     history = []
     for step in range(t.steps):
         started = time.perf_counter()
@@ -64,4 +68,4 @@ def train(config: JobConfig, on_step=None) -> tuple[list[ReferenceStep], dict[st
         history.append(record)
         if on_step:
             on_step(record)
-    return history, {name: p.detach().clone() for name, p in model.named_parameters()}
+    return history, {name: p.clone() for name, p in model.unpadded_parameters().items()}

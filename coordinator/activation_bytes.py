@@ -2,20 +2,34 @@
 backward, per tp rank: what stageserver/activation_meter.py measures, exactly.
 
 Counted the way Korthikanti et al. 2022 (section 4.1) count sbh(34 + 5as/h), but tensor
-by tensor for this model on torch 2.13's CPU kernels, and by distinct storage, so what
-several saved tensors share counts once: q, k and v are three views of one qkv output;
-proj saves a view of the attention output; a block's output is the next block's ln_1
-input; the token ids and targets are views of one sampler window.
-Notation: b rows, s tokens, d d_model, t tp, a the compute dtype's bytes; f is the
-float32 floor the kernels keep for softmax statistics (4 for bf16, else a).
+by tensor for each architecture on torch 2.13's CPU kernels, and by distinct storage, so
+what several saved tensors share counts once: q, k and v are three views of gpt2's one
+qkv output; proj saves a view of the attention output; a norm's input is the residual
+stream; the token ids and targets are views of one sampler window.
+Notation: b rows, s tokens, d d_model, h n_heads, hd head_dim, F ffn_hidden, V the
+vocabulary padded for tp, t tp, a the compute dtype's bytes; f is the float32 floor (4
+for bf16, else a) of what the kernels keep at float32 at least: softmax statistics, and
+the float32 copy in which llama's RMSNorm normalises a bf16 input.
 
 Per transformer block, per tp rank:
-    b*s*d*a*(4 + 12/t)   hidden states and the sharded qkv/attention/MLP activations
-  + 4*b*s*a             the two LayerNorms' mean and rstd
-  + b*(n_heads/t)*s*f   the attention's logsumexp
+  gpt2    b*s*d*a*(4 + 4/t) + 2*b*s*F*a/t   residual stream (twice), LayerNorm outputs,
+                                             q/k/v, attention output, up and GELU outputs
+        + 4*b*s*a                            the two LayerNorms' mean and rstd
+        + b*(h/t)*s*f                        the attention's logsumexp
+  llama   2*b*s*d*f + b*s*d*a*(4 + 4/t)     the norms' inputs (as normalised), x*rsqrt and
+        + 4*b*s*F*a/t                        outputs; q, k, v, attention output; SwiGLU's
+                                             gate, SiLU, up and product
+        + 2*b*s*f + b*(h/t)*s*f              the two reciprocal rms, the logsumexp
+        + 2*s*hd*a                           the rotary cos and sin tables
 No s^2 term: CPU scaled_dot_product_attention is the flash kernel, which saves only
 q, k, v, its output and the logsumexp, not the attention matrix (nor, without dropout, a
-mask). Parameters are excluded (the memory model counts them as parameters).
+mask). Grouped-query attention saves k and v repeated to every query head, so they are
+as large as q whatever n_kv_heads. Parameters are excluded (the memory model counts them
+as parameters).
+
+Worked example, a Llama-2 7B block (d 4096, 32 heads, F 11008) at b=1, s=4096, t=1 in
+bf16 (a=2, f=4): 4096*4096*(2*4 + 2*8) + 4*4096*11008*2 + 2*4096*4 + 32*4096*4
++ 2*4096*128*2 = 766,017,536 bytes, 730.5 MiB per layer and sample.
 """
 
 from __future__ import annotations
@@ -40,75 +54,83 @@ def token_window_bytes(seq_len: int, rows: int) -> int:
     return rows * (seq_len + 1) * _INT64
 
 
-def block_activation_bytes(
-    d_model: int, n_heads: int, seq_len: int, rows: int, tp: int, precision: str
-) -> int:
-    """What one transformer block saves for its backward, on one tp rank."""
+def _norm_bytes(arch: str, bs: int, d: int, a: int, f: int) -> tuple[int, int]:
+    """(what a norm keeps of its input, what it keeps besides its input and its output).
+    The output is the next matmul's input, counted there."""
+    if arch == "gpt2":  # LayerNorm: its input, and mean and rstd in the compute dtype on CPU, even bf16
+        return bs * d * a, 2 * bs * a
+    # RMSNorm (llama/model.py): what it normalises - the input itself, or its float32
+    # copy for bf16, whose bf16 original is then kept by nothing - its reciprocal rms,
+    # and x*rsqrt cast back, which the scale's gradient reads.
+    return bs * d * f, bs * f + bs * d * a
+
+
+def block_activation_bytes(model, rows: int, tp: int, precision: str) -> int:
+    """What one transformer block saves for its backward, on one tp rank; `model` has
+    ModelShape's fields (a job's `[model]` section, a ModelShape)."""
     a, f = _dtype_bytes(precision)
-    bs, d_t = rows * seq_len, d_model // tp
-    return (
-        bs * d_model * a  # ln_1 input: the block's input (the residual stream)
-        + 2 * bs * a  # ln_1 mean and rstd (the compute dtype on CPU, even bf16)
-        + bs * d_model * a  # ln_1 output: the qkv matmul's input (replicated over tp)
-        + bs * 3 * d_t * a  # qkv output; SDPA saves q, k, v as three views of it
-        + bs * d_t * a  # SDPA output, [b, s, h, hd] in memory: proj saves it as a view
-        + rows * (n_heads // tp) * seq_len * f  # SDPA logsumexp [b, h/t, s], float32 for bf16
-        + bs * d_model * a  # ln_2 input: x + attn (the residual after attention)
-        + 2 * bs * a  # ln_2 mean and rstd
-        + bs * d_model * a  # ln_2 output: the up matmul's input
-        + bs * 4 * d_t * a  # up output: GELU(tanh)'s input
-        + bs * 4 * d_t * a  # GELU output: the down matmul's input
-    )  # the block's output is the next block's ln_1 input, or the chunk's output / ln_f input
+    s, d = model.seq_len, model.d_model
+    bs, local_heads = rows * s, model.n_heads // tp
+    norm_input, norm_own = _norm_bytes(model.arch, bs, d, a, f)
+    norms = 2 * (norm_input + norm_own + bs * d * a)  # ln_1, ln_2; outputs: the q/k/v and up/gate input
+    # SDPA's q, k and v: gpt2's qkv output, of which they are three views; llama's q and
+    # k turned (fresh tensors) and v, with k and v repeated to every query head
+    # (repeat_interleave copies) where n_kv_heads < n_heads.
+    attention = (
+        3 * bs * d // tp * a
+        + bs * d // tp * a  # SDPA output, [b, s, h, hd] in memory: proj saves it as a view
+        + rows * local_heads * s * f  # SDPA logsumexp [b, h/t, s], float32 for bf16
+    )
+    ffn = model.ffn_hidden // tp
+    if model.arch == "gpt2":
+        mlp = 2 * bs * ffn * a  # up output (GELU(tanh)'s input), GELU output (down's input)
+    else:
+        attention += 2 * s * model.head_dim * a  # the rotary cos and sin, made per forward
+        mlp = 4 * bs * ffn * a  # gate output (SiLU's input), SiLU and up outputs, their product (down's)
+    # The block's output is the next block's ln_1 input, or the chunk's output / ln_f input.
+    return norms + attention + mlp
 
 
 def chunk_activation_bytes(
-    d_model: int,
-    n_heads: int,
-    seq_len: int,
-    vocab_size: int,
-    layers: int,
-    has_embedding: bool,
-    has_head: bool,
-    rows: int,
-    tp: int,
-    precision: str,
+    model, layers: int, has_embedding: bool, has_head: bool, rows: int, tp: int, precision: str
 ) -> int:
-    """Bytes one tp rank keeps from a chunk's forward of `rows` samples of `seq_len`
-    tokens until its backward (recompute=none), counting the chunk's input and output.
-    Also the transient peak of saved activations while recompute=full reruns the forward
-    in the backward."""
+    """Bytes one tp rank keeps from a chunk's forward of `rows` samples of model.seq_len
+    tokens until its backward (recompute=none), counting the chunk's input and output;
+    `model` has ModelShape's fields. Also the transient peak of saved activations while
+    recompute=full reruns the forward in the backward."""
     a, f = _dtype_bytes(precision)
-    bs = rows * seq_len
-    total = layers * block_activation_bytes(d_model, n_heads, seq_len, rows, tp, precision)
-    # The last hidden states: the chunk's output, or the head's ln_f input. (Without an
-    # embedding, the first block's input is x itself, already counted in the blocks.)
-    total += bs * d_model * a
+    s, d = model.seq_len, model.d_model
+    bs = rows * s
+    norm_input, norm_own = _norm_bytes(model.arch, bs, d, a, f)
+    total = layers * block_activation_bytes(model, rows, tp, precision)
     if has_embedding:
         total += (
-            token_window_bytes(seq_len, rows)  # x: the token ids, a view of the window
+            token_window_bytes(s, rows)  # x: the token ids, a view of the window
             + bs * _INT64  # the ids local to this rank's vocab slice (embedding's indices)
             + bs * _BOOL  # which ids are outside that slice (masked_fill's mask)
-            + seq_len * _INT64  # the positions 0..s-1 (position embedding's indices)
+            + (s * _INT64 if model.arch == "gpt2" else 0)  # the positions 0..s-1 (wpe's indices)
         )
+    elif norm_input != bs * d * a:
+        total += bs * d * a  # x, the input: the first norm keeps only its float32 copy
     if has_head:
         total += (
-            2 * bs * a  # ln_f mean and rstd
-            + bs * d_model * a  # ln_f output: the head matmul's input
-            + bs * (vocab_size // tp) * f  # vocab-parallel softmax, float32 for bf16
+            norm_input + norm_own  # ln_f: its input is the last hidden states
+            + bs * d * a  # ln_f output: the head matmul's input
+            + bs * (model.padded_vocab(tp) // tp) * f  # vocab-parallel softmax, padding included, float32 for bf16
             + bs * _INT64  # targets local to this rank's vocab slice
             + bs * _BOOL  # which targets are outside that slice
             + f  # out: the scalar loss, float32 for bf16
         )  # the logits themselves are not kept: the cross-entropy saves only the softmax
+    else:
+        total += bs * d * a  # out: the chunk's output, which no block keeps
     return total
 
 
-def chunk_input_bytes(
-    d_model: int, seq_len: int, has_embedding: bool, rows: int, precision: str
-) -> int:
+def chunk_input_bytes(model, has_embedding: bool, rows: int, precision: str) -> int:
     """Bytes one tp rank keeps from a chunk's forward until its backward with
     recompute=full: only the input, token ids for the chunk with the embedding (the head
     chunk's targets are read again, not kept), else hidden states [rows, seq, d_model]."""
     if has_embedding:
-        return token_window_bytes(seq_len, rows)
+        return token_window_bytes(model.seq_len, rows)
     a, _ = _dtype_bytes(precision)
-    return rows * seq_len * d_model * a
+    return rows * model.seq_len * model.d_model * a

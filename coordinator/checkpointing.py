@@ -59,6 +59,9 @@ class Checkpointing:
         self.shares_root: list[bool] = []    # per rank: reads checkpoint.dir in place
         self.shares_resume: list[bool] = []  # per rank: reads the resumed checkpoint in place
         self.saved_step: int | None = None   # the newest save started
+        # The attempt's data position, (step, samples consumed before it): the resumed
+        # checkpoint's, else the job's start. A save records the samples consumed since.
+        self.data_start: tuple[int, int] = (0, 0)
         self._save: _Save | None = None  # the save under way
         self._lock = threading.Lock()  # a save's end (manifest, prune, events) against its abandonment
 
@@ -79,7 +82,8 @@ class Checkpointing:
                 raise CheckpointError(f"checkpoint.dir={job.config.checkpoint.dir!r} cannot be written by the "
                                       f"coordinator: {err.strerror}") from None
             probes.append(pb.FileRef(path=str(self.probe), sha256=hashlib.sha256(token).hexdigest()))
-        self.resume_from = self._check_resume(self.restart_from) if self.restart_from else None
+        self.resume_from = resumed = self._check_resume(self.restart_from) if self.restart_from else None
+        self.data_start = (resumed.step, resumed.consumed_samples(job.config.train.global_batch)) if resumed else (0, 0)
         if self.resume_from is not None:
             manifest = self.resume_from.manifest_path
             probes.append(pb.FileRef(path=str(manifest), sha256=hashlib.sha256(manifest.read_bytes()).hexdigest()))
@@ -119,7 +123,8 @@ class Checkpointing:
 
     def resume(self, stubs: list[rpc.StageServerStub]) -> int:
         """Loads the checkpoint into every rank, each under this job's layout; returns
-        its step. The data order and learning rate are functions of the step alone."""
+        its step. The learning rate is a function of the step, the data order of the
+        samples consumed (set up from `data_start`)."""
         job, checkpoint = self.job, self.resume_from
         started = time.perf_counter()
         paths = checkpoint.files()
@@ -152,8 +157,8 @@ class Checkpointing:
         job.add_checkpoint(pb.CheckpointEvent(
             kind="resumed", step=checkpoint.step, manifest=str(checkpoint.manifest_path), load_seconds=seconds,
             bytes=sum(e["bytes"] for e in entries)))
-        log.info("job %s resumes at step %d from %s (loaded in %.3fs)", job.job_id, checkpoint.step,
-                 checkpoint.manifest_path, seconds)
+        log.info("job %s resumes at step %d, sample %d, from %s (loaded in %.3fs)", job.job_id, checkpoint.step,
+                 self.data_start[1], checkpoint.manifest_path, seconds)
         return checkpoint.step
 
     # -- saves ----------------------------------------------------------------------
@@ -177,11 +182,14 @@ class Checkpointing:
         self.fan_out(copy, stubs)
         stall = time.perf_counter() - started
         self.saved_step = job.step
+        start_step, start_samples = self.data_start
         manifest = {
             "job": job.job_id,
             "step": job.step,
+            "consumed_samples": start_samples + (job.step - start_step) * job.config.train.global_batch,
             "layout": layout,
             "model": dataclasses.asdict(job.config.model),  # what export, generate and resume check
+            "tokenizer": _tokenizer(job.config.data.tokenizer),  # what `export --format hf` writes beside it
             "precision": job.config.train.precision,
             "stall_seconds": stall,  # training waited this long
         }
@@ -259,6 +267,12 @@ class _Save:
     step: int = 0
     failure: Exception | None = None
     abandoned: bool = False
+
+
+def _tokenizer(spec: str) -> str:
+    """data.tokenizer as a manifest records it: a path made absolute here, where it was
+    checked (relative paths are the submitter's and the coordinator's working folder)."""
+    return spec if spec == "bytes" else os.path.abspath(os.path.expanduser(spec))
 
 
 def _chunks(job_id: str, path: pathlib.Path, name: str, sha256: str):

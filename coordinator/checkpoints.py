@@ -4,7 +4,7 @@ A checkpoint is a folder `step-NNNNNN/` under `checkpoint.dir` holding, per rank
 state file (`state-NNNNN.safetensors`: master weights and Adam moments by global name,
 stageserver/state_io.py; the master weights are the parameters), and `manifest.json`,
 written last through a rename, which lists every file with its SHA-256 and size, the
-model's shape, the layout and the step (how the files get there: checkpointing.py). A folder without a manifest is
+model's shape, the layout, the step and the samples consumed before it (how the files get there: checkpointing.py). A folder without a manifest is
 incomplete (a save that did not finish) and is never read, so a crash at any moment
 leaves the previous checkpoint loadable.
 """
@@ -43,6 +43,12 @@ class Checkpoint:
     @property
     def step(self) -> int:
         return self.manifest["step"]
+
+    def consumed_samples(self, global_batch: int) -> int:
+        """The samples trained on before its step: where the data order goes on from
+        (stageserver/data/sampler.py). A manifest written before it was recorded is taken
+        to have run every step at `global_batch`."""
+        return self.manifest.get("consumed_samples", self.step * global_batch)
 
     def files(self) -> list[pathlib.Path]:
         """The state files, unchecked."""

@@ -30,6 +30,11 @@ class ConfigError(ValueError):
     """An invalid job configuration; the message names the field, value and rule."""
 
 
+class InitNotFound(ConfigError):
+    """checkpoint.init names nothing this process sees: a client may not see the
+    cluster's files, which the coordinator reads (coordinator/init_source.py)."""
+
+
 def _positive(section: str, obj, *names: str) -> None:
     for name in names:
         value = getattr(obj, name)
@@ -163,9 +168,10 @@ class ParallelConfig:
     elastic: bool = False
     """When the job loses servers and too few idle ones are registered to set its layout
     up again, go on at once with the largest smaller dp that they hold (tp and pp
-    unchanged; microbatches grown so that dp*microbatches, and with it every step's
-    samples, stays the same) instead of waiting for replacements. Needs dp >= 2 and such
-    a smaller layout within every rule (refused at submit otherwise)."""
+    unchanged; microbatches grown so that dp*microbatches stays the same, and with it
+    the rows, and so the activations, of a replica's microbatch; a step's samples do not
+    depend on the layout) instead of waiting for replacements. Needs dp >= 2 and such a
+    smaller layout within every rule (refused at submit otherwise)."""
 
     def __post_init__(self):
         _positive("parallel", self, "dp", "tp", "pp", "vpp", "microbatches")
@@ -277,7 +283,8 @@ class DataConfig:
     """'builtin' (the Python standard library's sources, tokenized by bytes and cached)
     or the path of a token file written by `interleaf data prepare`, readable on every
     stage server. Several files blend: `a.bin:0.7,b.bin:0.3` draws each sample from one
-    of them in those proportions, deterministically."""
+    of them in those proportions (weights: positive finite numbers, normalized),
+    deterministically and resumably (stageserver/data/blend.py)."""
     tokenizer: str = "bytes"
     """How text becomes tokens (for `interleaf generate` and the check that the data fits
     the model): 'bytes' (one token per UTF-8 byte, vocabulary 256), or the path of a
@@ -286,6 +293,14 @@ class DataConfig:
     def __post_init__(self):
         if not self.source.strip():
             raise ConfigError("data.source='' must be 'builtin' or a token file path")
+        # The stage servers' own grammar of a blend, imported here rather than at the top:
+        # its package loads torch, which a client that only submits jobs need not.
+        from interleaf.stageserver.data.blend import parse_source
+
+        try:
+            parse_source(self.source)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
         if not self.tokenizer.strip():
             raise ConfigError("data.tokenizer='' must be 'bytes' or the path of a tokenizer.json or model folder")
 
@@ -306,8 +321,11 @@ class CheckpointConfig:
     same model; training continues at its step with its optimizer state."""
     init: str = ""
     """Start this job (at step 0, with a fresh optimizer) from these weights: an
-    Interleaf checkpoint or a Hugging Face model folder (config.json and safetensors)
-    of LlamaForCausalLM or GPT2LMHeadModel, whose model section the job takes."""
+    Interleaf checkpoint (as for resume) or a Hugging Face model folder (config.json and
+    safetensors) of LlamaForCausalLM or GPT2LMHeadModel. The job takes its `[model]`
+    from them (a model value that contradicts them is refused) except seq_len (at most
+    their positions) and pad_vocab_to. Readable at the same path by the coordinator and
+    every stage server (coordinator/init_source.py)."""
 
     def __post_init__(self):
         _bounded("checkpoint", self)
@@ -316,6 +334,9 @@ class CheckpointConfig:
                 raise ConfigError(f"checkpoint.{key}={getattr(self, key)} must be 0 or more")
         if self.every and not self.dir:
             raise ConfigError(f"checkpoint.every={self.every} needs checkpoint.dir")
+        if self.init and self.resume:
+            raise ConfigError(f"checkpoint.init={self.init!r} and checkpoint.resume={self.resume!r} exclude each "
+                              f"other: init starts a new job at step 0 from given weights, resume continues one")
 
 
 @dataclass(frozen=True)
@@ -451,7 +472,8 @@ def _field_types(cls) -> dict[str, type]:
 
 
 def build_config(raw: dict, overrides: list[str] = ()) -> JobConfig:
-    """Builds and validates a JobConfig from parsed TOML and SECTION.KEY=VALUE overrides."""
+    """Builds and validates a JobConfig from parsed TOML and SECTION.KEY=VALUE overrides.
+    With checkpoint.init, `[model]` is taken from those weights (coordinator/init_source.py)."""
     values: dict[str, dict] = {name: {} for name in _SECTION_TYPES}
     for section, table in raw.items():
         if section not in _SECTION_TYPES:
@@ -470,24 +492,35 @@ def build_config(raw: dict, overrides: list[str] = ()) -> JobConfig:
                               f"(known: {', '.join(_SECTION_TYPES)})")
         values[section][key.strip()] = (text.strip(), True)
 
-    sections = {}
-    for section, cls in _SECTION_TYPES.items():
-        types = _field_types(cls)
-        kwargs = {}
-        for key, (value, from_text) in values[section].items():
-            if key not in types:
-                raise ConfigError(
-                    f"unknown key {section}.{_name(key)} (known: {', '.join(types)})"
-                )
-            if from_text and types[key] is bool:
-                value = {"true": True, "false": False}.get(value.lower(), value)
-            elif from_text and types[key] is tuple:
-                value = _list_from_text(value)
-            elif from_text and types[key] is not str:
-                value = _number_from_text(section, key, value)
-            kwargs[key] = _convert(section, key, types[key], value)
-        sections[section] = cls(**kwargs)
-    return JobConfig(**sections)
+    given = {section: _typed(section, cls, values[section]) for section, cls in _SECTION_TYPES.items()}
+    checkpoint = CheckpointConfig(**given["checkpoint"])
+    if checkpoint.init:
+        # Imported here: it reads the weights' config through stage-server code, which loads torch.
+        from interleaf.coordinator.init_source import read_source, take_model
+
+        source = read_source(checkpoint.init)
+        given["model"] = take_model(given["model"], checkpoint.init, source)
+        given["checkpoint"]["init"] = source.location
+    return JobConfig(**{section: cls(**given[section]) for section, cls in _SECTION_TYPES.items()})
+
+
+def _typed(section: str, cls, values: dict[str, tuple]) -> dict:
+    """A section's given values, (value, from the command line) each, as its fields' types."""
+    types = _field_types(cls)
+    kwargs = {}
+    for key, (value, from_text) in values.items():
+        if key not in types:
+            raise ConfigError(
+                f"unknown key {section}.{_name(key)} (known: {', '.join(types)})"
+            )
+        if from_text and types[key] is bool:
+            value = {"true": True, "false": False}.get(value.lower(), value)
+        elif from_text and types[key] is tuple:
+            value = _list_from_text(value)
+        elif from_text and types[key] is not str:
+            value = _number_from_text(section, key, value)
+        kwargs[key] = _convert(section, key, types[key], value)
+    return kwargs
 
 
 def _number_from_text(section: str, key: str, text: str):

@@ -286,7 +286,9 @@ class JobDriver(threading.Thread):
         job = self.job
         prefix = f"{job.job_id}/{time.monotonic_ns()}"
         requests = setup_requests(job.job_id, self.config, plan, (*self.store, prefix), COMM_TIMEOUT_S,
-                                  data_microbatches=job.config.parallel.microbatches)
+                                  data_start=self.checkpoints.data_start,
+                                  # A resumed checkpoint replaces every weight: nothing to read before it.
+                                  init_from="" if self.checkpoints.resume_from else self.config.checkpoint.init)
         for request in requests:
             request.probes.extend(probes)
 

@@ -2,9 +2,10 @@
 
 A layout here keeps tp, pp, vpp, the schedule, the ZeRO stage and the global batch, and
 trades data-parallel replicas for microbatches: dp' replicas of dp·m/dp' microbatches
-each. A replica's microbatch keeps global_batch/(dp·m) rows, and the sampler hands out
-row r of a step the same way under any cut (stageserver/data/sampler.py), so every step
-sees the same samples and its loss is the uninterrupted run's (up to summation order).
+each. A replica's microbatch keeps global_batch/(dp·m) rows (and so its activation
+memory), and a step's samples depend on no layout knob (stageserver/data/sampler.py), so
+every step sees the same samples and its loss is the uninterrupted run's (up to
+summation order).
 
 Worked example: dp=4, m=4, pp=2, interleaved-1f1b, global_batch=16. dp·m=16, so dp'=3
 is out (16 microbatches do not split over 3 replicas); dp'=2 runs 8 microbatches and

@@ -28,20 +28,20 @@ from interleaf.coordinator.config import MASTER_BYTES, PRECISION_BYTES, JobConfi
 from interleaf.coordinator.partition import Chunk, chunks_of, partition
 from interleaf.protos.actions import RECVS, SENDS, Action, Kind
 from interleaf.protos.memory import MemoryLedger
+from interleaf.stageserver.model.config import shape_of
+from interleaf.stageserver.model.params import TIED
+from interleaf.stageserver.model.shapes import chunk_param_specs, local_numel
 
 
 def bucket_sizes(config: JobConfig, chunk: Chunk) -> list[int]:
-    """Parameters per bucket of a chunk on one tp rank: [tied embedding,] the rest
-    (the same split as stageserver/model_state.py makes)."""
-    m, t = config.model, config.parallel.tp
-    d = m.d_model
-    block = (2 * d) + (3 * d // t * d + 3 * d // t) + (d * d // t + d) + (2 * d) \
-        + (4 * d // t * d + 4 * d // t) + (d * 4 * d // t + d)
-    rest = len(chunk.layers) * block
-    rest += m.seq_len * d if chunk.has_embedding else 0  # learned positions
-    rest += 2 * d if chunk.has_head else 0  # final LayerNorm
-    tied = [m.vocab_size // t * d] if chunk.has_embedding or chunk.has_head else []
-    return tied + [rest]
+    """Parameters per bucket of a chunk on one tp rank: [input embedding,] the rest (the
+    same split as stageserver/model_state.py makes), from the parameters the chunk's
+    ModelChunk would hold: the architecture's, with the vocabulary padded for tp."""
+    t = config.parallel.tp
+    specs = chunk_param_specs(shape_of(config.model), chunk.layers, chunk.has_embedding, chunk.has_head, t)
+    sizes = {name: local_numel(spec, t) for name, spec in specs.items()}
+    groups = [[n for name, n in sizes.items() if name == TIED], [n for name, n in sizes.items() if name != TIED]]
+    return [sum(group) for group in groups if group]
 
 
 class _ProgramWalk:
@@ -92,12 +92,10 @@ class _ProgramWalk:
     def _activations(self, c: int) -> tuple[int, int]:
         """(kept from the forward to the backward, held during the backward)."""
         chunk = self.chunks[c]
-        full = chunk_activation_bytes(self.model.d_model, self.model.n_heads, self.model.seq_len,
-                                      self.model.vocab_size, len(chunk.layers), chunk.has_embedding,
-                                      chunk.has_head, self.rows, self.tp, self.precision)
+        full = chunk_activation_bytes(self.model, len(chunk.layers), chunk.has_embedding, chunk.has_head,
+                                      self.rows, self.tp, self.precision)
         if self.recompute:
-            return chunk_input_bytes(self.model.d_model, self.model.seq_len, chunk.has_embedding,
-                                     self.rows, self.precision), full
+            return chunk_input_bytes(self.model, chunk.has_embedding, self.rows, self.precision), full
         if c - 1 in self.chunks:
             full -= self.hidden  # the input is the previous chunk's output, counted there
         return full, full

@@ -170,6 +170,5 @@ class CoordinatorMetrics:
         job_peaks = [peaks.get(rank.server_address, 0.0) for rank in record.ranks]
         if not job_peaks or min(job_peaks) <= 0 or step.step_seconds <= 0:
             return None
-        m = record.config.model
-        flops = flops_per_token(m.n_layers, m.d_model, m.vocab_size, m.seq_len) * step.tokens
+        flops = flops_per_token(record.config.model) * step.tokens
         return flops / (step.step_seconds * sum(job_peaks))

@@ -113,10 +113,12 @@ def describe_state(config: JobConfig) -> str:
 
 def setup_requests(
     job_id: str, config: JobConfig, plan: JobPlan, store: tuple[str, int, str], comm_timeout_s: float,
-    data_microbatches: int = 0,
+    data_start: tuple[int, int] = (0, 0), init_from: str = "",
 ) -> list[pb.SetupRequest]:
-    """`data_microbatches`: the submitted job's microbatches, whose cut defines the samples
-    (stageserver/data/sampler.py), when `config` runs another count (parallel.elastic)."""
+    """`data_start`: the data position (step, samples consumed before it) the job goes on
+    from: a resumed checkpoint's (stageserver/data/sampler.py); (0, 0) for a new job.
+    `init_from`: the weights each server reads its parameters from (checkpoint.init,
+    resolved); "" starts from the seed, or from a checkpoint loaded after setup."""
     m, p, t = config.model, config.parallel, config.train
     host, port, prefix = store
     requests = []
@@ -141,9 +143,11 @@ def setup_requests(
                     steps=t.steps, global_batch=t.global_batch, lr=t.lr,
                     warmup_steps=t.warmup_steps, weight_decay=t.weight_decay,
                     grad_clip=t.grad_clip, seed=t.seed, microbatches=p.microbatches,
-                    precision=t.precision, recompute=t.recompute, data_microbatches=data_microbatches,
+                    precision=t.precision, recompute=t.recompute,
+                    data_start_step=data_start[0], data_start_samples=data_start[1],
                 ),
                 data_source=config.data.source,
+                init_from=init_from,
                 chunks=[
                     pb.ChunkSpec(
                         index=ch.index, first_layer=ch.layers.start, end_layer=ch.layers.stop,

@@ -20,6 +20,7 @@ from interleaf.coordinator.registry import HEARTBEAT_INTERVAL_S, Registry
 from interleaf.protos import interleaf_pb2 as pb
 from interleaf.protos import interleaf_pb2_grpc as rpc
 from interleaf.protos import wire
+from interleaf.stageserver.data.vocab_check import check_vocab
 
 log = logging.getLogger("interleaf.coordinator")
 
@@ -77,8 +78,9 @@ class CoordinatorService(rpc.CoordinatorServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, refused)
         try:
             config = load_config(request.config_toml, list(request.overrides))
+            check_vocab(config.model.vocab_size, config.data.source, config.data.tokenizer, tokenizer_needed=False)
             self._admit(config)
-        except ValueError as err:  # ConfigError, AdmissionError; a plan that cannot be built
+        except ValueError as err:  # ConfigError, VocabError, AdmissionError; a plan that cannot be built
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
         record = self.jobs.create(config, request.config_toml, list(request.overrides))
         driver = JobDriver(record, self.registry, self.store_address, self.steps_per_call)

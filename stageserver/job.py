@@ -8,6 +8,7 @@ groups crosswise) and builds the model. Steps then run with no control traffic.
 from __future__ import annotations
 
 import datetime
+import logging
 import pathlib
 import threading
 
@@ -23,11 +24,14 @@ from interleaf.stageserver.data.vocab_check import data_too_big
 from interleaf.stageserver.background_writes import BackgroundWrites
 from interleaf.stageserver.setup_checks import SetupError, check_setup
 from interleaf.stageserver.executor import Executor, StepStats
+from interleaf.stageserver.init_weights import initial_values
 from interleaf.stageserver.model import ModelShape
 from interleaf.stageserver.spool import Spool, default_root
 from interleaf.stageserver.model_state import DTYPES, ChunkPlan, ModelState, TrainPlan
 from interleaf.stageserver.transport.groups import TRANSPORTS, connect_group, make_group_id
 from interleaf.stageserver.transport.metered import CommMeter, metered
+
+log = logging.getLogger("interleaf.stageserver")
 
 
 class JobRejected(ValueError):
@@ -86,14 +90,21 @@ class StageJob:
             raise JobRejected(str(err)) from None
         if self.data.vocab_size is not None and self.data.vocab_size > m.vocab_size:
             raise JobRejected(data_too_big(m.vocab_size, request.data_source, self.data.vocab_size))
-        largest = int(np.max(self.data.tokens)) if len(self.data) else 0
+        largest = max(int(np.max(f.tokens)) for f in self.data.files)  # a token file is never empty
         if largest >= m.vocab_size:
             raise JobRejected(
                 f"model.vocab_size={m.vocab_size} must exceed every token id in "
                 f"data.source={request.data_source!r}, which holds id {largest}"
             )
-        self.sampler = Sampler(self.data, t.seed, m.seq_len, t.global_batch // t.microbatches,
-                               cut_rows=t.global_batch // (t.data_microbatches or t.microbatches))
+        try:
+            self.sampler = Sampler(self.data, t.seed, m.seq_len, t.global_batch, t.microbatches,
+                                   start_step=t.data_start_step, start_samples=t.data_start_samples)
+        except ValueError as err:  # a file shorter than one sample
+            raise JobRejected(str(err)) from None
+        try:  # the weights to start from, opened (not read) now: a bad path fails the setup
+            self.initial = initial_values(request.init_from, self.config) if request.init_from else None
+        except (OSError, ValueError) as err:
+            raise JobRejected(f"init_from={request.init_from!r}: {err}") from None
         self.model: ModelState | None = None
         self.executor: Executor | None = None
         # Every group's traffic, taken per step; None on a server with its metrics off
@@ -126,7 +137,7 @@ class StageJob:
                 groups[role] = joined if self.comm is None else metered(joined, role, self.comm)
             last_chunk = r.grid.pp * r.vpp - 1
             self.model = ModelState(self.config, self.chunks, groups, self.sampler, self.train, last_chunk,
-                                    zero=r.zero, device=self.device)
+                                    zero=r.zero, device=self.device, initial=self.initial)
         except BaseException:
             for joined in groups.values():  # never left to the garbage collector
                 joined.close()
@@ -145,6 +156,10 @@ class StageJob:
             raise RuntimeError(f"job {self.job_id} is not connected")
         if self.comm is not None:
             self.comm.take()  # what moved between steps (a checkpoint's load) is no step's
+        if self.reports_loss and self.request.coordinates.dp == 0:  # one server says it
+            for name, epoch, samples in self.sampler.epochs_begun(step):
+                log.info("job %s: step %d begins epoch %d of %s (%d samples an epoch)",
+                         self.job_id, step, epoch, name, samples)
         stats = executor.run_step(step, trace)
         if self.comm is not None:
             stats.comm = self.comm.take()

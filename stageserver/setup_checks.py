@@ -64,11 +64,11 @@ def check_setup(r: pb.SetupRequest) -> None:
     if t.global_batch % (g.dp * t.microbatches):
         raise SetupError(f"train.global_batch={t.global_batch} must be divisible by "
                          f"grid.dp*train.microbatches={g.dp * t.microbatches}")
-    if t.data_microbatches:
-        _within("train.data_microbatches", t.data_microbatches, 1, MAXIMA["parallel.microbatches"])
-        if t.global_batch % t.data_microbatches:
-            raise SetupError(f"train.global_batch={t.global_batch} must be divisible by "
-                             f"train.data_microbatches={t.data_microbatches}")
+    # The data position is a resumed checkpoint's: never past the job's end, and never
+    # more samples than the longest job consumes (the sampler counts them in int64).
+    _within("train.data_start_step", t.data_start_step, 0, t.steps)
+    _within("train.data_start_samples", t.data_start_samples, 0,
+            MAXIMA["train.steps"] * MAXIMA["train.global_batch"])
     _within("train.warmup_steps", t.warmup_steps, 0, MAXIMA["train.warmup_steps"])
     if not (math.isfinite(t.lr) and t.lr > 0):
         raise SetupError(f"train.lr={t.lr} must be a finite number greater than 0")
@@ -83,7 +83,7 @@ def check_setup(r: pb.SetupRequest) -> None:
     for i, group in enumerate(r.groups):
         if len(group.name) > MAX_TEXT_CHARS or any(member >= world for member in group.members):
             raise SetupError(f"groups[{i}] ({shown(group.name)}) must name members below world_size={world}")
-    for name in ("data_source", "store_host", "store_prefix"):
+    for name in ("data_source", "init_from", "store_host", "store_prefix"):
         if len(getattr(r, name)) > MAX_TEXT_CHARS:
             raise SetupError(f"{name}={shown(getattr(r, name))} must be at most {MAX_TEXT_CHARS} characters")
     _within("store_port", r.store_port, 0, 65535)

@@ -1,6 +1,7 @@
 """The coordinator's predicted activation bytes (coordinator/activation_bytes.py) against
 what a stage server measures (stageserver/activation_meter.py) on a real ModelChunk fed by
-the real sampler, for both recompute modes, at tp=1 in-process and tp=2 on gloo.
+the real sampler, for both architectures (grouped-query attention, untied heads, padded
+vocabularies among them) and both recompute modes, at tp=1 in-process and tp=2 on gloo.
 
 Tolerance: none, equality to the byte. Every kept tensor's size is a function of the
 shapes and dtypes alone (no kernel chooses a layout from the data), so any difference is
@@ -19,21 +20,41 @@ from gloo_world import run_world
 
 from interleaf.coordinator.activation_bytes import chunk_activation_bytes, chunk_input_bytes
 from interleaf.stageserver.activation_meter import ActivationMeter, parameter_storages
+from interleaf.stageserver.data.corpus import resolve_source
 from interleaf.stageserver.data.sampler import Sampler
-from interleaf.stageserver.data.tokenfile import TokenFile, write_tokens
+from interleaf.stageserver.data.tokenfile import write_tokens
 from interleaf.stageserver.model import ModelChunk, ModelShape
 from interleaf.stageserver.transport import SoloTransport
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
 ENDS = [(False, False), (True, False), (False, True), (True, True)]  # (embedding, head)
-# (rows, seq_len, d_model, n_heads, vocab_size); odd sizes catch padded allocations.
-SHAPES = [
-    (1, 8, 32, 2, 64), (2, 13, 64, 4, 128), (3, 16, 48, 4, 256), (2, 11, 32, 4, 256),
-    (3, 9, 64, 2, 64),
-]
-# Every precision and chunk kind with 1 and 2 layers, the shapes dealt round-robin.
+
+
+def _shape(seq: int, d: int, heads: int, vocab: int, **more) -> ModelShape:
+    return ModelShape(n_layers=2, d_model=d, n_heads=heads, seq_len=seq, vocab_size=vocab, **more)
+
+
+# name -> (rows, model). Odd sizes catch padded allocations; MLP widths off the 4·d rule,
+# one, two and four query heads per key/value head, untied heads, and vocabularies padded
+# to pad_vocab_to·tp (100 to 104, 64 to 128) beside unpadded ones.
+SHAPES = {
+    "gpt2-s8": (1, _shape(8, 32, 2, 64)),
+    "gpt2-s13": (2, _shape(13, 64, 4, 128)),
+    "gpt2-s16": (3, _shape(16, 48, 4, 256)),
+    "gpt2-s11": (2, _shape(11, 32, 4, 256)),
+    "gpt2-s9": (3, _shape(9, 64, 2, 64)),
+    "gpt2-untied-padded": (2, _shape(10, 48, 4, 100, ffn_hidden=40, pad_vocab_to=8, tie_embeddings=False)),
+    "llama-gqa2-padded": (2, _shape(13, 64, 4, 100, arch="llama", n_kv_heads=2, ffn_hidden=80, pad_vocab_to=8)),
+    "llama-gqa4": (3, _shape(9, 64, 8, 256, arch="llama", n_kv_heads=2, ffn_hidden=176)),
+    "llama-tied-padded": (1, _shape(16, 32, 4, 64, arch="llama", ffn_hidden=96, pad_vocab_to=128,
+                                    tie_embeddings=True)),
+    "llama-mha": (2, _shape(11, 48, 4, 128, arch="llama", ffn_hidden=64)),
+}
+# Per architecture, every precision and chunk kind with 1 and 2 layers, its shapes dealt
+# round-robin.
 CASES = [
-    (precision, emb, head, layers, *SHAPES[i % len(SHAPES)])
+    (precision, emb, head, layers, names[i % len(names)])
+    for names in ([n for n in SHAPES if n.startswith(arch)] for arch in ("gpt2", "llama"))
     for i, (precision, (emb, head), layers) in enumerate(itertools.product(DTYPES, ENDS, (1, 2)))
 ]
 
@@ -50,13 +71,13 @@ def _measure(tp, token_file: str, case: tuple) -> dict[str, int]:
     """Bytes the meter reports for one case: the plain forward, the recompute forward,
     and the recompute's rerun in the backward (run through a real backward, as the
     executor would)."""
-    precision, emb, head, layers, rows, seq, d, heads, vocab = case
+    precision, emb, head, layers, name = case
+    rows, config = SHAPES[name]
     dtype = DTYPES[precision]
-    config = ModelShape(n_layers=layers, d_model=d, n_heads=heads, seq_len=seq, vocab_size=vocab)
     chunk = ModelChunk(config, range(layers), emb, head, tp, seed=5).to(dtype)
     meter = ActivationMeter(parameter_storages(chunk))
-    ids, targets = Sampler(TokenFile(token_file), 0, seq, rows).microbatch(0, 0)
-    hidden = torch.randn(rows, seq, d, generator=torch.Generator().manual_seed(1)).to(dtype)
+    ids, targets = Sampler(resolve_source(token_file), 0, config.seq_len, rows).microbatch(0, 0)
+    hidden = torch.randn(rows, config.seq_len, config.d_model, generator=torch.Generator().manual_seed(1)).to(dtype)
     x = ids if emb else hidden.requires_grad_()
     targets = targets if head else None
 
@@ -69,9 +90,10 @@ def _measure(tp, token_file: str, case: tuple) -> dict[str, int]:
 
 
 def _predict(case: tuple, tp: int) -> dict[str, int]:
-    precision, emb, head, layers, rows, seq, d, heads, vocab = case
-    full = chunk_activation_bytes(d, heads, seq, vocab, layers, emb, head, rows, tp, precision)
-    kept = chunk_input_bytes(d, seq, emb, rows, precision)
+    precision, emb, head, layers, name = case
+    rows, config = SHAPES[name]
+    full = chunk_activation_bytes(config, layers, emb, head, rows, tp, precision)
+    kept = chunk_input_bytes(config, emb, rows, precision)
     return dict(plain=full, recompute=kept, transient=full)
 
 
@@ -85,20 +107,29 @@ def _measure_all(rank: int, tp, token_file: str, cases: list) -> list[dict[str, 
 
 
 def test_prediction_equals_measurement_tp2(token_file):
+    # Grouped-query attention with one key/value head per rank, untied heads split over
+    # the vocabulary, vocabularies padded to a multiple of pad_vocab_to·2.
     cases = [
-        ("bf16", True, True, 2, 2, 8, 32, 4, 64),
-        ("fp32", False, False, 1, 3, 16, 64, 2, 256),
-        ("fp64", True, False, 1, 1, 13, 48, 4, 128),
+        ("bf16", True, True, 2, "gpt2-s11"),
+        ("fp32", False, False, 1, "gpt2-s13"),
+        ("fp64", True, False, 1, "gpt2-s16"),
+        ("fp32", True, True, 1, "gpt2-untied-padded"),
+        ("bf16", True, True, 2, "llama-gqa2-padded"),
+        ("fp32", False, True, 1, "llama-gqa4"),
+        ("fp64", False, False, 2, "llama-tied-padded"),
+        ("bf16", False, True, 1, "llama-tied-padded"),
     ]
     for rank, measured in enumerate(run_world(_measure_all, 2, token_file, cases)):
         for case, got in zip(cases, measured):
             assert got == _predict(case, 2), f"rank {rank}, case {case}"
 
 
-def test_tp_shards_the_activations():
+@pytest.mark.parametrize("name", ["gpt2-s16", "llama-gqa4"])
+def test_tp_shards_the_activations(name):
     # Fails if the formula ignored tp: the sharded terms halve, the replicated ones stay.
-    one = chunk_activation_bytes(64, 4, 16, 256, 2, False, True, 2, 1, "fp32")
-    two = chunk_activation_bytes(64, 4, 16, 256, 2, False, True, 2, 2, "fp32")
+    rows, config = SHAPES[name]
+    one = chunk_activation_bytes(config, 2, False, True, rows, 1, "fp32")
+    two = chunk_activation_bytes(config, 2, False, True, rows, 2, "fp32")
     assert one > two > one // 2
 
 

@@ -7,11 +7,13 @@ import subprocess
 import sys
 
 import grpc
+import numpy as np
 import pytest
 
 from interleaf.protos import interleaf_pb2 as pb
 from interleaf.protos import interleaf_pb2_grpc as rpc
 from interleaf.protos import wire
+from interleaf.stageserver.data import write_tokens
 from tests.conftest import TINY, run_job
 from tests.test_config import BAD_CONFIGS
 
@@ -72,8 +74,20 @@ def test_job_rejected_by_servers_fails_cleanly(cluster, client, tmp_path):
     assert all(s.state == "IDLE" for s in client.servers())
 
 
-def test_vocabulary_smaller_than_data_is_refused(cluster, client):
-    final, _ = run_job(client, TINY + ["parallel.pp=2", "parallel.vpp=1", "model.vocab_size=128"])
+def test_vocabulary_smaller_than_data_is_refused_at_submission(client):
+    with pytest.raises(grpc.RpcError) as caught:
+        client.submit("", TINY + ["parallel.pp=2", "parallel.vpp=1", "model.vocab_size=128"])
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert caught.value.details().startswith(
+        "model.vocab_size=128 is smaller than the vocabulary of data.source='builtin' (256, from its tokenizer)")
+    assert all(s.state == "IDLE" for s in client.servers())
+
+
+def test_token_ids_beyond_the_vocabulary_are_refused_by_servers(cluster, client, tmp_path):
+    path = tmp_path / "ids.tokens"
+    write_tokens(path, np.arange(1000) % 256)  # a sidecar that records no vocabulary: the ids tell
+    final, _ = run_job(client, TINY + ["parallel.pp=2", "parallel.vpp=1", "model.vocab_size=128",
+                                       f"data.source={path}"])
     assert final.state == "FAILED"
     assert "model.vocab_size=128 must exceed every token id" in final.error
     assert not any(_holds_job(cluster, r.server_address, final.job_id) for r in final.ranks)

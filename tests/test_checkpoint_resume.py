@@ -1,6 +1,7 @@
 """Periodic checkpoints of the whole training state, and resuming them under other
-layouts, on the shared cluster: every resumed run equals the run that was never
-stopped, step for step (DESIGN.md, "The equivalence contract"; issue 8)."""
+layouts, microbatch counts included, on the shared cluster: every resumed run equals the
+run that was never stopped, step for step (DESIGN.md, "The equivalence contract"; issues
+8 and 17)."""
 
 from __future__ import annotations
 
@@ -8,18 +9,20 @@ import pathlib
 
 import pytest
 
-from interleaf.coordinator.checkpoints import find
+from interleaf.coordinator.checkpoints import Checkpoint, find
 from tests.conftest import TINY, layout_free, reference, run_job
 from tests.test_equivalence import LOSS_RTOL
 
 STEPS = ["train.steps=8"]
-# Each layout differs from the one before in every dimension it can (the microbatch
-# count stays; tests/test_elastic.py changes it with dp).
+# Each layout differs from the one before in every dimension it can, the microbatch count
+# included (4, 2, 4, 8): a step's samples depend on none of them, so the reference, run
+# at TINY's 4, holds every hop.
 CHAIN = [
     ["parallel.dp=2", "parallel.tp=2", "parallel.pp=2", "parallel.vpp=2", "parallel.zero=3"],
-    ["parallel.tp=4", "parallel.pp=1", "parallel.vpp=1", "parallel.schedule=1f1b", "parallel.zero=0"],
+    ["parallel.tp=4", "parallel.pp=1", "parallel.vpp=1", "parallel.schedule=1f1b", "parallel.zero=0",
+     "parallel.microbatches=2"],
     ["parallel.dp=2", "parallel.pp=2", "parallel.vpp=1", "parallel.schedule=1f1b", "parallel.zero=2"],
-    ["parallel.pp=4", "parallel.vpp=2"],
+    ["parallel.pp=4", "parallel.vpp=2", "parallel.microbatches=8"],
 ]
 
 
@@ -45,8 +48,17 @@ def test_resharding_through_four_layouts_equals_the_uninterrupted_run(client, tm
         # The next layout takes over two steps later than this one did.
         first += 2
         resume = str(folder / f"step-{first:06d}")
-        assert find(resume).manifest["layout"]["tp"] == (2, 4, 1, 1)[hop]
+        manifest = find(resume).manifest
+        assert manifest["layout"]["tp"] == (2, 4, 1, 1)[hop]
+        assert manifest["consumed_samples"] == first * 8  # train.global_batch=8
     assert first == 8
+
+
+def test_a_manifest_without_a_data_position_resumes_at_step_times_global_batch(tmp_path):
+    """Checkpoints written before the data position was recorded ran every step at the
+    job's global batch; those that record it are taken at their word."""
+    assert Checkpoint(tmp_path / "manifest.json", {"step": 6}).consumed_samples(8) == 48
+    assert Checkpoint(tmp_path / "manifest.json", {"step": 6, "consumed_samples": 40}).consumed_samples(8) == 40
 
 
 def test_fp64_resume_in_the_same_layout_is_exact_and_keep_prunes(client, tmp_path):

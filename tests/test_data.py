@@ -1,6 +1,7 @@
-"""Token files, the byte tokenizer, the built-in corpus and the sampler.
+"""Token files, the byte tokenizer and the built-in corpus (the sampler and blends:
+tests/test_sampler.py).
 
-Everything here is exact: token ids, bytes, hashes and sampled windows are integers, so
+Everything here is exact: token ids, bytes and hashes are integers, so
 every comparison is equality. The CLI is run as a real subprocess.
 """
 
@@ -11,13 +12,14 @@ import json
 import pathlib
 import subprocess
 import sys
+import sysconfig
 
 import numpy as np
 import pytest
 import torch
 
-from interleaf.stageserver.data import (Sampler, TokenFile, builtin_corpus, decode, encode,
-                              prepare, resolve_source, write_tokens)
+from interleaf.stageserver.data import (TokenFile, builtin_corpus, decode, encode, prepare,
+                              resolve_source, write_tokens)
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -67,7 +69,7 @@ def test_write_tokens_picks_smallest_dtype_and_sidecar_matches_bytes(tmp_path, t
     meta = write_tokens(path, tokens)
 
     raw = path.read_bytes()
-    assert meta == {"dtype": dtype, "tokens": 5, "sha256": hashlib.sha256(raw).hexdigest()}
+    assert meta == {"dtype": dtype, "count": 5, "sha256": hashlib.sha256(raw).hexdigest()}
     assert _sidecar(path) == meta
     assert len(raw) == 5 * itemsize
     assert np.frombuffer(raw, dtype=dtype).tolist() == tokens.tolist()
@@ -100,8 +102,20 @@ def test_token_file_rejects_sidecar_count_mismatch(tmp_path):
     path = tmp_path / "t.tokens"
     meta = write_tokens(path, np.arange(10))
     sidecar = path.with_name("t.tokens.json")
-    sidecar.write_text(json.dumps({**meta, "tokens": 11}))
+    sidecar.write_text(json.dumps({**meta, "count": 11}))
     with pytest.raises(ValueError, match=r"data\.source=.*t\.tokens.* holds 10 tokens, its sidecar says 11"):
+        TokenFile(path)
+
+
+def test_token_file_reads_a_sidecar_from_before_count_and_vocab_size(tmp_path):
+    path = tmp_path / "t.tokens"
+    meta = write_tokens(path, np.arange(10))
+    old = {"dtype": meta["dtype"], "tokens": 10, "sha256": meta["sha256"]}  # as written before `count`
+    path.with_name("t.tokens.json").write_text(json.dumps(old))
+    tf = TokenFile(path)
+    assert len(tf) == 10 and tf.vocab_size is None
+    path.with_name("t.tokens.json").write_text(json.dumps({**old, "tokens": 9}))
+    with pytest.raises(ValueError, match="holds 10 tokens, its sidecar says 9"):
         TokenFile(path)
 
 
@@ -117,7 +131,7 @@ def test_prepare_concatenates_byte_tokens_of_files(tmp_path):
 
     expected = b"".join(t.encode("utf-8") for t in texts)
     tf = TokenFile(out)
-    assert meta["tokens"] == len(expected) == len(tf)
+    assert meta["count"] == len(expected) == len(tf)
     assert meta["dtype"] == "uint16"
     assert tf.tokens.tolist() == list(expected)
     assert decode(tf.tokens) == "".join(texts)
@@ -187,6 +201,10 @@ def test_builtin_corpus_builds_once_into_the_cache_and_is_reused(tmp_path, monke
     tf = TokenFile(path)
     # The standard library's top-level sources are megabytes of text.
     assert len(tf) > 1_000_000
+    # A complete sidecar, as prepare writes: one document per source file, bytes.
+    assert {k: tf.meta[k] for k in ("vocab_size", "eos_id", "tokenizer")} == {
+        "vocab_size": 256, "eos_id": None, "tokenizer": "bytes"}
+    assert tf.meta["documents"] == len(list(pathlib.Path(sysconfig.get_paths()["stdlib"]).glob("*.py")))
     assert tf.sha256 == hashlib.sha256(path.read_bytes()).hexdigest()
     assert "def " in decode(tf.tokens[:20_000])
 
@@ -194,7 +212,7 @@ def test_builtin_corpus_builds_once_into_the_cache_and_is_reused(tmp_path, monke
     assert (path.stat().st_mtime_ns, sidecar.stat().st_mtime_ns) == stamps
 
     data = resolve_source("builtin")
-    assert data.path == path and data.sha256 == tf.sha256
+    assert [f.path for f in data.files] == [path] and data.sha256 == tf.sha256
     assert (path.stat().st_mtime_ns, sidecar.stat().st_mtime_ns) == stamps
 
 
@@ -202,96 +220,7 @@ def test_resolve_source_opens_a_token_file_path(tmp_path):
     path = tmp_path / "t.tokens"
     write_tokens(path, np.arange(100))
     data = resolve_source(str(path))
-    assert data.tokens.tolist() == list(range(100))
-
-
-# --- sampler ------------------------------------------------------------------------------
-
-SEQ, ROWS, N = 16, 8, 5000
-
-
-@pytest.fixture(scope="module")
-def token_file(tmp_path_factory) -> TokenFile:
-    path = tmp_path_factory.mktemp("sampler") / "random.tokens"
-    write_tokens(path, np.random.default_rng(3).integers(0, 256, size=N))
-    return TokenFile(path)
-
-
-def test_sampler_windows_are_file_slices_with_targets_shifted_by_one(token_file):
-    sampler = Sampler(token_file, seed=1, seq_len=SEQ, rows_per_microbatch=ROWS)
-    inputs, targets = sampler.microbatch(step=2, microbatch=1)
-    assert inputs.shape == targets.shape == (ROWS, SEQ)
-    assert inputs.dtype == targets.dtype == torch.int64
-    offsets = sampler.offsets(2, 1)
-    assert offsets.shape == (ROWS,)
-    assert ((offsets >= 0) & (offsets + SEQ + 1 <= N)).all()
-    file = torch.from_numpy(np.asarray(token_file.tokens, dtype=np.int64))
-    for row, o in enumerate(offsets):
-        assert torch.equal(inputs[row], file[o : o + SEQ])
-        assert torch.equal(targets[row], file[o + 1 : o + SEQ + 1])
-    assert torch.equal(inputs[:, 1:], targets[:, :-1])
-
-
-def test_sampler_is_a_function_of_seed_step_microbatch(token_file):
-    a = Sampler(token_file, seed=1, seq_len=SEQ, rows_per_microbatch=ROWS)
-    b = Sampler(TokenFile(token_file.path), seed=1, seq_len=SEQ, rows_per_microbatch=ROWS)
-    # Any call order, any instance: the same (seed, step, microbatch) gives the same tokens.
-    first = a.microbatch(3, 2)
-    a.microbatch(0, 0)
-    for again in (a.microbatch(3, 2), b.microbatch(3, 2)):
-        assert torch.equal(again[0], first[0]) and torch.equal(again[1], first[1])
-
-
-@pytest.mark.parametrize("other", [
-    dict(seed=1, step=4, microbatch=2),
-    dict(seed=1, step=3, microbatch=0),
-    dict(seed=2, step=3, microbatch=2),
-])
-def test_sampler_differs_across_step_microbatch_and_seed(token_file, other):
-    base = Sampler(token_file, seed=1, seq_len=SEQ, rows_per_microbatch=ROWS).microbatch(3, 2)[0]
-    sampler = Sampler(token_file, seed=other["seed"], seq_len=SEQ, rows_per_microbatch=ROWS)
-    assert not torch.equal(sampler.microbatch(other["step"], other["microbatch"])[0], base)
-
-
-@pytest.mark.parametrize("replicas", [1, 2, 4, 8])
-def test_sampler_replica_slices_concatenate_to_the_microbatch(token_file, replicas):
-    sampler = Sampler(token_file, seed=5, seq_len=SEQ, rows_per_microbatch=ROWS)
-    full_inputs, full_targets = sampler.microbatch(7, 3)
-    parts = [sampler.microbatch(7, 3, replica=r, replicas=replicas) for r in range(replicas)]
-    assert all(p[0].shape == (ROWS // replicas, SEQ) for p in parts)
-    assert torch.equal(torch.cat([p[0] for p in parts]), full_inputs)
-    assert torch.equal(torch.cat([p[1] for p in parts]), full_targets)
-
-
-def test_sampler_rejects_rows_that_do_not_split_over_replicas(token_file):
-    sampler = Sampler(token_file, seed=5, seq_len=SEQ, rows_per_microbatch=ROWS)
-    with pytest.raises(ValueError, match="8 rows per microbatch do not split over 3 replicas"):
-        sampler.microbatch(0, 0, replica=0, replicas=3)
-
-
-def test_sampler_rejects_a_file_shorter_than_one_window(tmp_path):
-    path = tmp_path / "short.tokens"
-    write_tokens(path, np.arange(SEQ))
-    with pytest.raises(ValueError, match=r"data\.source=.*short\.tokens.* has 16 tokens, fewer than model\.seq_len\+1=17"):
-        Sampler(TokenFile(path), seed=0, seq_len=SEQ, rows_per_microbatch=2)
-
-
-def test_sampler_accepts_a_file_of_exactly_one_window(tmp_path):
-    path = tmp_path / "edge.tokens"
-    write_tokens(path, np.arange(SEQ + 1))
-    sampler = Sampler(TokenFile(path), seed=0, seq_len=SEQ, rows_per_microbatch=4)
-    inputs, targets = sampler.microbatch(0, 0)
-    assert torch.equal(inputs, torch.arange(SEQ).expand(4, SEQ))
-    assert torch.equal(targets, inputs + 1)
-
-
-def test_sampler_reaches_the_last_token(tmp_path):
-    path = tmp_path / "two.tokens"
-    write_tokens(path, np.arange(SEQ + 2))
-    sampler = Sampler(TokenFile(path), seed=0, seq_len=SEQ, rows_per_microbatch=64)
-    starts = {int(x) for x in sampler.microbatch(0, 0)[0][:, 0]}
-    # Offsets 0 and 1 are the only windows; with 64 draws both occur.
-    assert starts == {0, 1}
+    assert [f.tokens.tolist() for f in data.files] == [list(range(100))] and data.weights == [1.0]
 
 
 def test_empty_token_file_is_refused_by_name(tmp_path):

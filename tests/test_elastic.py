@@ -16,7 +16,7 @@ import torch
 
 from interleaf.coordinator.config import ConfigError, load_config
 from interleaf.coordinator.elastic import smaller_layouts
-from interleaf.stageserver.data import Sampler, TokenFile, write_tokens
+from interleaf.stageserver.data import Sampler, resolve_source, write_tokens
 from tests.conftest import TINY, layout_free, reference, servers_by_address
 from tests.test_equivalence import LOSS_RTOL
 
@@ -25,44 +25,29 @@ STEPS = 12
 
 # --- which samples -------------------------------------------------------------------
 
-def test_a_steps_samples_are_the_same_however_it_is_cut(tmp_path):
-    """Row r of a step is one window whatever the microbatches and replicas it runs
-    under, given the cut it was submitted with: a job submitted as 4 microbatches of a
-    16-sample batch trains on the same samples as dp*m changes."""
+def test_every_smaller_layout_trains_on_the_submitted_layouts_samples(tmp_path):
+    """A step's samples depend on no layout knob (stageserver/data/sampler.py), so the
+    layouts an elastic job may shrink to hold them all, each split its own way: every
+    replica's slice of every microbatch, concatenated, is the submitted layout's step."""
     path = tmp_path / "random.tokens"
     write_tokens(path, np.random.default_rng(3).integers(0, 256, size=5000))
-    data, batch, submitted = TokenFile(path), 16, 4
+    source = resolve_source(str(path))
+    config = load_config("", ["parallel.dp=4", "parallel.microbatches=4", "train.global_batch=16",
+                              "parallel.elastic=true"])
 
-    def step_rows(microbatches, replicas, step=5):
-        sampler = Sampler(data, seed=7, seq_len=16, rows_per_microbatch=batch // microbatches,
-                          cut_rows=batch // submitted)
-        return torch.cat([sampler.microbatch(step, j, d, replicas)[0]
-                          for j in range(microbatches) for d in range(replicas)])
+    def step_rows(c, step=5):
+        p, t = c.parallel, c.train
+        sampler = Sampler(source, t.seed, 16, t.global_batch, p.microbatches)
+        return torch.cat([sampler.microbatch(step, j, d, p.dp)[0]
+                          for j in range(p.microbatches) for d in range(p.dp)])
 
-    whole = step_rows(submitted, 1)
-    assert whole.shape == (batch, 16)
-    for microbatches, replicas in [(4, 2), (8, 2), (4, 4), (16, 1), (8, 1)]:
-        assert torch.equal(step_rows(microbatches, replicas), whole), (microbatches, replicas)
-    assert not torch.equal(step_rows(submitted, 1, step=6), whole)  # another step
-    # Run as submitted, microbatch j is block j: the samples of every earlier release.
-    plain = Sampler(data, seed=7, seq_len=16, rows_per_microbatch=batch // submitted)
-    assert torch.equal(torch.cat([plain.microbatch(5, j)[0] for j in range(submitted)]), whole)
-    first = np.random.default_rng([7, 5, 0]).integers(0, len(data) - 16, size=batch // submitted)
-    window = torch.from_numpy(data.tokens[first[0]:first[0] + 16].astype(np.int64))
-    assert torch.equal(plain.microbatch(5, 0)[0][0], window)
-
-
-def test_a_cut_that_straddles_blocks_takes_rows_from_both(tmp_path):
-    """dp=3 with 2 microbatches shrunk to dp'=2 runs 3 microbatches of 4 rows over blocks
-    of 6: microbatch 1 is rows 4-7, the end of block 0 and the start of block 1."""
-    path = tmp_path / "random.tokens"
-    write_tokens(path, np.random.default_rng(4).integers(0, 256, size=3000))
-    data = TokenFile(path)
-    submitted = Sampler(data, seed=1, seq_len=8, rows_per_microbatch=6)
-    shrunk = Sampler(data, seed=1, seq_len=8, rows_per_microbatch=4, cut_rows=6)
-    rows = torch.cat([submitted.microbatch(2, b)[0] for b in range(2)])
-    assert torch.equal(torch.cat([shrunk.microbatch(2, j)[0] for j in range(3)]), rows)
-    assert torch.equal(shrunk.microbatch(2, 1)[0], rows[4:8])
+    whole = step_rows(config)
+    assert whole.shape == (16, 16)
+    smaller = smaller_layouts(config)
+    assert [(c.parallel.dp, c.parallel.microbatches) for c in smaller] == [(2, 8), (1, 16)]
+    for c in smaller:
+        assert torch.equal(step_rows(c), whole), c.parallel
+    assert not torch.equal(step_rows(config, step=6), whole)  # another step
 
 
 # --- which layouts -------------------------------------------------------------------

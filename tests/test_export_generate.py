@@ -127,12 +127,27 @@ def test_generation_is_greedy_at_temperature_zero_and_seeded_when_sampling(saved
     greedy = generate(model, "def ", 12)
     assert generate(model, "def ", 12) == greedy
     assert generate(model, "def ", 12, temperature=1.0, top_k=1, seed=5) == greedy  # top-1 is argmax
-    ids = generate_ids(model, "def ", 12)
+    ids = generate_ids(model, [100, 101, 102, 32], 12)
     assert ids[0] == int(next_token_logits(model, torch.tensor([[100, 101, 102, 32]])).argmax())
     assert ids[1] == int(next_token_logits(model, torch.tensor([[100, 101, 102, 32, ids[0]]])).argmax())
     sampled = [generate(model, "def ", 12, temperature=1.5, seed=s) for s in (1, 1, 2)]
     assert sampled[0] == sampled[1]
     assert sampled[0] != sampled[2]
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_cached_generation_equals_rerunning_the_window(arch):
+    """Past seq_len the window slides: every token is still the argmax of the model run
+    afresh over the last seq_len tokens, as generation without a cache computes it."""
+    config = ModelShape(2, 32, 4, 8, 64, arch=arch, n_kv_heads=2 if arch == "llama" else 0)
+    model = full_model(config, seed=3).eval()
+    prompt = [5, 9, 11]
+    got = generate_ids(model, prompt, 20)
+    seen = list(prompt)
+    with torch.no_grad():
+        for token in got:
+            assert token == int(next_token_logits(model, torch.tensor([seen[-config.seq_len:]])).argmax())
+            seen.append(token)
 
 
 @pytest.mark.parametrize("args,message", [

@@ -36,6 +36,17 @@ LAYOUTS = {
                              "parallel.zero=3"],
     "zero3-pp2-v4-recompute": ["parallel.dp=2", "parallel.pp=2", "parallel.vpp=4", "parallel.zero=3",
                                "train.recompute=full"],
+    # Llama: grouped-query attention split over tp, an untied head, a vocabulary of 300
+    # padded to 384 (tp=1) or 512 (tp=2); bf16 normalises in float32.
+    "llama-gqa-zero3-dp2-tp2-pp2-v2": ["model.arch=llama", "model.n_kv_heads=2", "model.ffn_hidden=48",
+                                       "model.vocab_size=300", "parallel.dp=2", "parallel.tp=2", "parallel.pp=2",
+                                       "parallel.vpp=2", "parallel.zero=3"],
+    "llama-bf16-zero1-dp2-pp2-v2-recompute": ["model.arch=llama", "model.vocab_size=300", "parallel.dp=2",
+                                              "parallel.pp=2", "parallel.vpp=2", "parallel.zero=1",
+                                              "train.precision=bf16", "train.recompute=full"],
+    "llama-tied-fp64-zero2-dp2-pp2": ["model.arch=llama", "model.tie_embeddings=true", "parallel.dp=2",
+                                      "parallel.pp=2", "parallel.vpp=1", "parallel.schedule=1f1b",
+                                      "parallel.zero=2", "train.precision=fp64"],
 }
 
 

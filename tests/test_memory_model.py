@@ -1,23 +1,26 @@
 """The memory ledger (stageserver/memory.py) and the coordinator's memory model
-(coordinator/memory_model.py): bucket sizes against real ModelChunk parameters, the ZeRO
-state per stage against the table in memory_model.py's docstring, and that prediction
-against the ledger of real buckets. All figures are integers of bytes: compared exactly.
+(coordinator/memory_model.py): bucket sizes against real ModelChunk parameters of both
+architectures, the ZeRO state per stage against the table in memory_model.py's
+docstring, that prediction against the ledger of real buckets, and admission
+(coordinator/admission.py) of a Llama by it. All figures are integers of bytes: compared
+exactly.
 """
 
 from __future__ import annotations
 
-import math
+from types import SimpleNamespace
 
 import pytest
 import torch
 
+from interleaf.coordinator.admission import AdmissionError, check_fits, needed_bytes
 from interleaf.coordinator.config import load_config
 from interleaf.coordinator.memory_model import bucket_sizes, memory_table, predict, predict_rank
 from interleaf.coordinator.partition import chunks_of, partition
 from interleaf.coordinator.plan import plan_programs
 from interleaf.stageserver.buckets import BucketLayout
 from interleaf.stageserver.memory import KINDS, MemoryLedger, reset_rss_peak, rss_peak_bytes
-from interleaf.stageserver.model import ModelChunk, ModelShape, shape_of
+from interleaf.stageserver.model import ModelChunk, shape_of
 from interleaf.stageserver.model.params import TIED
 from interleaf.stageserver.sharded_bucket import ShardedBucket
 from interleaf.stageserver.transport import SoloTransport
@@ -94,39 +97,39 @@ def _config(n_layers: int, pp: int, vpp: int, *extra: str):
                                     "train.global_batch=12", *extra])
 
 
-def _gpt(config) -> ModelShape:
-    m = config.model
-    return shape_of(m)
+ARCHS = {
+    "gpt2": [],
+    "gpt2 untied": ["model.tie_embeddings=false"],
+    "llama gqa untied": ["model.arch=llama", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_hidden=40"],
+    "llama tied": ["model.arch=llama", "model.tie_embeddings=true"],
+}
+"""Every kind of chunk's parameters: with and without biases and learned positions, one
+embedding or two, grouped-query attention; the vocabulary of 64 padded to 128·tp."""
 
 
 def _split(names_numels) -> list[int]:
-    """stageserver/model_state.py's buckets: the tied embedding alone, then the rest."""
+    """stageserver/model_state.py's buckets: the input embedding alone, then the rest."""
     tied = [n for name, n in names_numels if name == TIED]
     return tied + [sum(n for name, n in names_numels if name != TIED)]
 
 
+@pytest.mark.parametrize("arch", ARCHS.values(), ids=ARCHS.keys())
 @pytest.mark.parametrize("layout", LAYOUTS.values(), ids=LAYOUTS.keys())
-def test_bucket_sizes_are_the_chunks_parameter_counts(layout):
-    config = _config(*layout)
+@pytest.mark.parametrize("tp", [1, 2])
+def test_bucket_sizes_are_the_chunks_parameter_counts(tp, layout, arch):
+    config = _config(*layout, f"parallel.tp={tp}", *arch)
     chunks = partition(config.model.n_layers, config.parallel.pp, config.parallel.vpp)
     assert any(c.has_embedding and not c.has_head for c in chunks) or len(chunks) == 1
     for chunk in chunks:
-        gpt = ModelChunk(_gpt(config), chunk.layers, chunk.has_embedding, chunk.has_head, SoloTransport(), seed=0)
-        expected = _split([(name, p.numel()) for name, p in gpt.named_parameters()])
-        assert bucket_sizes(config, chunk) == expected, chunk
-        assert len(expected) == (2 if chunk.has_embedding or chunk.has_head else 1)
-
-        # tp=2: every split parameter holds half of its full tensor along tp_dim.
-        halves = []
-        for name, spec in gpt.param_specs().items():
-            shape = list(spec.full_shape)
-            if spec.tp_dim is not None:
-                assert shape[spec.tp_dim] % 2 == 0
-                shape[spec.tp_dim] //= 2
-            halves.append((name, math.prod(shape)))
-        tp2 = _config(*layout, "parallel.tp=2")
-        assert bucket_sizes(tp2, chunk) == _split(halves), chunk
-        assert _split(halves) != expected
+        for tp_rank in range(tp):
+            # Building a chunk reads only its tensor group's size and rank.
+            group = SimpleNamespace(size=tp, rank=tp_rank) if tp > 1 else SoloTransport()
+            model = ModelChunk(shape_of(config.model), chunk.layers, chunk.has_embedding, chunk.has_head, group, 0)
+            assert bucket_sizes(config, chunk) == _split([(n, p.numel()) for n, p in model.named_parameters()]), \
+                (chunk, tp_rank)
+        # The input embedding's own bucket: the first chunk's, or a tied head's copy.
+        assert len(bucket_sizes(config, chunk)) == 1 + (
+            chunk.has_embedding or chunk.has_head and config.model.tie_embeddings)
 
 
 # --- ZeRO state and peaks ---------------------------------------------------------------------
@@ -200,18 +203,19 @@ def test_predicted_peaks_of_one_chunk_per_rank(zero, precision):
         assert prediction["parameters_peak_bytes"] == params, f"pipeline rank {rank}"
 
 
+@pytest.mark.parametrize("arch", ["gpt2", "llama gqa untied"])
 @pytest.mark.parametrize("precision", BYTES)
 @pytest.mark.parametrize("zero", [0, 1, 2, 3])
-def test_prediction_equals_the_ledger_of_real_buckets(zero, precision):
+def test_prediction_equals_the_ledger_of_real_buckets(zero, precision, arch):
     """dp=1: every pipeline rank's chunks built and bucketed as a stage server does."""
-    config = _config(4, 2, 2, f"parallel.zero={zero}", f"train.precision={precision}")
+    config = _config(4, 2, 2, f"parallel.zero={zero}", f"train.precision={precision}", *ARCHS[arch])
     dtype, master = {"fp32": (torch.float32, torch.float32), "bf16": (torch.bfloat16, torch.float32),
                      "fp64": (torch.float64, torch.float64)}[precision]
     programs, _ = plan_programs(config)
     for rank in range(2):
         ledger = MemoryLedger()
         for chunk in chunks_of(partition(4, 2, 2), rank):
-            gpt = ModelChunk(_gpt(config), chunk.layers, chunk.has_embedding, chunk.has_head, SoloTransport(), 0)
+            gpt = ModelChunk(shape_of(config.model), chunk.layers, chunk.has_embedding, chunk.has_head, SoloTransport(), 0)
             named = list(gpt.named_parameters())
             for params in ([(n, p) for n, p in named if n == TIED], [(n, p) for n, p in named if n != TIED]):
                 if params:
@@ -246,3 +250,34 @@ def test_memory_table_prints_each_rank_in_mib():
         assert float(cells[-1]) > 0.5  # a figure the MiB rounding does not hide
     # Right-aligned columns: every line of the table is as wide as the header.
     assert len({len(line) for line in lines[1:]}) == 1
+
+
+# --- admission --------------------------------------------------------------------------------
+
+LLAMA_2_7B = ["model.arch=llama", "model.n_layers=32", "model.d_model=4096", "model.n_heads=32",
+              "model.seq_len=4096", "model.vocab_size=32000", "parallel.dp=8", "parallel.pp=1", "parallel.vpp=1",
+              "parallel.schedule=1f1b", "parallel.microbatches=4", "train.global_batch=32",
+              "train.precision=bf16"]
+"""Llama-2 7B (ffn_hidden 11008 by the llama rule, untied head) on eight GPUs, one sample
+of 4096 tokens per microbatch."""
+
+
+def test_llama_2_7b_is_admitted_where_it_fits():
+    """Its parameters are transformers' count of Llama-2 7B, 6,738,415,616. On 80 GB
+    servers ZeRO-0 is refused: its state alone, (2+2+12)Ψ = 100 GiB, cannot fit. ZeRO-3
+    is admitted: 14.1 GiB of shards (bf16 parameters; float32 gradients, master weights
+    and moments), one gathered copy of the parameters, the bf16 gradients and their
+    float32 staging, and 23.4 GiB of activations: 63.2 GiB with the process's reserve."""
+    offers = [(f"gpu-{i}", 80 * 10**9) for i in range(8)]
+    for zero, fits in ((0, False), (3, True)):
+        config = load_config("", LLAMA_2_7B + [f"parallel.zero={zero}"])
+        (chunk,) = partition(32, 1, 1)
+        assert sum(bucket_sizes(config, chunk)) == 6_738_415_616
+        programs, _ = plan_programs(config)
+        needs = needed_bytes(config, programs)
+        if fits:
+            check_fits(needs, offers)
+        else:
+            with pytest.raises(AdmissionError, match=rf"^rank 0 needs {max(needs)} bytes .* offers 80000000000 bytes"):
+                check_fits(needs, offers)
+        assert (max(needs) < 80 * 10**9) == fits

@@ -236,7 +236,7 @@ def test_values_hold_to_what_the_job_did(cluster, client):
 
     # MFU: model FLOPs of the last step over its time and the servers' summed peak.
     m = config.model
-    flops = flops_per_token(m.n_layers, m.d_model, m.vocab_size, m.seq_len) * tokens
+    flops = flops_per_token(m) * tokens
     mfu = _value(coordinator, "interleaf_model_flops_utilization_ratio", job=job)
     assert mfu == pytest.approx(flops / (steps[-1].step_seconds * sum(peaks)), rel=1e-9)
     assert 0 < mfu < 1

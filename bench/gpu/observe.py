@@ -87,7 +87,7 @@ def main() -> None:
     last = steps[-1]
     tokens = last.tokens  # the global batch's tokens, as the coordinator counts them
     m = load_config("", job_overrides).model
-    per_token = flops_per_token(m.n_layers, m.d_model, m.vocab_size, m.seq_len)
+    per_token = flops_per_token(m)
     mfu_here = tokens * per_token / (last.step_seconds * registered.peak_flops)
     mfu_metric = pick(coordinator, "interleaf_model_flops_utilization_ratio", job=job.id)
     bubble_metric = pick(server, "interleaf_pipeline_bubble_ratio", job=job.id)

@@ -79,7 +79,7 @@ def plain_pytorch(steps: int) -> dict:
     parameters = sum(p.numel() for p in model.parameters())
     optimizer = torch.optim.AdamW(param_groups([model], WEIGHT_DECAY), lr=LR, betas=BETAS, eps=EPS, fused=True)
     schedule = Schedule(LR, WARMUP_STEPS, steps)
-    sampler = Sampler(resolve_source("builtin"), SEED, MODEL.seq_len, ROWS)
+    sampler = Sampler(resolve_source("builtin"), SEED, MODEL.seq_len, ROWS * MICROBATCHES, MICROBATCHES)
     seconds, losses = [], []
     for step in range(steps):
         torch.cuda.synchronize()
@@ -119,7 +119,7 @@ def interleaf(steps: int) -> dict:
 def figures(label: str, run: dict, warmup: int, peak: float, memory: int) -> dict:
     tokens = ROWS * MICROBATCHES * MODEL.seq_len
     step = statistics.median(run["step_seconds"][warmup:])
-    per_token = flops_per_token(MODEL.n_layers, MODEL.d_model, MODEL.vocab_size, MODEL.seq_len)
+    per_token = flops_per_token(MODEL)
     return {"side": label, "median_step_seconds": step, "tokens_per_second": tokens / step,
             "mfu_measured_peak": tokens * per_token / step / peak,
             "mfu_datasheet_peak": tokens * per_token / step / H100_SXM_DENSE_BF16,
@@ -147,7 +147,7 @@ def main() -> None:
     result = {
         "device": torch.cuda.get_device_name(), "torch": torch.__version__,
         "model": str(MODEL), "parameters": first["parameters"],
-        "matrix_parameters": matrix_parameters(MODEL.n_layers, MODEL.d_model, MODEL.vocab_size),
+        "matrix_parameters": matrix_parameters(MODEL),
         "measured_bf16_peak_flops": peak, "steps": args.steps, "warmup": args.warmup,
         "sides": rows, "plain_before": first, "interleaf": ours, "plain_after": second,
         "loss_relative_difference_mean": statistics.fmean(differences),

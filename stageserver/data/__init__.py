@@ -2,7 +2,8 @@
 
 from interleaf.stageserver.data.corpus import builtin_corpus, resolve_source
 from interleaf.stageserver.data.sampler import Sampler
-from interleaf.stageserver.data.tokenfile import TokenFile, prepare, write_tokens
+from interleaf.stageserver.data.prepare import prepare
+from interleaf.stageserver.data.tokenfile import TokenFile, write_tokens
 from interleaf.stageserver.data.tokenizer import decode, encode
 
 __all__ = [

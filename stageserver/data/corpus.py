@@ -4,12 +4,16 @@ the same Python (servers report its SHA-256, and the coordinator insists they ag
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import pathlib
 import platform
 import sysconfig
 
-from interleaf.stageserver.data.tokenfile import TokenFile, write_tokens
+from interleaf.stageserver.data.blend import parse_source
+from interleaf.stageserver.data.text_tokenizer import BytesTokenizer
+from interleaf.stageserver.data.tokenfile import TokenFile, TokenWriter, dtype_for
 from interleaf.stageserver.data.tokenizer import encode
 
 
@@ -20,17 +24,52 @@ def cache_dir() -> pathlib.Path:
 def builtin_corpus() -> pathlib.Path:
     path = cache_dir() / f"stdlib-{platform.python_version()}.tokens"
     # The sidecar is written after the tokens: once it exists, both are complete, even
-    # while another local server is still building the same cache.
-    if not path.with_name(path.name + ".json").exists():
+    # while another local server is still building the same cache. A cache built before
+    # sidecars recorded the vocabulary is built again.
+    sidecar = path.with_name(path.name + ".json")
+    if not sidecar.exists() or "vocab_size" not in json.loads(sidecar.read_text()):
         stdlib = pathlib.Path(sysconfig.get_paths()["stdlib"])
         sources = sorted(stdlib.glob("*.py"))
         if not sources:
             raise FileNotFoundError(f"data.source='builtin': no Python sources under {stdlib}")
-        text = "\n".join(p.read_text(encoding="utf-8", errors="replace") for p in sources)
-        write_tokens(path, encode(text))
+        tokenizer = BytesTokenizer()
+        with TokenWriter(path, dtype_for(tokenizer.vocab_size)) as writer:
+            # Bytes have no end-of-document id: the files are joined by a newline.
+            for i, source in enumerate(sources):
+                writer.write(encode(("\n" if i else "") + source.read_text(encoding="utf-8", errors="replace")))
+            writer.finish(documents=len(sources), vocab_size=tokenizer.vocab_size, eos_id=tokenizer.eos_id,
+                          tokenizer=tokenizer.fingerprint)
     return path
 
 
-def resolve_source(source: str) -> TokenFile:
-    """Opens data.source: 'builtin' or a token file path."""
-    return TokenFile(builtin_corpus() if source == "builtin" else source)
+class Source:
+    """data.source opened: its token files and their weights (a single file: weight 1)."""
+
+    def __init__(self, source: str):
+        components = parse_source(source)
+        self.files = [TokenFile(builtin_corpus() if c.path == "builtin" else c.path) for c in components]
+        self.weights = [c.weight for c in components]
+
+    def __len__(self) -> int:
+        return sum(len(f) for f in self.files)
+
+    @property
+    def vocab_size(self) -> int | None:
+        """The largest vocabulary its files' sidecars record (None: none records one)."""
+        return max((f.vocab_size for f in self.files if f.vocab_size is not None), default=None)
+
+    @property
+    def sha256(self) -> str:
+        """What servers compare (SetupReply.data_sha256): a single file's SHA-256; for a
+        blend, one over every file's and its weight, so servers that would draw
+        different samples disagree."""
+        if len(self.files) == 1:
+            return self.files[0].sha256
+        listing = "".join(f"{f.sha256} {w!r}\n" for f, w in zip(self.files, self.weights))
+        return hashlib.sha256(listing.encode()).hexdigest()
+
+
+def resolve_source(source: str) -> Source:
+    """Opens data.source: 'builtin', a token file path, or a blend of them
+    (`a.bin:0.7,builtin:0.3`, blend.py)."""
+    return Source(source)

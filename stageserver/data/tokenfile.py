@@ -1,6 +1,15 @@
 """Token files: a flat array of uint16 or uint32 token ids, read through a memory map,
-with a small JSON sidecar (`NAME.json`) recording dtype, count and SHA-256 so every
-stage server can prove it reads the same tokens."""
+with a small JSON sidecar (`NAME.json`) recording what they are, so every stage server
+can prove it reads the same tokens and the coordinator can check they fit the model:
+
+  dtype, count, sha256      the array itself
+  documents                 how many documents it concatenates
+  vocab_size, eos_id        the tokenizer's vocabulary and end-of-document id (or null)
+  tokenizer                 the tokenizer's fingerprint (stageserver/data/text_tokenizer.py)
+
+Sidecars written before `count` was named `tokens` (and recorded only the first three
+fields) are still read.
+"""
 
 from __future__ import annotations
 
@@ -12,8 +21,6 @@ import tempfile
 
 import numpy as np
 
-from interleaf.stageserver.data.tokenizer import encode
-
 DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
 
 
@@ -22,9 +29,7 @@ def _sidecar(path: pathlib.Path) -> pathlib.Path:
 
 
 def _atomic_write(path: pathlib.Path, data: bytes) -> None:
-    # Written under a temporary name and renamed, so a reader (another local server
-    # building the same cache) never sees half a file.
-    path.parent.mkdir(parents=True, exist_ok=True)
+    """Written under a temporary name and renamed, so a reader never sees half a file."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     try:
         with os.fdopen(fd, "wb") as f:
@@ -35,22 +40,58 @@ def _atomic_write(path: pathlib.Path, data: bytes) -> None:
         raise
 
 
-def write_tokens(path: str | os.PathLike, tokens: np.ndarray) -> dict:
-    """Writes `tokens` as the smallest dtype that holds them; returns the metadata."""
-    path = pathlib.Path(path)
+def dtype_for(vocab_size: int) -> str:
+    """The smaller dtype that holds every id of a vocabulary."""
+    return "uint16" if vocab_size <= 2**16 else "uint32"
+
+
+class TokenWriter:
+    """Streams token ids into a token file: they go to a temporary file beside it,
+    hashed as they are written, renamed into place once complete, and the sidecar is
+    written last. A reader (another local server building the same cache) thus sees the
+    old file or the whole new one, and a failed write (an exception inside the `with`)
+    leaves nothing behind and the old file as it was."""
+
+    def __init__(self, path: str | os.PathLike, dtype: str):
+        self.path = pathlib.Path(path)
+        self.dtype = DTYPES[dtype]
+        self.count = 0
+        self._sha = hashlib.sha256()
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd, self._tmp = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.path.name}.")
+        self._file = os.fdopen(fd, "wb")
+
+    def __enter__(self) -> "TokenWriter":
+        return self
+
+    def __exit__(self, kind, *_) -> None:
+        if not self._file.closed:
+            self._file.close()
+        if kind is not None and os.path.exists(self._tmp):
+            os.unlink(self._tmp)
+
+    def write(self, ids: np.ndarray) -> None:
+        data = np.ascontiguousarray(ids, dtype=self.dtype).tobytes()
+        self._file.write(data)
+        self._sha.update(data)
+        self.count += len(data) // self.dtype().itemsize
+
+    def finish(self, **described) -> dict:
+        """Puts the file in place and writes its sidecar: dtype, count, sha256 and
+        `described` (documents, vocab_size, eos_id, tokenizer); returns the sidecar."""
+        self._file.close()
+        meta = {"dtype": np.dtype(self.dtype).name, "count": self.count, "sha256": self._sha.hexdigest(), **described}
+        os.replace(self._tmp, self.path)
+        _atomic_write(_sidecar(self.path), json.dumps(meta, indent=1).encode())
+        return meta
+
+
+def write_tokens(path: str | os.PathLike, tokens: np.ndarray, **described) -> dict:
+    """Writes `tokens` as the smallest dtype that holds them; returns the sidecar."""
     tokens = np.asarray(tokens)
-    dtype = "uint16" if tokens.size == 0 or int(tokens.max()) < 2**16 else "uint32"
-    data = tokens.astype(DTYPES[dtype]).tobytes()
-    meta = {"dtype": dtype, "tokens": int(tokens.size), "sha256": hashlib.sha256(data).hexdigest()}
-    _atomic_write(path, data)
-    _atomic_write(_sidecar(path), json.dumps(meta).encode())
-    return meta
-
-
-def prepare(texts: list[str | os.PathLike], out: str | os.PathLike) -> dict:
-    """`interleaf data prepare`: tokenizes text files (bytes) into one token file."""
-    parts = [encode(pathlib.Path(t).read_text(encoding="utf-8", errors="replace")) for t in texts]
-    return write_tokens(out, np.concatenate(parts) if parts else np.zeros(0, np.uint16))
+    with TokenWriter(path, dtype_for(int(tokens.max()) + 1 if tokens.size else 0)) as writer:
+        writer.write(tokens)
+        return writer.finish(**described)
 
 
 class TokenFile:
@@ -64,15 +105,18 @@ class TokenFile:
                 f"data.source={str(path)!r}: no token file (and {sidecar.name}) there; "
                 "write one with `interleaf data prepare`"
             )
-        meta = json.loads(sidecar.read_text())
-        self.sha256: str = meta["sha256"]
-        if meta["tokens"] == 0 or self.path.stat().st_size == 0:
+        self.meta: dict = json.loads(sidecar.read_text())
+        self.sha256: str = self.meta["sha256"]
+        count = self.meta["count"] if "count" in self.meta else self.meta["tokens"]
+        if count == 0 or self.path.stat().st_size == 0:
             raise ValueError(f"data.source={str(path)!r} holds no tokens")
-        self.tokens = np.memmap(self.path, dtype=DTYPES[meta["dtype"]], mode="r")
-        if self.tokens.size != meta["tokens"]:
+        self.tokens = np.memmap(self.path, dtype=DTYPES[self.meta["dtype"]], mode="r")
+        if self.tokens.size != count:
             raise ValueError(
-                f"data.source={str(path)!r} holds {self.tokens.size} tokens, its sidecar says {meta['tokens']}"
+                f"data.source={str(path)!r} holds {self.tokens.size} tokens, its sidecar says {count}"
             )
+        # None for a file whose sidecar predates the field: then only its ids are checked.
+        self.vocab_size: int | None = self.meta.get("vocab_size")
 
     def __len__(self) -> int:
         return int(self.tokens.size)

@@ -25,6 +25,10 @@ HEAD = "lm_head.weight"
 
 _RESIDUAL_OUTPUTS = ("attn.proj.weight", "mlp.down.weight")
 
+Shapes = dict[str, tuple[tuple[int, ...], int | None]]
+"""Parameters by name: (unsharded shape, the dimension tp ranks split it along or None),
+as an architecture declares its block and norm without building them."""
+
 
 @dataclass(frozen=True)
 class ParamSpec:

@@ -1,0 +1,221 @@
+"""Hugging Face weights in and out (DESIGN.md, "Interop"), against `transformers` itself:
+tiny GPT2LMHeadModel and LlamaForCausalLM (grouped-query attention, untied embeddings)
+made with random weights by transformers and saved by save_pretrained, no download.
+
+`interleaf eval` of such a folder equals transformers' loss on the same ids (fp32, 1e-5
+relative); Hugging Face -> Interleaf -> Hugging Face reproduces every tensor exactly,
+sharded or not; checkpoint.init refuses what contradicts its source; and one job on the
+shared cluster trains from a Llama folder under dp2·tp2·pp2·vpp2 ZeRO-3, step for step
+equal to the reference trainer started from the same folder, and exports a folder that
+transformers loads with the loss `interleaf eval` gives the checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from interleaf.clients.evaluate import evaluate, load_for_eval  # noqa: E402
+from interleaf.clients.hf_export import write_hf_folder  # noqa: E402
+from interleaf.clients.reference import train  # noqa: E402
+from interleaf.coordinator.config import ConfigError, load_config  # noqa: E402
+from interleaf.stageserver import safetensors  # noqa: E402
+from interleaf.stageserver.init_weights import initial_values  # noqa: E402
+from interleaf.stageserver.model import full_model, shape_of  # noqa: E402
+from interleaf.stageserver.model.hf_folder import HFFolder  # noqa: E402
+from tests.conftest import run_job  # noqa: E402
+from tests.test_equivalence import LOSS_RTOL  # noqa: E402
+
+VOCAB = 300
+RTOL = 1e-5
+
+
+def _hf_loss(folder, ids: np.ndarray) -> float:
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(folder)).float().eval()
+    tokens = torch.from_numpy(ids.astype(np.int64))
+    with torch.no_grad():
+        return model(tokens, labels=tokens).loss.item()
+
+
+@pytest.fixture(scope="module")
+def made(tmp_path_factory):
+    """{"llama": folder, "gpt2": folder, "ids": [4, 33] ids}: transformers' own models."""
+    root = tmp_path_factory.mktemp("hf")
+    torch.manual_seed(0)
+    llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=160, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False, rms_norm_eps=1e-5,
+        rope_theta=500000.0))  # not the default: a theta that is not read would show
+    llama.save_pretrained(root / "llama")
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=4, n_head=4,
+                                                                n_positions=64))
+    gpt2.save_pretrained(root / "gpt2")
+    ids = torch.randint(0, VOCAB, (4, 33)).numpy()
+    np.save(root / "ids.npy", ids)
+    return {"llama": root / "llama", "gpt2": root / "gpt2", "ids": ids, "ids_path": root / "ids.npy"}
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_eval_of_a_hugging_face_folder_equals_transformers(made, arch):
+    mine, predictions = evaluate(load_for_eval(str(made[arch])), made["ids"])
+    theirs = _hf_loss(made[arch], made["ids"])
+    assert predictions == 4 * 32
+    assert abs(mine - theirs) <= RTOL * theirs, (mine, theirs)
+
+
+def test_eval_on_the_command_line_prints_the_loss_as_json(made):
+    run = subprocess.run([sys.executable, "-m", "interleaf.clients.cli", "eval", str(made["llama"]), "--tokens",
+                          str(made["ids_path"]), "--json"], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    got = json.loads(run.stdout.strip().splitlines()[-1])
+    theirs = _hf_loss(made["llama"], made["ids"])
+    assert abs(got["loss"] - theirs) <= RTOL * theirs and got["predictions"] == 128
+
+
+def test_a_gpt2_job_may_train_on_fewer_positions_than_its_source(made):
+    """seq_len 16 of n_positions 64: the first 16 positions, and the same loss on 17 ids."""
+    config = load_config("", [f"checkpoint.init={made['gpt2']}", "model.seq_len=16", "model.pad_vocab_to=64"])
+    shape = shape_of(config.model)
+    model = full_model(shape, 0, initial_values(config.checkpoint.init, shape)).eval()
+    ids = made["ids"][:, :17]
+    mine, _ = evaluate(model, ids)
+    assert abs(mine - _hf_loss(made["gpt2"], ids)) <= RTOL * mine
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+@pytest.mark.parametrize("sharded", [False, True])
+def test_hugging_face_to_interleaf_and_back_reproduces_every_tensor(made, tmp_path, arch, sharded):
+    """Every tensor of save_pretrained's file comes back bit for bit (GPT-2's Conv1D
+    transposes and q|k|v regrouping undone); above the shard size the weights are split
+    with an index, which transformers loads to the same loss."""
+    folder = HFFolder(made[arch])
+    shape = folder.shape()
+    values = folder.initial(shape)
+    specs = full_model(shape, 0, values).param_specs()
+    params = {name: values(name, spec) for name, spec in specs.items()}
+    total = sum(t.numel() * t.element_size() for t in params.values())
+    out = tmp_path / "out"
+    done = write_hf_folder(params, shape, out, max_shard_bytes=total // 3 if sharded else total)
+    original, _ = safetensors.read(made[arch] / "model.safetensors")
+    if not sharded:
+        assert done.weight_files == 1 and not (out / "model.safetensors.index.json").exists()
+        exported, _ = safetensors.read(out / "model.safetensors")
+    else:
+        index = json.loads((out / "model.safetensors.index.json").read_text())
+        assert done.weight_files == len(set(index["weight_map"].values())) >= 3
+        assert not (out / "model.safetensors").exists()
+        exported = {}
+        for file in sorted(set(index["weight_map"].values())):
+            exported.update(safetensors.read(out / file)[0])
+    assert sorted(exported) == sorted(original)
+    assert all(torch.equal(exported[name], original[name]) for name in original)
+    assert _hf_loss(out, made["ids"]) == _hf_loss(made[arch], made["ids"])
+
+
+def test_checkpoint_init_takes_the_model_and_refuses_what_contradicts_it(made, tmp_path):
+    config = load_config("", [f"checkpoint.init={made['llama']}", "model.seq_len=32", "model.n_kv_heads=2"])
+    m = config.model
+    assert (m.arch, m.n_layers, m.d_model, m.n_heads, m.n_kv_heads, m.ffn_hidden, m.vocab_size, m.tie_embeddings,
+            m.rope_theta, m.seq_len, m.pad_vocab_to) == ("llama", 4, 64, 4, 2, 160, VOCAB, False, 500000.0, 32, 128)
+    assert config.checkpoint.init == str(made["llama"])
+    refusals = {
+        "model.n_kv_heads=4": "model.n_kv_heads=4 contradicts checkpoint.init",
+        "model.arch=gpt2": "whose model has arch='llama'",
+        "model.tie_embeddings=true": "model.tie_embeddings=True contradicts",
+        "model.seq_len=65": "model.seq_len=65 must be at most 64",
+        "checkpoint.resume=/x": "exclude each other",
+    }
+    for setting, message in refusals.items():
+        with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
+            load_config("", [f"checkpoint.init={made['llama']}", "model.seq_len=32", setting])
+    with pytest.raises(ConfigError, match="there is nothing at that path"):
+        load_config("", [f"checkpoint.init={tmp_path / 'none'}"])
+
+
+@pytest.mark.parametrize("arch, key, value", [
+    ("llama", "rope_scaling", {"rope_type": "linear", "factor": 2.0}),
+    ("llama", "hidden_act", "gelu"),
+    ("llama", "attention_bias", True),
+    ("gpt2", "activation_function", "relu"),
+    ("gpt2", "scale_attn_by_inverse_layer_idx", True),
+])
+def test_a_model_interleaf_cannot_compute_is_refused_by_its_config_key(made, tmp_path, arch, key, value):
+    folder = tmp_path / arch
+    shutil.copytree(made[arch], folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, key: value}))
+    with pytest.raises(ConfigError, match=f"config.json {key}="):
+        load_config("", [f"checkpoint.init={folder}", "model.seq_len=32"])
+
+
+def _tokenizer_json(path) -> None:
+    """A byte-level BPE of fewer than 300 ids with an end-of-document token."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=290, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(["the quick brown fox jumps over the lazy dog"] * 50, trainer)
+    tok.save(str(path))
+
+
+JOB = ["model.seq_len=32", "train.global_batch=8", "train.steps=3", "train.warmup_steps=1", "train.lr=0.001",
+       "parallel.microbatches=4"]
+LAYOUT = ["parallel.dp=2", "parallel.tp=2", "parallel.pp=2", "parallel.vpp=2", "parallel.zero=3",
+          "parallel.schedule=interleaved-1f1b"]
+REFERENCE_LAYOUT = ["parallel.pp=1", "parallel.vpp=1", "parallel.schedule=1f1b"]
+
+
+def _held_to_reference(steps, settings: list[str]) -> list[float]:
+    history, _ = train(load_config("", settings + REFERENCE_LAYOUT))
+    assert [s.step for s in steps] == [h.step for h in history]
+    for got, want in zip(steps, history):
+        assert abs(got.loss - want.loss) <= LOSS_RTOL * abs(want.loss), (got.step, got.loss, want.loss)
+    return [h.loss for h in history]
+
+
+def test_a_job_trains_from_a_hugging_face_llama_and_exports_one(client, made, tmp_path):
+    """dp2·tp2·pp2·vpp2 ZeRO-3 from the folder, every step equal to the reference trainer
+    started from it; the export, tokenizer included, loads in transformers with the loss
+    `interleaf eval` gives the checkpoint, a loss training moved. A second job starts
+    from that checkpoint under tp2·pp2, equal to the reference started from it too."""
+    _tokenizer_json(tmp_path / "tokenizer.json")
+    ck = tmp_path / "ck"
+    settings = JOB + [f"checkpoint.init={made['llama']}", f"data.tokenizer={tmp_path / 'tokenizer.json'}"]
+    final, steps = run_job(client, settings + LAYOUT + [f"checkpoint.dir={ck}"])
+    assert final.state == "SUCCEEDED", final.error
+    _held_to_reference(steps, settings)
+
+    out = tmp_path / "out"
+    run = subprocess.run([sys.executable, "-m", "interleaf.clients.cli", "export", str(ck), "--format", "hf",
+                          "--out", str(out)], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    theirs = _hf_loss(out, made["ids"])
+    mine, _ = evaluate(load_for_eval(str(ck)), made["ids"])
+    assert abs(theirs - mine) <= RTOL * mine, (theirs, mine)
+    assert abs(theirs - _hf_loss(made["llama"], made["ids"])) > 1e-4  # it trained
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(out))
+    from tokenizers import Tokenizer
+
+    text = "the lazy fox"
+    assert tokenizer(text)["input_ids"] == Tokenizer.from_file(str(tmp_path / "tokenizer.json")).encode(text).ids
+    assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == \
+        tokenizer.convert_tokens_to_ids("<|endoftext|>")
+
+    again = JOB + [f"checkpoint.init={ck}"]
+    final, again_steps = run_job(client, again + ["parallel.tp=2", "parallel.pp=2", "parallel.vpp=1",
+                                                  "parallel.schedule=1f1b"])
+    assert final.state == "SUCCEEDED", final.error
+    _held_to_reference(again_steps, again)
+    # The same seed draws the same first batch, which the trained weights predict better.
+    assert again_steps[0].loss < steps[0].loss
