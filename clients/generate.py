@@ -64,15 +64,17 @@ def generate(model: ModelChunk, prompt: str, tokens: int, temperature: float = 0
     `tokenizer` (stageserver/data/text_tokenizer.py; default: bytes)."""
     tokenizer = tokenizer or load_tokenizer("bytes")
     (ids,) = tokenizer.encode_batch([prompt])
-    return tokenizer.decode(generate_ids(model, [int(i) for i in ids], tokens, temperature, top_k, seed))
+    out = generate_ids(model, [int(i) for i in ids], tokens, temperature, top_k, seed, stop=tokenizer.eos_id)
+    return tokenizer.decode(out)
 
 
 @torch.no_grad()
 def generate_ids(model: ModelChunk, prompt: list[int], tokens: int, temperature: float = 0.0, top_k: int = 0,
-                 seed: int = 0) -> list[int]:
+                 seed: int = 0, stop: int | None = None) -> list[int]:
     """The token ids that follow `prompt`: greedy at temperature 0, else sampled from the
     softmax of logits/temperature over the top_k most likely tokens (all when 0), with
-    a generator seeded by `seed`.
+    a generator seeded by `seed`; at most `tokens`, ending early with the token `stop`
+    (the end of a document, as transformers' generate stops at eos_token_id).
 
     The context is the last seq_len tokens. Each layer's keys and values are cached, so
     a new token costs one position's forward; once the window is full it slides, and
@@ -101,6 +103,8 @@ def generate_ids(model: ModelChunk, prompt: list[int], tokens: int, temperature:
                 logits = logits.masked_fill(logits < threshold, float("-inf"))
             token = int(torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator))
         out.append(token)
+        if token == stop:
+            break
         seen.append(token)
         fresh = [token]
     return out
