@@ -39,13 +39,17 @@ def read_source(path: str) -> InitSource:
     if not pathlib.Path(path).expanduser().exists():
         raise InitNotFound(f"{where}: there is nothing at that path (a Hugging Face model folder or an Interleaf "
                            f"checkpoint, readable by the coordinator and every stage server)")
-    try:
-        if is_hf_folder(path):
+    if is_hf_folder(path):
+        try:
             folder = HFFolder(path)
-            return InitSource(str(folder.path), folder.model_fields(), folder.max_positions)
+        except HFFolderError as err:
+            raise ConfigError(f"{where}: {err}") from None
+        return InitSource(str(folder.path), folder.model_fields(), folder.max_positions)
+    try:
         checkpoint = find(path)
-    except (HFFolderError, CheckpointError) as err:
-        raise ConfigError(f"{where} is neither a Hugging Face model folder nor an Interleaf checkpoint: {err}") from None
+    except CheckpointError as err:
+        raise ConfigError(f"{where} is neither a Hugging Face model folder (no config.json) nor an Interleaf "
+                          f"checkpoint: {err}") from None
     if "model" not in checkpoint.manifest:
         raise ConfigError(f"{where}: {checkpoint.manifest_path} does not record its model (written by an older "
                           f"Interleaf)")

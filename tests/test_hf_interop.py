@@ -13,6 +13,7 @@ transformers loads with the loss `interleaf eval` gives the checkpoint.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -20,19 +21,19 @@ import sys
 import numpy as np
 import pytest
 import torch
+import transformers
 
-transformers = pytest.importorskip("transformers")
-
-from interleaf.clients.evaluate import evaluate, load_for_eval  # noqa: E402
-from interleaf.clients.hf_export import write_hf_folder  # noqa: E402
-from interleaf.clients.reference import train  # noqa: E402
-from interleaf.coordinator.config import ConfigError, load_config  # noqa: E402
-from interleaf.stageserver import safetensors  # noqa: E402
-from interleaf.stageserver.init_weights import initial_values  # noqa: E402
-from interleaf.stageserver.model import full_model, shape_of  # noqa: E402
-from interleaf.stageserver.model.hf_folder import HFFolder  # noqa: E402
-from tests.conftest import run_job  # noqa: E402
-from tests.test_equivalence import LOSS_RTOL  # noqa: E402
+from interleaf.clients.evaluate import evaluate, load_for_eval, read_ids
+from interleaf.clients.hf_export import write_hf_folder
+from interleaf.clients.reference import train
+from interleaf.coordinator.config import ConfigError, load_config
+from interleaf.protos.security import TOKEN_ENV
+from interleaf.stageserver import safetensors
+from interleaf.stageserver.init_weights import initial_values
+from interleaf.stageserver.model import full_model, shape_of
+from interleaf.stageserver.model.hf_folder import HFFolder
+from tests.conftest import run_job
+from tests.test_equivalence import LOSS_RTOL
 
 VOCAB = 300
 RTOL = 1e-5
@@ -78,6 +79,24 @@ def test_eval_on_the_command_line_prints_the_loss_as_json(made):
     got = json.loads(run.stdout.strip().splitlines()[-1])
     theirs = _hf_loss(made["llama"], made["ids"])
     assert abs(got["loss"] - theirs) <= RTOL * theirs and got["predictions"] == 128
+
+
+@pytest.mark.parametrize("ids, message", [
+    (np.zeros(5, dtype=np.int64), r"has shape \[5\]: it must be \[B, T\]"),
+    (np.zeros((2, 1), dtype=np.int64), r"has shape \[2, 1\]"),
+    (np.zeros((2, 4), dtype=np.float32), "holds float32 values: token ids must be integers"),
+    (np.full((2, 4), VOCAB), rf"holds id {VOCAB}, outside the model's vocabulary \[0, {VOCAB}\)"),
+    (np.full((2, 4), -1), "holds id -1, outside"),
+])
+def test_eval_refuses_ids_it_cannot_score_naming_why(made, tmp_path, ids, message):
+    np.save(tmp_path / "ids.npy", ids)
+    with pytest.raises(ValueError, match=message):
+        read_ids(str(tmp_path / "ids.npy"), VOCAB)
+
+
+def test_eval_of_a_gpt2_refuses_rows_longer_than_its_positions(made):
+    with pytest.raises(ValueError, match="rows of 66 ids need 65 positions; this gpt2 model has 64"):
+        evaluate(load_for_eval(str(made["gpt2"])), np.zeros((1, 66), dtype=np.int64))
 
 
 def test_a_gpt2_job_may_train_on_fewer_positions_than_its_source(made):
@@ -138,6 +157,18 @@ def test_checkpoint_init_takes_the_model_and_refuses_what_contradicts_it(made, t
             load_config("", [f"checkpoint.init={made['llama']}", "model.seq_len=32", setting])
     with pytest.raises(ConfigError, match="there is nothing at that path"):
         load_config("", [f"checkpoint.init={tmp_path / 'none'}"])
+
+
+def test_a_remote_submission_leaves_checkpoint_init_to_the_coordinator(cluster, tmp_path):
+    """The path is the cluster's: a client that does not see it submits anyway, and the
+    coordinator, which reads it, answers (here: nothing there either, INVALID_ARGUMENT)."""
+    missing = tmp_path / "not-here"
+    run = subprocess.run([sys.executable, "-m", "interleaf.clients.cli", "submit", "--set",
+                          f"checkpoint.init={missing}", "--coordinator", cluster.address],
+                         capture_output=True, text=True, timeout=120,
+                         env={**os.environ, TOKEN_ENV: cluster.security.token})
+    assert run.returncode == 2
+    assert run.stderr.startswith("error: INVALID_ARGUMENT: ") and "there is nothing at that path" in run.stderr
 
 
 @pytest.mark.parametrize("arch, key, value", [

@@ -15,6 +15,7 @@ import pathlib
 from types import ModuleType
 
 import torch
+from safetensors import SafetensorError
 
 from interleaf.stageserver import safetensors
 from interleaf.stageserver.model.chunk import InitialValues
@@ -35,7 +36,7 @@ class HFFolderError(ValueError):
 
 
 def is_hf_folder(path: str | pathlib.Path) -> bool:
-    return (pathlib.Path(path) / CONFIG).is_file()
+    return (pathlib.Path(path).expanduser() / CONFIG).is_file()
 
 
 def adapter(arch: str) -> ModuleType:
@@ -77,8 +78,11 @@ class HFFolder:
         if not (self.path / WEIGHTS).is_file():
             raise HFFolderError(f"{self.path} holds neither {WEIGHTS} nor {INDEX} (only safetensors weights are "
                                 f"read, never pickled .bin files)")
-        with safetensors.open(self.path / WEIGHTS) as f:
-            return {name: self.path / WEIGHTS for name in f.keys()}
+        try:
+            with safetensors.open(self.path / WEIGHTS) as f:
+                return {name: self.path / WEIGHTS for name in f.keys()}
+        except (OSError, SafetensorError) as err:
+            raise HFFolderError(f"{self.path / WEIGHTS} is not a readable safetensors file: {err}") from None
 
     @property
     def max_positions(self) -> int:
@@ -99,8 +103,11 @@ class HFFolder:
         key = name if name in self.files else name.partition(".")[2]
         if key not in self.files:
             raise HFFolderError(f"{self.path} holds no tensor {name!r}")
-        with safetensors.open(self.files[key]) as f:
-            return f.get_tensor(key)
+        try:
+            with safetensors.open(self.files[key]) as f:
+                return f.get_tensor(key)
+        except (OSError, SafetensorError) as err:
+            raise HFFolderError(f"{self.files[key]}: tensor {key!r} cannot be read: {err}") from None
 
     def initial(self, shape: ModelShape) -> InitialValues:
         """Each parameter of `shape`'s model from this folder, read when asked for."""

@@ -35,6 +35,7 @@ _BLOCK = {  # Interleaf's name in a block -> (transformers' name, Conv1D weight)
     "mlp.up.weight": ("mlp.c_fc.weight", True), "mlp.up.bias": ("mlp.c_fc.bias", False),
     "mlp.down.weight": ("mlp.c_proj.weight", True), "mlp.down.bias": ("mlp.c_proj.bias", False),
 }
+_QKV = ("attn.qkv.weight", "attn.qkv.bias")
 _OUTSIDE = {"wte.weight": "transformer.wte.weight", "wpe.weight": "transformer.wpe.weight",
             "ln_f.weight": "transformer.ln_f.weight", "ln_f.bias": "transformer.ln_f.bias",
             "lm_head.weight": "lm_head.weight"}
@@ -72,7 +73,7 @@ def from_hf(name: str, read: Callable[[str], torch.Tensor], shape: ModelShape) -
     tensor = read(hf)
     if conv:
         tensor = tensor.t()
-    if name.endswith("attn.qkv.weight") or name.endswith("attn.qkv.bias"):
+    if name.endswith(_QKV):
         tensor = _regroup_qkv(tensor, shape, to_heads=True)
     if name == "wpe.weight":
         tensor = tensor[:shape.seq_len]
@@ -81,7 +82,7 @@ def from_hf(name: str, read: Callable[[str], torch.Tensor], shape: ModelShape) -
 
 def to_hf(name: str, tensor: torch.Tensor, shape: ModelShape) -> dict[str, torch.Tensor]:
     hf, conv = _hf(name)
-    if name.endswith("attn.qkv.weight") or name.endswith("attn.qkv.bias"):
+    if name.endswith(_QKV):
         tensor = _regroup_qkv(tensor, shape, to_heads=False)
     if conv:
         tensor = tensor.t()
