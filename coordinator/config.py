@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from interleaf.protos import limits
 from interleaf.protos.limits import shown
+from interleaf.stageserver.model.config import default_ffn_hidden
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
 TRANSPORTS = ("auto", "gloo", "nccl")
@@ -50,13 +51,6 @@ def _bounded(section: str, obj) -> None:
 
 
 ARCHS = ("gpt2", "llama")
-
-
-def llama_ffn_hidden(d_model: int) -> int:
-    """Llama's MLP width: 2/3 of GPT's 4·d_model (SwiGLU has three matrices, not two),
-    rounded up to a multiple of 256 (Touvron et al. 2023, section 2.2; Meta's
-    `multiple_of`)."""
-    return -(-(8 * d_model // 3) // 256) * 256
 
 
 @dataclass(frozen=True)
@@ -105,8 +99,7 @@ class ModelConfig:
         if not self.n_kv_heads:
             object.__setattr__(self, "n_kv_heads", self.n_heads)
         if not self.ffn_hidden:
-            ffn = 4 * self.d_model if self.arch == "gpt2" else llama_ffn_hidden(self.d_model)
-            object.__setattr__(self, "ffn_hidden", ffn)
+            object.__setattr__(self, "ffn_hidden", default_ffn_hidden(self.arch, self.d_model))
         if self.tie_embeddings is None:
             object.__setattr__(self, "tie_embeddings", self.arch == "gpt2")
         _bounded("model", self)
@@ -293,8 +286,7 @@ class DataConfig:
     def __post_init__(self):
         if not self.source.strip():
             raise ConfigError("data.source='' must be 'builtin' or a token file path")
-        # The stage servers' own grammar of a blend, imported here rather than at the top:
-        # its package loads torch, which a client that only submits jobs need not.
+        # The stage servers' own grammar of a blend.
         from interleaf.stageserver.data.blend import parse_source
 
         try:

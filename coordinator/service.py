@@ -82,7 +82,13 @@ class CoordinatorService(rpc.CoordinatorServicer):
             self._admit(config)
         except ValueError as err:  # ConfigError, VocabError, AdmissionError; a plan that cannot be built
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
-        record = self.jobs.create(config, request.config_toml, list(request.overrides))
+        overrides = list(request.overrides)
+        if config.checkpoint.init:
+            # Stored as resolved now (a folder, or one step's manifest, absolute): a
+            # restarted coordinator must not take a newer step of a checkpoint.dir, or
+            # read a relative path from another working folder.
+            overrides.append(f"checkpoint.init={config.checkpoint.init}")
+        record = self.jobs.create(config, request.config_toml, overrides)
         driver = JobDriver(record, self.registry, self.store_address, self.steps_per_call)
         self.drivers[record.job_id] = driver
         driver.start()

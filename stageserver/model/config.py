@@ -12,6 +12,15 @@ INIT_STD = 0.02
 """GPT-2's initializer scale; residual output projections use INIT_STD/sqrt(2*n_layers)."""
 
 
+def default_ffn_hidden(arch: str, d_model: int) -> int:
+    """The MLP width of `arch` when model.ffn_hidden is not given: GPT-2's 4·d_model, or
+    Llama's 2/3 of it (SwiGLU has three matrices, not two) rounded up to a multiple of
+    256 (Touvron et al. 2023, section 2.2; Meta's `multiple_of`)."""
+    if arch == "llama":
+        return -(-(8 * d_model // 3) // 256) * 256
+    return 4 * d_model
+
+
 @dataclass(frozen=True)
 class ModelShape:
     n_layers: int
@@ -29,7 +38,7 @@ class ModelShape:
     n_kv_heads: int = 0
     """Key/value heads (grouped-query attention); 0: n_heads."""
     ffn_hidden: int = 0
-    """MLP hidden size; 0: 4·d_model (the llama rule is resolved by the job config)."""
+    """MLP hidden size; 0: the architecture's rule (default_ffn_hidden)."""
     pad_vocab_to: int = 1
     """Embedding and head rows are padded to a multiple of this times tp."""
     norm_eps: float = 1e-5
@@ -42,7 +51,7 @@ class ModelShape:
         if not self.n_kv_heads:
             object.__setattr__(self, "n_kv_heads", self.n_heads)
         if not self.ffn_hidden:
-            object.__setattr__(self, "ffn_hidden", 4 * self.d_model)
+            object.__setattr__(self, "ffn_hidden", default_ffn_hidden(self.arch, self.d_model))
         if self.tie_embeddings is None:
             object.__setattr__(self, "tie_embeddings", self.arch == "gpt2")
 

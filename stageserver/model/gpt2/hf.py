@@ -19,6 +19,7 @@ from collections.abc import Callable
 import torch
 
 from interleaf.stageserver.model.config import ModelShape
+from interleaf.stageserver.model.hf_keys import required_count
 
 ARCHITECTURE = "GPT2LMHeadModel"
 MODEL_TYPE = "gpt2"
@@ -92,15 +93,15 @@ def to_hf(name: str, tensor: torch.Tensor, shape: ModelShape) -> dict[str, torch
 def model_fields(config: dict) -> dict:
     """The `[model]` fields of a GPT2LMHeadModel's config.json, and `max_positions`."""
     _refuse_unsupported(config)
-    d_model = _required(config, "n_embd")
+    d_model = required_count(config, "n_embd")
     return {
         "arch": "gpt2",
-        "n_layers": _required(config, "n_layer"),
+        "n_layers": required_count(config, "n_layer"),
         "d_model": d_model,
-        "n_heads": _required(config, "n_head"),
+        "n_heads": required_count(config, "n_head"),
         "n_kv_heads": config["n_head"],
         "ffn_hidden": config.get("n_inner") or 4 * d_model,
-        "vocab_size": _required(config, "vocab_size"),
+        "vocab_size": required_count(config, "vocab_size"),
         "norm_eps": float(config.get("layer_norm_epsilon", _DEFAULTS["layer_norm_epsilon"])),
         "tie_embeddings": bool(config.get("tie_word_embeddings", _DEFAULTS["tie_word_embeddings"])),
         "max_positions": config.get("n_positions", _DEFAULTS["n_positions"]),
@@ -138,9 +139,3 @@ def _refuse_unsupported(config: dict) -> None:
             raise ValueError(f"config.json {key}={value!r}: Interleaf's GPT-2 computes {key}={_DEFAULTS[key]!r} "
                              f"only")
 
-
-def _required(config: dict, key: str) -> int:
-    value = config.get(key)
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"config.json {key}={value!r} must be a positive whole number")
-    return value

@@ -16,6 +16,7 @@ from collections.abc import Callable
 import torch
 
 from interleaf.stageserver.model.config import ModelShape
+from interleaf.stageserver.model.hf_keys import required_count
 
 ARCHITECTURE = "LlamaForCausalLM"
 MODEL_TYPE = "llama"
@@ -61,19 +62,19 @@ def to_hf(name: str, tensor: torch.Tensor, shape: ModelShape) -> dict[str, torch
 def model_fields(config: dict) -> dict:
     """The `[model]` fields of a LlamaForCausalLM's config.json, and `max_positions`."""
     _refuse_unsupported(config)
-    heads = _required(config, "num_attention_heads")
-    d_model = _required(config, "hidden_size")
+    heads = required_count(config, "num_attention_heads")
+    d_model = required_count(config, "hidden_size")
     if config.get("head_dim") not in (None, d_model // heads):
         raise ValueError(f"config.json head_dim={config['head_dim']}: Interleaf's heads are "
                          f"hidden_size/num_attention_heads={d_model // heads} wide")
     return {
         "arch": "llama",
-        "n_layers": _required(config, "num_hidden_layers"),
+        "n_layers": required_count(config, "num_hidden_layers"),
         "d_model": d_model,
         "n_heads": heads,
         "n_kv_heads": config.get("num_key_value_heads") or heads,
-        "ffn_hidden": _required(config, "intermediate_size"),
-        "vocab_size": _required(config, "vocab_size"),
+        "ffn_hidden": required_count(config, "intermediate_size"),
+        "vocab_size": required_count(config, "vocab_size"),
         "norm_eps": float(config.get("rms_norm_eps", _DEFAULTS["rms_norm_eps"])),
         "rope_theta": float(_rope(config).get("rope_theta", 10000.0)),
         "tie_embeddings": bool(config.get("tie_word_embeddings", _DEFAULTS["tie_word_embeddings"])),
@@ -129,9 +130,3 @@ def _refuse_unsupported(config: dict) -> None:
         raise ValueError(f"config.json rope_parameters rope_type={rope_type!r}: Interleaf's Llama has plain "
                          f"rotary embeddings (rope_type 'default')")
 
-
-def _required(config: dict, key: str) -> int:
-    value = config.get(key)
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"config.json {key}={value!r} must be a positive whole number")
-    return value
