@@ -39,6 +39,7 @@ from interleaf.coordinator.checkpoints import Checkpoint, CheckpointError, find,
 from interleaf.coordinator.jobs import JobRecord
 from interleaf.protos import interleaf_pb2 as pb
 from interleaf.protos import interleaf_pb2_grpc as rpc
+from interleaf.stageserver.model.config import ModelShape, shape_of
 
 log = logging.getLogger("interleaf.coordinator")
 
@@ -93,7 +94,8 @@ class Checkpointing:
         config = self.job.config
         checkpoint = find(where)
         saved_model = checkpoint.manifest.get("model")
-        if saved_model != dataclasses.asdict(config.model):
+        # A manifest from before a model field existed (Llama 3's rope scaling) holds its default.
+        if saved_model is None or ModelShape(**saved_model) != shape_of(config.model):
             raise CheckpointError(f"checkpoint.resume={where!r} holds a model of shape {saved_model}, "
                                   f"this job's is {dataclasses.asdict(config.model)}")
         if checkpoint.step >= config.train.steps:

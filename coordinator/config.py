@@ -51,6 +51,8 @@ def _bounded(section: str, obj) -> None:
 
 
 ARCHS = ("gpt2", "llama")
+ROPE_SCALING = ("rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_positions")
+"""The fields of Llama 3's rotary scaling, which only llama with a scaling factor uses."""
 
 
 @dataclass(frozen=True)
@@ -83,6 +85,22 @@ class ModelConfig:
     """Epsilon of every LayerNorm (gpt2) or RMSNorm (llama)."""
     rope_theta: float = 10000.0
     """Base of llama's rotary position embedding (gpt2 has learned positions)."""
+    rope_scaling_factor: float = 0.0
+    """Llama 3's rotary frequency scaling (Llama 3.1 and later; transformers' rope_type
+    llama3), which stretches a model trained on rope_original_positions to a longer
+    context: rotary wavelengths longer than rope_original_positions/rope_low_freq_factor
+    are multiplied by this factor, those shorter than
+    rope_original_positions/rope_high_freq_factor kept, those between blended. 0 (the
+    default): no scaling; otherwise at least 1. Llama only; checkpoint.init reads it."""
+    rope_low_freq_factor: float = 1.0
+    """Llama 3 scaling: wavelengths above rope_original_positions/this are fully scaled.
+    Greater than 0."""
+    rope_high_freq_factor: float = 4.0
+    """Llama 3 scaling: wavelengths below rope_original_positions/this are kept. Greater
+    than rope_low_freq_factor."""
+    rope_original_positions: int = 8192
+    """Llama 3 scaling: the context the model was pretrained for before scaling
+    (transformers' original_max_position_embeddings)."""
     tie_embeddings: bool | None = None
     """The output head reuses the input embedding's weights; default true for gpt2,
     false for llama."""
@@ -90,7 +108,8 @@ class ModelConfig:
     def __post_init__(self):
         if self.arch not in ARCHS:
             raise ConfigError(f"model.arch={shown(self.arch)} must be one of {', '.join(ARCHS)}")
-        _positive("model", self, "n_layers", "d_model", "n_heads", "seq_len", "vocab_size", "pad_vocab_to")
+        _positive("model", self, "n_layers", "d_model", "n_heads", "seq_len", "vocab_size", "pad_vocab_to",
+                  "rope_original_positions")
         for name in ("n_kv_heads", "ffn_hidden"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"model.{name}={getattr(self, name)} must be 0 (the default) or more")
@@ -119,6 +138,27 @@ class ModelConfig:
         if not (self.norm_eps > 0 and self.rope_theta > 0):
             raise ConfigError(f"model.norm_eps={self.norm_eps} and model.rope_theta={self.rope_theta} "
                               f"must be greater than 0")
+        self._check_rope_scaling()
+
+    def _check_rope_scaling(self) -> None:
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        tuned = [f"model.{name}={getattr(self, name)}" for name in ROPE_SCALING
+                 if getattr(self, name) != defaults[name]]
+        if tuned and self.arch == "gpt2":
+            raise ConfigError(f"{', '.join(tuned)} must be left out for model.arch='gpt2': they scale llama's "
+                              f"rotary embedding, and gpt2 learns its positions")
+        if tuned and not self.rope_scaling_factor:
+            raise ConfigError(f"{', '.join(tuned)} must be left out while model.rope_scaling_factor=0 (no scaling): "
+                              f"they tune the scaling")
+        if self.rope_scaling_factor and self.rope_scaling_factor < 1:
+            raise ConfigError(f"model.rope_scaling_factor={self.rope_scaling_factor} must be 0 (no scaling) or at "
+                              f"least 1 (Llama 3 slows long wavelengths down, never speeds them up)")
+        if not self.rope_low_freq_factor > 0:
+            raise ConfigError(f"model.rope_low_freq_factor={self.rope_low_freq_factor} must be greater than 0")
+        if not self.rope_high_freq_factor > self.rope_low_freq_factor:
+            raise ConfigError(f"model.rope_high_freq_factor={self.rope_high_freq_factor} must be greater than "
+                              f"model.rope_low_freq_factor={self.rope_low_freq_factor}: wavelengths between "
+                              f"their bounds are blended")
 
     @property
     def head_dim(self) -> int:

@@ -138,6 +138,8 @@ def setup_requests(
                     seq_len=m.seq_len, vocab_size=m.vocab_size, arch=m.arch, n_kv_heads=m.n_kv_heads,
                     ffn_hidden=m.ffn_hidden, norm_eps=m.norm_eps, rope_theta=m.rope_theta,
                     tie_embeddings=m.tie_embeddings, pad_vocab_to=m.pad_vocab_to,
+                    rope_scaling_factor=m.rope_scaling_factor, rope_low_freq_factor=m.rope_low_freq_factor,
+                    rope_high_freq_factor=m.rope_high_freq_factor, rope_original_positions=m.rope_original_positions,
                 ),
                 train=pb.TrainSpec(
                     steps=t.steps, global_batch=t.global_batch, lr=t.lr,

@@ -28,6 +28,10 @@ MAXIMA = {
     "model.pad_vocab_to": 1 << 16,
     "model.norm_eps": 1.0,
     "model.rope_theta": 1e12,
+    "model.rope_scaling_factor": 1e6,  # Llama 3.1 stretches 8k positions by 8, 3.2 by 32
+    "model.rope_low_freq_factor": 1e6,
+    "model.rope_high_freq_factor": 1e6,
+    "model.rope_original_positions": 1 << 20,  # a context trained before: at most model.seq_len's bound
     "parallel.dp": 4096,
     "parallel.tp": 256,
     "parallel.pp": 1024,

@@ -201,6 +201,9 @@ def model_shape(m: pb.ModelSpec) -> ModelShape:
     return ModelShape(m.n_layers, m.d_model, m.n_heads, m.seq_len, m.vocab_size, arch=m.arch or "gpt2",
                       n_kv_heads=m.n_kv_heads, ffn_hidden=m.ffn_hidden, pad_vocab_to=m.pad_vocab_to or 1,
                       norm_eps=m.norm_eps or 1e-5, rope_theta=m.rope_theta or 10000.0,
+                      rope_scaling_factor=m.rope_scaling_factor, rope_low_freq_factor=m.rope_low_freq_factor or 1.0,
+                      rope_high_freq_factor=m.rope_high_freq_factor or 4.0,
+                      rope_original_positions=m.rope_original_positions or 8192,
                       tie_embeddings=m.tie_embeddings if m.arch else None)
 
 

@@ -56,8 +56,13 @@ def check_setup(r: pb.SetupRequest) -> None:
         raise SetupError(f"model.d_model={m.d_model}, model.n_heads={m.n_heads}, model.n_kv_heads={kv_heads} and "
                          f"model.ffn_hidden={ffn} must split: d_model by n_heads, n_heads by n_kv_heads, and "
                          f"n_heads, n_kv_heads and ffn_hidden by grid.tp={g.tp}")
-    for name in ("norm_eps", "rope_theta"):
+    for name in ("norm_eps", "rope_theta", "rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor"):
         _within(f"model.{name}", getattr(m, name), 0.0, MAXIMA[f"model.{name}"])
+    _within("model.rope_original_positions", m.rope_original_positions, 0, MAXIMA["model.rope_original_positions"])
+    low, high = m.rope_low_freq_factor or 1.0, m.rope_high_freq_factor or 4.0
+    if m.rope_scaling_factor and not (m.rope_scaling_factor >= 1 and high > low):  # ModelConfig's rules
+        raise SetupError(f"model.rope_scaling_factor={m.rope_scaling_factor} must be at least 1, and "
+                         f"model.rope_high_freq_factor={high} greater than model.rope_low_freq_factor={low}")
     _within("train.microbatches", t.microbatches, 1, MAXIMA["parallel.microbatches"])
     for name in ("steps", "global_batch"):
         _within(f"train.{name}", getattr(t, name), 1, MAXIMA[f"train.{name}"])

@@ -13,6 +13,8 @@ from interleaf.coordinator.registry import DEAD_AFTER_S, FORGET_DEAD_AFTER_S, Re
 from interleaf.coordinator.service import _registration_refused, _submission_refused
 from interleaf.protos import interleaf_pb2 as pb
 from interleaf.protos import wire
+from interleaf.stageserver.job import model_shape
+from interleaf.stageserver.model import shape_of
 from interleaf.stageserver.setup_checks import SetupError, check_setup
 from tests.conftest import TINY
 
@@ -88,13 +90,19 @@ def test_servers_dead_for_long_are_forgotten_unless_they_hold_a_job():
     assert not servers.heartbeat(ids[1])  # the server hears NOT_FOUND and registers afresh
 
 
+LLAMA3 = ["model.arch=llama", "model.rope_scaling_factor=32", "model.rope_low_freq_factor=0.5",
+          "model.rope_high_freq_factor=2", "model.rope_original_positions=8"]
+
+
 @pytest.mark.parametrize("layout", [["parallel.pp=2"], ["parallel.dp=2", "parallel.tp=2", "parallel.pp=2"],
-                                    ["parallel.pp=4", "parallel.zero=3"]])
+                                    ["parallel.pp=4", "parallel.zero=3"], ["parallel.pp=2", *LLAMA3]])
 def test_stage_servers_accept_what_the_coordinator_plans(layout):
+    """And build the very model the config describes from the request."""
     config = load_config("", TINY + layout)
     plan = plan_job(config, [ServerSlot(f"s{i}", f"127.0.0.1:{i + 1}", "h") for i in range(config.parallel.world_size)])
     for request in setup_requests("job-1-00001", config, plan, ("127.0.0.1", 5000, "job-1/1"), 120.0):
         check_setup(request)
+        assert model_shape(request.model) == shape_of(config.model)
 
 
 @pytest.mark.parametrize("change,message", [
@@ -107,6 +115,11 @@ def test_stage_servers_accept_what_the_coordinator_plans(layout):
     (lambda r: r.__setattr__("comm_timeout_s", 0.0),
      "comm_timeout_s=0.0 must be more than 0 and at most 86400.0"),
     (lambda r: r.__setattr__("job_id", ""), "job_id='' must be 1 to 128 printable characters"),
+    (lambda r: (r.model.__setattr__("rope_scaling_factor", 8.0), r.model.__setattr__("rope_low_freq_factor", 4.0)),
+     "model.rope_scaling_factor=8.0 must be at least 1, and model.rope_high_freq_factor=4.0 greater than "
+     "model.rope_low_freq_factor=4.0"),
+    (lambda r: r.model.__setattr__("rope_original_positions", 1 << 21),
+     "model.rope_original_positions=2097152 must be between 0 and 1048576"),
 ])
 def test_stage_servers_refuse_setups_out_of_range(change, message):
     config = load_config("", TINY + ["parallel.pp=2", "parallel.vpp=1"])

@@ -5,11 +5,13 @@ run that was never stopped, step for step (DESIGN.md, "The equivalence contract"
 
 from __future__ import annotations
 
+import json
 import pathlib
 
 import pytest
 
 from interleaf.coordinator.checkpoints import Checkpoint, find
+from interleaf.coordinator.config import ROPE_SCALING
 from tests.conftest import LLAMA, TINY, layout_free, reference, run_job
 from tests.test_equivalence import LOSS_RTOL
 
@@ -90,6 +92,19 @@ def test_a_checkpoint_root_resumes_from_its_newest_complete_step(client, tmp_pat
     final, resumed = run_job(client, TINY + STEPS + [f"checkpoint.resume={tmp_path}"])
     assert final.state == "SUCCEEDED", final.error
     assert [s.step for s in resumed] == [4, 5, 6, 7]
+    assert [s.loss for s in resumed] == pytest.approx([s.loss for s in whole[4:]], rel=LOSS_RTOL)
+
+
+def test_a_checkpoint_from_before_a_model_field_existed_resumes(client, tmp_path):
+    """A manifest written before Llama 3's rope scaling fields holds their defaults."""
+    final, whole = run_job(client, TINY + STEPS + [f"checkpoint.dir={tmp_path}", "checkpoint.every=4"])
+    assert final.state == "SUCCEEDED", final.error
+    manifest = tmp_path / "step-000004" / "manifest.json"
+    saved = json.loads(manifest.read_text())
+    saved["model"] = {k: v for k, v in saved["model"].items() if k not in ROPE_SCALING}
+    manifest.write_text(json.dumps(saved))
+    final, resumed = run_job(client, TINY + STEPS + [f"checkpoint.resume={manifest}"])
+    assert final.state == "SUCCEEDED", final.error
     assert [s.loss for s in resumed] == pytest.approx([s.loss for s in whole[4:]], rel=LOSS_RTOL)
 
 

@@ -25,6 +25,18 @@ BAD_CONFIGS = [
     (["model.arch=mamba"], "model.arch='mamba' must be one of gpt2, llama"),
     (["parallel.tp=2", "model.ffn_hidden=129"], "model.ffn_hidden=129 must be divisible by parallel.tp=2"),
     (["model.pad_vocab_to=0"], "model.pad_vocab_to=0 must be at least 1"),
+    (["model.rope_scaling_factor=8", "model.rope_original_positions=16"],
+     "model.rope_scaling_factor=8.0, model.rope_original_positions=16 must be left out for model.arch='gpt2': "
+     "they scale llama's rotary embedding, and gpt2 learns its positions"),
+    (["model.arch=llama", "model.rope_low_freq_factor=2"],
+     "model.rope_low_freq_factor=2.0 must be left out while model.rope_scaling_factor=0 (no scaling): they tune "
+     "the scaling"),
+    (["model.arch=llama", "model.rope_scaling_factor=0.5"],
+     "model.rope_scaling_factor=0.5 must be 0 (no scaling) or at least 1 (Llama 3 slows long wavelengths down, "
+     "never speeds them up)"),
+    (["model.arch=llama", "model.rope_scaling_factor=8", "model.rope_high_freq_factor=1"],
+     "model.rope_high_freq_factor=1.0 must be greater than model.rope_low_freq_factor=1.0: wavelengths between "
+     "their bounds are blended"),
     (["parallel.dp=3"], "train.global_batch=16 must be divisible by parallel.dp*parallel.microbatches=12"),
     (["parallel.schedule=zigzag"],
      "parallel.schedule='zigzag' must be one of gpipe, 1f1b, interleaved-1f1b"),
@@ -43,7 +55,8 @@ BAD_CONFIGS = [
     (["train.lr=fast"], "train.lr='fast' must be float"),
     (["model.d_model=1.5"], "model.d_model=1.5 must be int"),
     (["model.n_layer=4"], "unknown key model.n_layer (known: arch, n_layers, d_model, n_heads, n_kv_heads, ffn_hidden, seq_len, "
-     "vocab_size, pad_vocab_to, norm_eps, rope_theta, tie_embeddings)"),
+     "vocab_size, pad_vocab_to, norm_eps, rope_theta, rope_scaling_factor, rope_low_freq_factor, "
+     "rope_high_freq_factor, rope_original_positions, tie_embeddings)"),
     (["optim.lr=1"], "--set 'optim.lr=1': unknown section [optim] (known: model, parallel, train, data, checkpoint, recovery, trace)"),
     (["train.lr"], "--set 'train.lr' must look like SECTION.KEY=VALUE"),
     (["data.source= "], "data.source='' must be 'builtin' or a token file path"),

@@ -1,6 +1,7 @@
 """Hugging Face weights in and out (DESIGN.md, "Interop"), against `transformers` itself:
-tiny GPT2LMHeadModel and LlamaForCausalLM (grouped-query attention, untied embeddings)
-made with random weights by transformers and saved by save_pretrained, no download.
+tiny GPT2LMHeadModel and LlamaForCausalLM (grouped-query attention, untied embeddings; one
+with Llama 3's rope scaling) made with random weights by transformers and saved by
+save_pretrained, no download.
 
 `interleaf eval` of such a folder equals transformers' loss on the same ids (fp32, 1e-5
 relative); Hugging Face -> Interleaf -> Hugging Face reproduces every tensor exactly,
@@ -12,6 +13,7 @@ transformers loads with the loss `interleaf eval` gives the checkpoint.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -32,12 +34,15 @@ from interleaf.protos.security import TOKEN_ENV
 from interleaf.stageserver import safetensors
 from interleaf.stageserver.init_weights import initial_values
 from interleaf.stageserver.model import full_model, shape_of
-from interleaf.stageserver.model.hf_folder import HFFolder
+from interleaf.stageserver.model.hf_folder import HFFolder, HFFolderError
+from interleaf.stageserver.model.llama.rope import inverse_frequencies
 from tests.conftest import run_job
 from tests.test_equivalence import LOSS_RTOL
 
 VOCAB = 300
 RTOL = 1e-5
+LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                  "original_max_position_embeddings": 64}
 
 
 def _hf_loss(folder, ids: np.ndarray) -> float:
@@ -49,16 +54,24 @@ def _hf_loss(folder, ids: np.ndarray) -> float:
 
 @pytest.fixture(scope="module")
 def made(tmp_path_factory):
-    """{"llama": folder, "gpt2": folder, "ids": [4, 33] ids}: transformers' own models."""
+    """{"llama": folder, "llama3": folder, "gpt2": folder, "ids": [4, 33] ids}: transformers' own models."""
     root = tmp_path_factory.mktemp("hf")
     torch.manual_seed(0)
     llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=160, num_hidden_layers=4, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False, rms_norm_eps=1e-5,
         rope_theta=500000.0))  # not the default: a theta that is not read would show
+    # Llama 3.1's scaling of a model first trained on 64 positions: with theta 500000 and
+    # head_dim 16 its 8 rotary pairs fall in all three of the scaling's bands (kept,
+    # blended, slowed 8 times). Larger weights than transformers' 0.02 make attention
+    # sharp enough that the frequencies move the loss.
+    llama3 = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=160, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=False, rms_norm_eps=1e-5,
+        rope_theta=500000.0, initializer_range=0.2, rope_scaling=LLAMA3_SCALING))
     gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=4, n_head=4,
                                                                 n_positions=64))
-    for model, name in ((llama, "llama"), (gpt2, "gpt2")):
+    for model, name in ((llama, "llama"), (llama3, "llama3"), (gpt2, "gpt2")):
         # transformers initialises biases to zero and norm scales to one: noise on every
         # parameter, so a bias, norm or split mapped wrongly changes the loss.
         with torch.no_grad():
@@ -67,10 +80,11 @@ def made(tmp_path_factory):
         model.save_pretrained(root / name)
     ids = torch.randint(0, VOCAB, (4, 33)).numpy()
     np.save(root / "ids.npy", ids)
-    return {"llama": root / "llama", "gpt2": root / "gpt2", "ids": ids, "ids_path": root / "ids.npy"}
+    return {"llama": root / "llama", "llama3": root / "llama3", "gpt2": root / "gpt2", "ids": ids,
+            "ids_path": root / "ids.npy"}
 
 
-@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+@pytest.mark.parametrize("arch", ["llama", "llama3", "gpt2"])
 def test_greedy_generation_with_the_cache_equals_transformers(made, arch):
     """Interleaf's key/value cache and transformers' generate choose the same tokens."""
     prompt = [int(i) for i in made["ids"][0, :5]]
@@ -82,7 +96,7 @@ def test_greedy_generation_with_the_cache_equals_transformers(made, arch):
     assert mine == theirs
 
 
-@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+@pytest.mark.parametrize("arch", ["llama", "llama3", "gpt2"])
 def test_eval_of_a_hugging_face_folder_equals_transformers(made, arch):
     mine, predictions = evaluate(load_for_eval(str(made[arch])), made["ids"])
     theirs = _hf_loss(made[arch], made["ids"])
@@ -127,12 +141,13 @@ def test_a_gpt2_job_may_train_on_fewer_positions_than_its_source(made):
     assert abs(mine - _hf_loss(made["gpt2"], ids)) <= RTOL * mine
 
 
-@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+@pytest.mark.parametrize("arch", ["llama", "llama3", "gpt2"])
 @pytest.mark.parametrize("sharded", [False, True])
 def test_hugging_face_to_interleaf_and_back_reproduces_every_tensor(made, tmp_path, arch, sharded):
     """Every tensor of save_pretrained's file comes back bit for bit (GPT-2's Conv1D
-    transposes and q|k|v regrouping undone); above the shard size the weights are split
-    with an index, which transformers loads to the same loss."""
+    transposes and q|k|v regrouping undone), and the config its model (Llama 3's rope
+    scaling included); above the shard size the weights are split with an index, which
+    transformers loads to the same loss."""
     folder = HFFolder(made[arch])
     shape = folder.shape()
     values = folder.initial(shape)
@@ -154,6 +169,7 @@ def test_hugging_face_to_interleaf_and_back_reproduces_every_tensor(made, tmp_pa
             exported.update(safetensors.read(out / file)[0])
     assert sorted(exported) == sorted(original)
     assert all(torch.equal(exported[name], original[name]) for name in original)
+    assert HFFolder(out).fields == folder.fields
     assert _hf_loss(out, made["ids"]) == _hf_loss(made[arch], made["ids"])
 
 
@@ -167,6 +183,7 @@ def test_checkpoint_init_takes_the_model_and_refuses_what_contradicts_it(made, t
         "model.n_kv_heads=4": "model.n_kv_heads=4 contradicts checkpoint.init",
         "model.arch=gpt2": "whose model has arch='llama'",
         "model.tie_embeddings=true": "model.tie_embeddings=True contradicts",
+        "model.rope_scaling_factor=8": "model.rope_scaling_factor=8.0 contradicts",
         "model.seq_len=65": "model.seq_len=65 must be at most 64",
         "checkpoint.resume=/x": "exclude each other",
     }
@@ -197,12 +214,71 @@ def test_a_remote_submission_leaves_checkpoint_init_to_the_coordinator(cluster, 
     ("gpt2", "scale_attn_by_inverse_layer_idx", True),
 ])
 def test_a_model_interleaf_cannot_compute_is_refused_by_its_config_key(made, tmp_path, arch, key, value):
-    folder = tmp_path / arch
-    shutil.copytree(made[arch], folder)
-    config = json.loads((folder / "config.json").read_text())
-    (folder / "config.json").write_text(json.dumps({**config, key: value}))
+    folder = _rewritten(made[arch], tmp_path, {key: value})
     with pytest.raises(ConfigError, match=f"config.json {key}="):
         load_config("", [f"checkpoint.init={folder}", "model.seq_len=32"])
+
+
+def _rewritten(folder, tmp_path, changes: dict):
+    """A copy of `folder` whose config.json has `changes` (a None value removes the key)."""
+    copy = tmp_path / "rewritten"
+    shutil.copytree(folder, copy)
+    config = {**json.loads((copy / "config.json").read_text()), **changes}
+    (copy / "config.json").write_text(json.dumps({k: v for k, v in config.items() if v is not None}))
+    return copy
+
+
+def test_llama3_rope_scaling_turns_each_pair_as_transformers_does(made):
+    """The rotary frequencies equal transformers' bit for bit: of the 8 pairs one is kept,
+    one blended and six slowed 8 times. The same weights scored without the scaling give
+    another loss (by 1.5%), so the eval and generation tests of this model fail when the
+    scaling is not applied."""
+    folder = HFFolder(made["llama3"])
+    shape = folder.shape()
+    mine = inverse_frequencies(shape, torch.float32, torch.device("cpu"))
+    config = transformers.AutoConfig.from_pretrained(made["llama3"])
+    assert torch.equal(mine, transformers.models.llama.modeling_llama.LlamaRotaryEmbedding(config=config).inv_freq)
+    unscaled = dataclasses.replace(shape, rope_scaling_factor=0.0)
+    plain = inverse_frequencies(unscaled, torch.float32, torch.device("cpu"))
+    kept, slowed, blended = mine == plain, mine == plain / 8, (plain / 8 < mine) & (mine < plain)
+    assert (int(kept.sum()), int(blended.sum()), int(slowed.sum())) == (1, 1, 6)
+    scaled_loss, _ = evaluate(load_for_eval(str(made["llama3"])), made["ids"])
+    unscaled_loss, _ = evaluate(full_model(unscaled, 0, folder.initial(unscaled)).eval(), made["ids"])
+    assert abs(scaled_loss - unscaled_loss) > 1e-3 * scaled_loss, (scaled_loss, unscaled_loss)
+
+
+_LLAMA3_FIELDS = (8.0, 1.0, 4.0, 64)
+_UNSCALED_FIELDS = (0.0, 1.0, 4.0, 8192)
+
+
+@pytest.mark.parametrize("rope, fields", [
+    ({"rope_scaling": LLAMA3_SCALING}, _LLAMA3_FIELDS),  # transformers 4 (4.43+), beside rope_theta
+    ({"rope_scaling": {"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                       "original_max_position_embeddings": 64}}, _LLAMA3_FIELDS),  # 4's older key
+    ({"rope_scaling": {"rope_type": "default"}}, _UNSCALED_FIELDS),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}}, _UNSCALED_FIELDS),  # transformers 5
+])
+def test_rope_settings_are_read_in_the_forms_of_transformers_4_and_5(made, tmp_path, rope, fields):
+    folder = _rewritten(made["llama3"], tmp_path, {"rope_parameters": None, "rope_theta": 500000.0, **rope})
+    m = load_config("", [f"checkpoint.init={folder}", "model.seq_len=32"]).model
+    assert m.rope_theta == 500000.0
+    assert (m.rope_scaling_factor, m.rope_low_freq_factor, m.rope_high_freq_factor,
+            m.rope_original_positions) == fields
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("rope_scaling", {"rope_type": "yarn", "factor": 4.0}, "only, not 'yarn'"),
+    ("rope_parameters", {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0}, "only, not 'yarn'"),
+    ("rope_scaling", {**LLAMA3_SCALING, "factor": 0.5}, "needs factor >= 1"),
+    ("rope_scaling", {**LLAMA3_SCALING, "low_freq_factor": None}, "low_freq_factor=None must be a number"),
+])
+def test_a_rope_scaling_interleaf_cannot_compute_is_refused_naming_it(made, tmp_path, key, value, message):
+    """By checkpoint.init and by `interleaf eval` alike."""
+    folder = _rewritten(made["llama"], tmp_path, {key: value})
+    with pytest.raises(ConfigError, match=f"config.json {key}.*{message}"):
+        load_config("", [f"checkpoint.init={folder}", "model.seq_len=32"])
+    with pytest.raises(HFFolderError, match=message):
+        load_for_eval(str(folder))
 
 
 def _tokenizer_json(path) -> None:

@@ -43,6 +43,13 @@ class ModelShape:
     """Embedding and head rows are padded to a multiple of this times tp."""
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
+    rope_scaling_factor: float = 0.0
+    """Llama 3's rotary frequency scaling (llama/rope.py): the slowdown of the longest
+    wavelengths; 0: none. The three fields below tune it."""
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_positions: int = 8192
+    """The context the model was first trained for, before its positions were scaled."""
     tie_embeddings: bool | None = None
     """The head reuses the input embedding; None: the architecture's default (gpt2 ties)."""
 

@@ -43,7 +43,7 @@ class Attention(nn.Module):
         d, hd = config.d_model, config.head_dim
         self.local_heads = config.n_heads // tp.size
         self.local_kv_heads = config.n_kv_heads // tp.size
-        self.head_dim, self.theta = hd, config.rope_theta
+        self.head_dim, self.config = hd, config
         self.q = ColumnParallelLinear(d, config.n_heads * hd, tp, bias=False)
         self.k = ColumnParallelLinear(d, config.n_kv_heads * hd, tp, bias=False)
         self.v = ColumnParallelLinear(d, config.n_kv_heads * hd, tp, bias=False)
@@ -56,7 +56,7 @@ class Attention(nn.Module):
         v = self.v(x).view(b, s, self.local_kv_heads, self.head_dim).transpose(1, 2)
         start = 0 if cache is None else cache.length
         positions = torch.arange(start, start + s, device=x.device)
-        cos, sin = rotary_tables(positions, self.head_dim, self.theta, q.dtype)
+        cos, sin = rotary_tables(positions, self.config, q.dtype)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if cache is not None:
             k, v = cache.extend(k, v)
