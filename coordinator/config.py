@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from interleaf.protos import limits
 from interleaf.protos.limits import shown
-from interleaf.stageserver.model.config import default_ffn_hidden
+from interleaf.stageserver.model.config import resolve_defaults
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
 TRANSPORTS = ("auto", "gloo", "nccl")
@@ -113,14 +113,9 @@ class ModelConfig:
         for name in ("n_kv_heads", "ffn_hidden"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"model.{name}={getattr(self, name)} must be 0 (the default) or more")
-        # The architecture's defaults, resolved here so everything downstream (the wire,
-        # checkpoints, the memory model) sees one complete shape.
-        if not self.n_kv_heads:
-            object.__setattr__(self, "n_kv_heads", self.n_heads)
-        if not self.ffn_hidden:
-            object.__setattr__(self, "ffn_hidden", default_ffn_hidden(self.arch, self.d_model))
-        if self.tie_embeddings is None:
-            object.__setattr__(self, "tie_embeddings", self.arch == "gpt2")
+        # Resolved here so everything downstream (the wire, checkpoints, the memory
+        # model) sees one complete shape.
+        resolve_defaults(self)
         _bounded("model", self)
         if self.d_model % self.n_heads:
             raise ConfigError(

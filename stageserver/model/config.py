@@ -21,6 +21,18 @@ def default_ffn_hidden(arch: str, d_model: int) -> int:
     return 4 * d_model
 
 
+def resolve_defaults(model) -> None:
+    """Fills a frozen model description's architecture-dependent defaults in place
+    (n_kv_heads 0, ffn_hidden 0, tie_embeddings None), for ModelShape and the job
+    config's `[model]` alike, so every reader sees one complete shape."""
+    if not model.n_kv_heads:
+        object.__setattr__(model, "n_kv_heads", model.n_heads)
+    if not model.ffn_hidden:
+        object.__setattr__(model, "ffn_hidden", default_ffn_hidden(model.arch, model.d_model))
+    if model.tie_embeddings is None:
+        object.__setattr__(model, "tie_embeddings", model.arch == "gpt2")
+
+
 @dataclass(frozen=True)
 class ModelShape:
     n_layers: int
@@ -54,13 +66,7 @@ class ModelShape:
     """The head reuses the input embedding; None: the architecture's default (gpt2 ties)."""
 
     def __post_init__(self):
-        # Defaults resolved once, so every reader sees one complete shape.
-        if not self.n_kv_heads:
-            object.__setattr__(self, "n_kv_heads", self.n_heads)
-        if not self.ffn_hidden:
-            object.__setattr__(self, "ffn_hidden", default_ffn_hidden(self.arch, self.d_model))
-        if self.tie_embeddings is None:
-            object.__setattr__(self, "tie_embeddings", self.arch == "gpt2")
+        resolve_defaults(self)
 
     @property
     def head_dim(self) -> int:
