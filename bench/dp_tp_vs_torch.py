@@ -8,7 +8,7 @@
 
 Every process runs one torch thread; each Interleaf run is followed at once by its peer.
 
-    python bench/dp_tp_vs_torch.py [--steps 8] [--warmup 2] [--steps-per-call 2] [--out PATH]
+    python bench/dp_tp_vs_torch.py [--arch gpt2|llama] [--steps 8] [--warmup 2] [--steps-per-call 2] [--out PATH]
 """
 
 from __future__ import annotations
@@ -25,11 +25,11 @@ from interleaf_run import run_job
 from measure import (arguments, compare, comparison_table, fail_on_loss_disagreement, machine, slowest_rank,
                      write_json)
 from peer_world import PeerWorld
-from workload import MODEL
+from workload import MODELS
 
 
-def overrides(dp: int, tp: int, steps: int) -> list[str]:
-    return MODEL + [
+def overrides(arch: str, dp: int, tp: int, steps: int) -> list[str]:
+    return MODELS[arch] + [
         f"parallel.dp={dp}", f"parallel.tp={tp}", "parallel.pp=1", "parallel.vpp=1",
         "parallel.schedule=1f1b", "parallel.microbatches=4",
         "train.global_batch=16", f"train.steps={steps}",
@@ -59,8 +59,10 @@ def main() -> None:
         solo_world.start()
         client = cluster.client()
         try:
-            dp = run_pair(client, ddp_world, torch_ddp.train, overrides(2, 1, args.steps), args.warmup)
-            tp = run_pair(client, solo_world, single_process.train, overrides(1, 2, args.steps), args.warmup)
+            dp = run_pair(client, ddp_world, torch_ddp.train, overrides(args.arch, 2, 1, args.steps),
+                          args.warmup)
+            tp = run_pair(client, solo_world, single_process.train, overrides(args.arch, 1, 2, args.steps),
+                          args.warmup)
         finally:
             client.close()
     finally:
@@ -71,10 +73,10 @@ def main() -> None:
 
     labelled = [("dp=2 vs torch DDP", dp), ("tp=2 vs 1 process", tp)]
     print(comparison_table("peer", labelled))
-    print(f"{before['cpus']} CPUs, load average {before['load_average_1m']} before, "
+    print(f"{args.arch}; {before['cpus']} CPUs, load average {before['load_average_1m']} before, "
           f"{after['load_average_1m']} after; {args.steps} steps per run, first {args.warmup} left out")
     write_json(args.out, {
-        "benchmark": "dp_tp_vs_torch",
+        "benchmark": "dp_tp_vs_torch", "arch": args.arch,
         "machine_before": before, "machine_after": after,
         "steps": args.steps, "warmup": args.warmup, "steps_per_call": args.steps_per_call,
         "threads_per_process": 1,

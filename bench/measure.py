@@ -17,6 +17,8 @@ import statistics
 
 import torch
 
+from workload import MODELS  # sibling in bench/
+
 
 def steady(values: list[float], warmup: int) -> list[float]:
     """The values after the first `warmup` steps; at least one must remain."""
@@ -159,13 +161,21 @@ def machine() -> dict:
 
 
 def arguments(description: str, name: str, more=None) -> argparse.Namespace:
-    """The options every benchmark takes, and those `more(parser)` adds."""
+    """The options every benchmark takes, and those `more(parser)` adds. `--out`
+    defaults to results/NAME.json, NAME-llama.json for the Llama, so that the two
+    architectures' runs do not overwrite each other."""
     parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--arch", choices=sorted(MODELS), default="gpt2",
+                        help="the workload's architecture (workload.py: the same size either way)")
     parser.add_argument("--steps", type=int, default=8, help="training steps per run, warm-up included")
     parser.add_argument("--warmup", type=int, default=2, help="first steps left out of the figures")
     parser.add_argument("--steps-per-call", type=int, default=2,
                         help="steps per RunSteps call (block); control time is reported per block")
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", f"{name}.json"))
+    parser.add_argument("--out")
     if more:
         more(parser)
-    return parser.parse_args()
+    args = parser.parse_args()
+    if args.out is None:
+        suffix = "" if args.arch == "gpt2" else f"-{args.arch}"
+        args.out = os.path.join(os.path.dirname(__file__), "results", f"{name}{suffix}.json")
+    return args

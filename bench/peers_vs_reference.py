@@ -8,7 +8,7 @@ A peer that trained a different run (other samples, weights or optimizer arithme
 would make every ratio zero_vs_torch.py reports meaningless; this shows each peer is
 right without Interleaf in the picture. Exits non-zero when one is not.
 
-    python bench/peers_vs_reference.py [--steps 4]
+    python bench/peers_vs_reference.py [--arch gpt2|llama] [--steps 4]
 """
 
 from __future__ import annotations
@@ -24,14 +24,14 @@ import torch_fsdp
 import torch_zero1
 from measure import LOSS_TOLERANCE, max_relative_difference, table
 from peer_world import PeerWorld
-from workload import MODEL
+from workload import MODELS
 
 PEERS = [("DDP", torch_ddp.train, ()), ("ZeRO-1 (ZeroRedundancyOptimizer)", torch_zero1.train, ()),
          ("FSDP2 per block", torch_fsdp.train, (True,)), ("FSDP2 whole model", torch_fsdp.train, (False,))]
 
 
-def overrides(dp: int, steps: int) -> list[str]:
-    return MODEL + [
+def overrides(arch: str, dp: int, steps: int) -> list[str]:
+    return MODELS[arch] + [
         f"parallel.dp={dp}", "parallel.tp=1", "parallel.pp=1", "parallel.vpp=1",
         "parallel.schedule=1f1b", "parallel.microbatches=4",
         "train.global_batch=16", f"train.steps={steps}",
@@ -40,17 +40,18 @@ def overrides(dp: int, steps: int) -> list[str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--arch", choices=sorted(MODELS), default="gpt2")
     parser.add_argument("--steps", type=int, default=4)
     args = parser.parse_args()
 
     # The reference depends on the global batch only, not on dp: one run serves both.
     with PeerWorld(1) as solo:
-        reference = solo.run(single_process.train, load_config("", overrides(1, args.steps)))[0]["losses"]
+        reference = solo.run(single_process.train, load_config("", overrides(args.arch, 1, args.steps)))[0]["losses"]
     rows, failed = [], []
     for dp in (2, 4):
         with PeerWorld(dp) as world:
             for name, train, extra in PEERS:
-                per_rank = world.run(train, load_config("", overrides(dp, args.steps)), *extra)
+                per_rank = world.run(train, load_config("", overrides(args.arch, dp, args.steps)), *extra)
                 losses = [sum(step) / len(step) for step in zip(*(r["losses"] for r in per_rank))]
                 difference = max_relative_difference(losses, reference)
                 rows.append([f"{name}, dp={dp}", " ".join(f"{x:.6f}" for x in losses), f"{difference:.1e}"])

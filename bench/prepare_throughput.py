@@ -9,15 +9,18 @@ for each size:
   prepare      `interleaf data prepare FILE --tokenizer TOK --out OUT` in a child
                process: wall time (start-up included) and its peak resident set (VmHWM
                from /proc, read by the child as it ends);
-  encode_batch the same file's documents, read into memory first (not timed), encoded by
-               `Tokenizer.encode_batch(..., add_special_tokens=False)` in batches of
-               prepare's size (1,024 documents) in this process: the tokenizer's own
-               ceiling, with no reading, JSON parsing or writing.
+  encode_batch the same file's documents, read into memory first (not timed) and cut
+               into the batches prepare encodes (at most 1,024 documents or 1 MB of
+               text), encoded by `Tokenizer.encode_batch(..., add_special_tokens=False)`
+               in this process: the tokenizer's own ceiling for those batches, with no
+               reading, JSON parsing or writing.
 
 Both use every core (tokenizers' thread pool); the token counts are checked to agree
-(prepare's = encode_batch's + one end-of-document id per document). Speed is a ratio
-measured in the same run; the peak resident sets at the two sizes show whether memory
-stays flat as the input grows.
+(prepare's = encode_batch's + one end-of-document id per document), and both rates are
+of prepare's count. Speed is a ratio measured in the same run, by wall time and by CPU
+time (user + system, all threads): on a machine shared with other work the CPU figure
+is the steadier. The peak resident sets at the two sizes show whether memory stays flat
+as the input grows.
 
     python bench/prepare_throughput.py              # 256 MB and 1 GB inputs (minutes)
     python bench/prepare_throughput.py --tiny       # 1 MB and 4 MB, vocabulary 512 (seconds)
@@ -26,16 +29,18 @@ stays flat as the input grows.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import pathlib
 import random
+import resource
 import subprocess
 import sys
 import tempfile
 import time
 
-from interleaf.stageserver.data.readers import BATCH_DOCUMENTS
+from interleaf.stageserver.data.readers import documents, open_inputs
 from interleaf.stageserver.data.train_tokenizer import train_bpe
 
 MB = 1 << 20
@@ -46,10 +51,10 @@ def write_corpus(path: pathlib.Path, size_bytes: int, seed: int) -> None:
     r = random.Random(seed)
     letters = "etaoinshrdlucmfwypvbgkjqxz"
     words = ["".join(r.choice(letters) for _ in range(r.randint(1, 12))) for _ in range(30_000)]
-    weights = [1 / (rank + 1) for rank in range(len(words))]  # Zipf's law, as text has
+    zipf = list(itertools.accumulate(1 / (rank + 1) for rank in range(len(words))))  # as text has
     pool = []
-    for _ in range(2_000):
-        doc = " ".join(r.choices(words, weights, k=r.randint(50, 2_000)))
+    for _ in range(min(2_000, size_bytes // 7_000 + 1)):  # a document is about 7 kB: up to 14 MB distinct
+        doc = " ".join(r.choices(words, cum_weights=zipf, k=r.randint(50, 2_000)))
         pool.append((json.dumps({"text": doc, "id": len(pool)}) + "\n").encode())
     written = 0
     with open(path, "wb") as f:
@@ -71,32 +76,41 @@ sys.exit(status)
 
 
 def run_prepare(corpus: pathlib.Path, tokenizer: pathlib.Path, out: pathlib.Path) -> dict:
-    """Runs prepare in a child; its wall time, peak RSS and sidecar. The child reads its
-    own high-water mark: a forked child's rusage ru_maxrss starts from its parent's
-    resident set at the fork (this process holds a whole corpus by then)."""
+    """Runs prepare in a child: its wall and CPU seconds (os.wait4's rusage of that child),
+    peak RSS and sidecar. The child reads its own high-water mark: a forked child's
+    ru_maxrss starts from its parent's resident set at the fork (this process holds a
+    whole corpus by then)."""
     peak = out.with_name("peak")
     command = [sys.executable, "-c", PREPARE, str(peak), "data", "prepare", str(corpus),
                "--tokenizer", str(tokenizer), "--out", str(out)]
     start = time.perf_counter()
-    done = subprocess.run(command, stdout=subprocess.DEVNULL)
+    child = subprocess.Popen(command, stdout=subprocess.DEVNULL)
+    _, status, usage = os.wait4(child.pid, 0)
     seconds = time.perf_counter() - start
-    if done.returncode:
-        raise SystemExit(f"prepare of {corpus} failed (exit {done.returncode})")
+    child.returncode = os.waitstatus_to_exitcode(status)
+    if child.returncode:
+        raise SystemExit(f"prepare of {corpus} failed (exit {child.returncode})")
     meta = json.loads(out.with_name(out.name + ".json").read_text())
-    return {"seconds": seconds, "peak_rss_bytes": int(peak.read_text()), "tokens": meta["count"],
-            "documents": meta["documents"]}
+    return {"seconds": seconds, "cpu_seconds": usage.ru_utime + usage.ru_stime,
+            "peak_rss_bytes": int(peak.read_text()), "tokens": meta["count"], "documents": meta["documents"]}
+
+
+def _cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)  # every thread of this process: tokenizers' too
+    return usage.ru_utime + usage.ru_stime
 
 
 def run_encode_batch(corpus: pathlib.Path, tokenizer: pathlib.Path) -> dict:
+    """encode_batch over the very batches prepare encodes, read into memory first."""
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(tokenizer))
-    with open(corpus, "rb") as f:
-        docs = [json.loads(line)["text"] for line in f]
-    start, tokens = time.perf_counter(), 0
-    for i in range(0, len(docs), BATCH_DOCUMENTS):
-        tokens += sum(len(e.ids) for e in tok.encode_batch(docs[i:i + BATCH_DOCUMENTS], add_special_tokens=False))
-    return {"seconds": time.perf_counter() - start, "tokens": tokens, "documents": len(docs)}
+    batches = [texts for texts, _ in documents(open_inputs([corpus], "text"), "text")]
+    start, cpu, tokens = time.perf_counter(), _cpu_seconds(), 0
+    for texts in batches:
+        tokens += sum(len(e.ids) for e in tok.encode_batch(texts, add_special_tokens=False))
+    return {"seconds": time.perf_counter() - start, "cpu_seconds": _cpu_seconds() - cpu, "tokens": tokens,
+            "documents": sum(map(len, batches))}
 
 
 def main() -> int:
@@ -118,23 +132,23 @@ def main() -> int:
             write_corpus(corpus, size * MB, seed=size)
             prepared = run_prepare(corpus, tokenizer, tmp / "out.bin")
             encoded = run_encode_batch(corpus, tokenizer)
-            if prepared["tokens"] != encoded["tokens"] + encoded["documents"]:
-                raise SystemExit(f"{size} MB: prepare wrote {prepared['tokens']} tokens, encode_batch gives "
+            tokens = prepared["tokens"]  # rates of both sides over the ids prepare writes
+            if tokens != encoded["tokens"] + encoded["documents"]:
+                raise SystemExit(f"{size} MB: prepare wrote {tokens} tokens, encode_batch gives "
                                  f"{encoded['tokens']} + {encoded['documents']} end-of-document ids")
             rows.append({"input_bytes": corpus.stat().st_size, "documents": prepared["documents"],
-                         "tokens": prepared["tokens"], "vocab_size": vocab,
-                         "prepare_seconds": prepared["seconds"], "prepare_peak_rss_bytes": prepared["peak_rss_bytes"],
-                         "prepare_tokens_per_s": prepared["tokens"] / prepared["seconds"],
-                         "encode_batch_tokens_per_s": encoded["tokens"] / encoded["seconds"]})
+                         "tokens": tokens, "vocab_size": vocab, "prepare": prepared, "encode_batch": encoded})
             corpus.unlink()
 
-    print(f"{'input':>9} {'documents':>10} {'tokens':>12} {'prepare tokens/s':>17} "
-          f"{'encode_batch tokens/s':>22} {'ratio':>6} {'prepare peak RSS':>17}")
+    print(f"{'input':>9} {'documents':>10} {'tokens':>12} {'prepare tokens/s':>17} {'encode_batch':>13} "
+          f"{'ratio':>6} {'per CPU-s: prepare':>19} {'encode_batch':>13} {'ratio':>6} {'prepare peak RSS':>17}")
     for r in rows:
-        print(f"{r['input_bytes'] / MB:>6.0f} MB {r['documents']:>10,} {r['tokens']:>12,} "
-              f"{r['prepare_tokens_per_s']:>17,.0f} {r['encode_batch_tokens_per_s']:>22,.0f} "
-              f"{r['prepare_tokens_per_s'] / r['encode_batch_tokens_per_s']:>6.2f} "
-              f"{r['prepare_peak_rss_bytes'] / MB:>13.0f} MiB")
+        a, b = r["prepare"], r["encode_batch"]
+        wall = [r["tokens"] / a["seconds"], r["tokens"] / b["seconds"]]
+        cpu = [r["tokens"] / a["cpu_seconds"], r["tokens"] / b["cpu_seconds"]]
+        print(f"{r['input_bytes'] / MB:>6.0f} MB {r['documents']:>10,} {r['tokens']:>12,} {wall[0]:>17,.0f} "
+              f"{wall[1]:>13,.0f} {wall[0] / wall[1]:>6.2f} {cpu[0]:>19,.0f} {cpu[1]:>13,.0f} "
+              f"{cpu[0] / cpu[1]:>6.2f} {a['peak_rss_bytes'] / MB:>13.0f} MiB")
     if args.out:
         pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         pathlib.Path(args.out).write_text(json.dumps({"cpus": os.cpu_count(), "rows": rows}, indent=1))

@@ -2,8 +2,9 @@
 mesh over gloo. Parameters, gradients and Adam moments are sharded over the replicas
 (dim-0 shards of every parameter, DTensors). Two ways to cut the model into FSDP units:
 
-  per_block=True: each transformer block one unit and the root (embedding, positions,
-    final norm; the head is the tied embedding) one more, as torchtitan wraps a model.
+  per_block=True: each transformer block one unit and the root (embedding, learned
+    positions if any, final norm, and the head: the tied embedding, or `lm_head` when
+    untied) one more, as torchtitan wraps a model.
     A block's parameters are all-gathered before its forward and again before its
     backward, and freed after each: at most a block or two gathered at once, 2 x
     microbatches x blocks all-gathers a step, none overlapping compute on CPU (FSDP2's

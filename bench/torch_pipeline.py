@@ -1,4 +1,4 @@
-"""The pipeline peer: torch.distributed.pipelining running the same GPT chunks, split
+"""The pipeline peer: torch.distributed.pipelining running the same model chunks, split
 the same way (coordinator/partition.py), on the same microbatches, with the same
 optimizer step as an Interleaf pipeline job.
 
@@ -35,7 +35,9 @@ SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved-1f1b": S
 class LogitsHead(nn.Module):
     """The last chunk returning logits instead of the loss: torch's schedules compute the
     loss themselves, from the last stage's output and the target, with loss_fn. The
-    compute is ModelChunk.forward's with the cross-entropy moved into loss_fn."""
+    compute is ModelChunk.forward's with the cross-entropy moved into loss_fn; the logits
+    of a padded vocabulary's padding rows are cut off, as they never enter Interleaf's
+    softmax."""
 
     def __init__(self, chunk: ModelChunk):
         super().__init__()
@@ -44,7 +46,8 @@ class LogitsHead(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for block in self.chunk.h.values():
             x = block(x)
-        return F.linear(self.chunk.ln_f(x), self.chunk.wte.weight)
+        logits = F.linear(self.chunk.ln_f(x), self.chunk.head_weight())
+        return logits[..., :self.chunk.config.vocab_size]
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -55,9 +58,9 @@ def train(rank: int, config: JobConfig) -> dict:
     m, p, t = config.model, config.parallel, config.train
     if p.pp != 2 or dist.get_world_size() != 2 or p.dp != 1 or p.tp != 1:
         raise ValueError("the pipeline peer runs pp=2, dp=tp=1 on 2 processes")
-    gpt = shape_of(m)
+    shape = shape_of(m)
     held = chunks_of(partition(m.n_layers, p.pp, p.vpp), rank)
-    chunks = [ModelChunk(gpt, c.layers, c.has_embedding, c.has_head, SoloTransport(), t.seed) for c in held]
+    chunks = [ModelChunk(shape, c.layers, c.has_embedding, c.has_head, SoloTransport(), t.seed) for c in held]
     stages = [
         PipelineStage(LogitsHead(chunk) if c.has_head else chunk, c.index, p.pp * p.vpp, torch.device("cpu"))
         for c, chunk in zip(held, chunks)
@@ -66,12 +69,15 @@ def train(rank: int, config: JobConfig) -> dict:
     held_stages = stages if issubclass(kind, PipelineScheduleMulti) else stages[0]
     schedule = kind(held_stages, p.microbatches, loss_fn=cross_entropy)
 
-    # With pp=2 the embedding (first chunk, rank 0) and the head (last chunk, rank 1)
-    # each hold a copy of the tied weight, as in Interleaf; one all-reduce over the
-    # world sums their gradients.
-    tied = [chunk.wte.weight for c, chunk in zip(held, chunks) if c.has_embedding or c.has_head]
+    # Tied embeddings (gpt2's default): with pp=2 the embedding (first chunk, rank 0) and
+    # the head (last chunk, rank 1) each hold a copy of the tied weight, as in Interleaf;
+    # one all-reduce over the world sums their gradients, and the norm counts rank 0's.
+    # Untied (llama's): `wte` on the first chunk and `lm_head` on the last, each held
+    # once, so nothing is summed and every parameter counts.
+    ends = [chunk for chunk in chunks if chunk.has_embedding or chunk.has_head] if m.tie_embeddings else []
+    tied = [chunk.wte.weight for chunk in ends]
     params = [param for chunk in chunks for param in chunk.parameters()]
-    head_copy = {id(chunk.wte.weight) for c, chunk in zip(held, chunks) if c.has_head and not c.has_embedding}
+    head_copy = {id(chunk.wte.weight) for chunk in ends if not chunk.has_embedding}
     counted = [param for param in params if id(param) not in head_copy]
     first = any(c.has_embedding for c in held)
     last = any(c.has_head for c in held)

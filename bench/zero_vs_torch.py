@@ -18,7 +18,7 @@ Each Interleaf job runs on a fresh cluster of dp stage servers and each peer run
 fresh world of dp processes, one after the other: on a 2-core machine dp=4 puts two
 one-thread processes on each core, on both sides alike.
 
-    python bench/zero_vs_torch.py [--steps 8] [--warmup 2] [--steps-per-call 2] [--out PATH]
+    python bench/zero_vs_torch.py [--arch gpt2|llama] [--steps 8] [--warmup 2] [--steps-per-call 2] [--out PATH]
                                   [--dp 2 4] [--zero 0 1 2 3]
 """
 
@@ -35,7 +35,7 @@ from interleaf_run import run_job
 from measure import (arguments, compare, comparison_table, fail_on_loss_disagreement, machine, slowest_rank,
                      steady, table, write_json)
 from peer_world import PeerWorld
-from workload import MODEL
+from workload import MODELS
 
 PEERS = {  # ZeRO stage -> [(label, peer function, its extra arguments)]
     0: [("DDP", torch_ddp.train, ())],
@@ -50,8 +50,8 @@ LEDGER = HELD + PEAKS
 MIB = 1 << 20
 
 
-def overrides(dp: int, zero: int, steps: int) -> list[str]:
-    return MODEL + [
+def overrides(arch: str, dp: int, zero: int, steps: int) -> list[str]:
+    return MODELS[arch] + [
         f"parallel.dp={dp}", "parallel.tp=1", "parallel.pp=1", "parallel.vpp=1",
         "parallel.schedule=1f1b", "parallel.microbatches=4", f"parallel.zero={zero}",
         "train.global_batch=16", f"train.steps={steps}",
@@ -80,7 +80,7 @@ def run_stage(dp: int, zero: int, args) -> list[tuple[str, dict]]:
     a process's resident set carries the heap its earlier runs grew (a server or peer
     reused across runs reads higher each run), which would make the rss figures say
     more about the order of the runs than about the stage."""
-    sets = overrides(dp, zero, args.steps)
+    sets = overrides(args.arch, dp, zero, args.steps)
     cluster = LocalCluster(dp, threads_per_server=1, steps_per_call=args.steps_per_call)
     try:
         cluster.start()
@@ -137,11 +137,11 @@ def main() -> None:
     print(comparison_table("torch", labelled))
     print()
     print(memory_tables(labelled))
-    print(f"{before['cpus']} CPUs, load average {before['load_average_1m']} before, "
+    print(f"{args.arch}; {before['cpus']} CPUs, load average {before['load_average_1m']} before, "
           f"{after['load_average_1m']} after; {args.steps} steps per run, first {args.warmup} left out, "
           f"{args.steps_per_call} steps per RunSteps block")
     write_json(args.out, {
-        "benchmark": "zero_vs_torch",
+        "benchmark": "zero_vs_torch", "arch": args.arch,
         "machine_before": before, "machine_after": after,
         "steps": args.steps, "warmup": args.warmup, "steps_per_call": args.steps_per_call,
         "threads_per_process": 1, "results": {label: r for label, r in labelled},

@@ -11,7 +11,7 @@ from interleaf.clients.usage import UsageError
 
 
 def cmd_prepare(args) -> int:
-    from interleaf.stageserver.data.prepare import prepare
+    from interleaf.stageserver.data.preparation import prepare
     from interleaf.stageserver.data.readers import InputError
     from interleaf.stageserver.data.text_tokenizer import TokenizerError, load_tokenizer
 
@@ -26,7 +26,6 @@ def cmd_prepare(args) -> int:
 
 
 def cmd_tokenizer_train(args) -> int:
-    from interleaf.stageserver.data.readers import InputError
     from interleaf.stageserver.data.train_tokenizer import train_bpe
 
     try:
@@ -45,7 +44,7 @@ def cmd_inspect(args) -> int:
         meta = json.loads(sidecar.read_text())
     except (OSError, ValueError) as err:
         raise UsageError(f"{args.path}: its sidecar {sidecar} is unreadable ({err}); token files are written "
-                           f"by `interleaf data prepare`") from None
+                         f"by `interleaf data prepare`") from None
     if args.json:
         print(json.dumps(meta))
     else:

@@ -108,16 +108,16 @@ def test_long_documents_make_batches_of_bounded_text(tmp_path):
         assert len(batches) > sum(map(len, docs)) // BATCH_BYTES
 
 
-def test_readers_read_a_saved_dataset_without_the_datasets_library(corpus):
+def test_prepare_reads_a_saved_dataset_without_the_datasets_library_or_torch(corpus, tmp_path):
     code = ("import sys, builtins; real = builtins.__import__\n"
             "def guard(name, *a, **k):\n"
-            "    assert not name.startswith('datasets'), name\n"
+            "    assert not name.startswith(('datasets', 'torch', 'transformers')), name\n"
             "    return real(name, *a, **k)\n"
             "builtins.__import__ = guard\n"
-            "from interleaf.stageserver.data.readers import documents, open_inputs\n"
-            f"print(sum(len(t) for t, _ in documents(open_inputs([{str(corpus['files']['saved'][0])!r}], 'text'), "
-            "'text')))")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=60)
+            "from interleaf.stageserver.data import prepare\n"
+            f"print(prepare([{str(corpus['files']['saved'][0])!r}], sys.argv[1])['documents'])")
+    result = subprocess.run([sys.executable, "-c", code, str(tmp_path / "o.bin")], capture_output=True, text=True,
+                            cwd=REPO, timeout=60)
     assert result.returncode == 0, result.stderr
     assert int(result.stdout) == len(corpus["docs"]["saved"])
 
