@@ -105,7 +105,7 @@ def run_encode_batch(corpus: pathlib.Path, tokenizer: pathlib.Path) -> dict:
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(tokenizer))
-    batches = [texts for texts, _ in documents(open_inputs([corpus], "text"), "text")]
+    batches = [texts for texts, _, _ in documents(open_inputs([corpus], "text"), "text")]
     start, cpu, tokens = time.perf_counter(), _cpu_seconds(), 0
     for texts in batches:
         tokens += sum(len(e.ids) for e in tok.encode_batch(texts, add_special_tokens=False))

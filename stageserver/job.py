@@ -90,7 +90,10 @@ class StageJob:
             raise JobRejected(str(err)) from None
         if self.data.vocab_size is not None and self.data.vocab_size > m.vocab_size:
             raise JobRejected(data_too_big(m.vocab_size, request.data_source, self.data.vocab_size))
-        largest = max(int(np.max(f.tokens)) for f in self.data.files)  # a token file is never empty
+        # Files whose sidecar records their vocabulary were checked above; only older ones
+        # are read whole for their largest id (a token file is never empty).
+        unrecorded = [f for f in self.data.files if f.vocab_size is None]
+        largest = max((int(np.max(f.tokens)) for f in unrecorded), default=-1)
         if largest >= m.vocab_size:
             raise JobRejected(
                 f"model.vocab_size={m.vocab_size} must exceed every token id in "

@@ -14,6 +14,7 @@ import hashlib
 import json
 import pathlib
 import random
+import shutil
 import subprocess
 import sys
 
@@ -92,20 +93,36 @@ def test_readers_stream_every_kind_in_order_and_account_for_every_byte(corpus, k
     files = corpus["files"][kind]
     opened = open_inputs(files, "text")
     batches = list(documents(opened, "text"))
-    assert [d for texts, _ in batches for d in texts] == corpus["docs"][kind]
+    assert [d for texts, _, _ in batches for d in texts] == corpus["docs"][kind]
+    assert all(all(ends) and len(ends) == len(texts) for texts, ends, _ in batches)
     # The progress bar's total is reached exactly, and batches are bounded.
-    assert sum(moved for _, moved in batches) == sum(i.size for i in opened)
-    assert max(len(texts) for texts, _ in batches) <= 1024
+    assert sum(moved for _, _, moved in batches) == sum(i.size for i in opened)
+    assert max(len(texts) for texts, _, _ in batches) <= 1024
 
 
 def test_long_documents_make_batches_of_bounded_text(tmp_path):
     docs = [f"{i} " * (50_000 * (1 + i % 4)) for i in range(12)]  # 100-600 kB each, 3.1 MB in all
     for path in (_write_jsonl(tmp_path / "long.jsonl", docs), _write_parquet(tmp_path / "long.parquet", docs),
                  _save_dataset(tmp_path / "long", docs)):
-        batches = [texts for texts, _ in documents(open_inputs([path], "text"), "text") if texts]
+        batches = [texts for texts, _, _ in documents(open_inputs([path], "text"), "text") if texts]
         assert [d for texts in batches for d in texts] == docs
         assert all(len(texts) == 1 or sum(map(len, texts)) <= BATCH_BYTES for texts in batches), path
         assert len(batches) > sum(map(len, docs)) // BATCH_BYTES
+
+
+def test_a_long_text_file_is_one_document_read_in_pieces(tmp_path, bpe):
+    """A .txt bigger than a batch streams in line-aligned pieces; it is still one
+    document, with one end-of-document token, and encodes as the whole file does."""
+    lines = [f"line {i}: " + "word " * (i % 37) + "\n" for i in range(40_000)]  # about 3.5 MB
+    path = tmp_path / "long.txt"
+    path.write_text("".join(lines))
+    batches = list(documents(open_inputs([path], "text"), "text"))
+    assert len(batches) > 3 and [ends for _, ends, _ in batches] == [[False]] * (len(batches) - 1) + [[True]]
+    assert "".join(t for texts, _, _ in batches for t in texts) == path.read_text()
+    assert max(len(texts[0]) for texts, _, _ in batches) < 2 * BATCH_BYTES
+    meta = prepare([path], tmp_path / "o.bin", load_tokenizer(str(bpe)))
+    whole = Tokenizer.from_file(str(bpe)).encode(path.read_text(), add_special_tokens=False).ids
+    assert meta["documents"] == 1 and meta["count"] == len(whole) + 1
 
 
 def test_prepare_reads_a_saved_dataset_without_the_datasets_library_or_torch(corpus, tmp_path):
@@ -344,7 +361,14 @@ def test_run_local_refuses_a_vocabulary_smaller_than_the_tokenizer(data_512):
 
 
 def test_check_vocab_reads_every_file_of_a_blend_and_leaves_unreadable_ones_to_the_servers(data_512, tmp_path):
-    blend = f"builtin:0.5,{data_512}:0.5"
+    # First a file whose sidecar records no vocabulary or tokenizer (an older one): the
+    # check goes on to the next file of the blend.
+    older = tmp_path / "older.bin"
+    shutil.copy(data_512, older)
+    meta = json.loads(data_512.with_name(data_512.name + ".json").read_text())
+    older.with_name(older.name + ".json").write_text(
+        json.dumps({k: v for k, v in meta.items() if k not in ("vocab_size", "tokenizer")}))
+    blend = f"{older}:0.5,{data_512}:0.5"
     check_vocab(512, blend, "bytes", tokenizer_needed=True)
     with pytest.raises(VocabError, match=r"model\.vocab_size=511 .* data\.source='.*d512\.bin' \(512"):
         check_vocab(511, blend, "bytes", tokenizer_needed=True)
@@ -377,3 +401,29 @@ def test_prepare_bench_tiny_runs():
                             text=True, cwd=REPO, timeout=120)
     assert result.returncode == 0, result.stderr
     assert "tokens/s" in result.stdout and "peak RSS" in result.stdout
+
+
+def test_a_tokenizer_with_gaps_in_its_ids_gets_the_vocabulary_of_its_largest_id(tmp_path):
+    """Three tokens, one of them id 70000: the vocabulary is 70001 (not the 3 it counts),
+    so the file is uint32 and the id is written as it is, never wrapped."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({"a": 0, "[UNK]": 1, "b": 70000}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "gap.json"))
+    (tmp_path / "doc.txt").write_text("a b a")
+    meta = prepare([tmp_path / "doc.txt"], tmp_path / "o.bin", load_tokenizer(str(tmp_path / "gap.json")))
+    assert (meta["dtype"], meta["vocab_size"]) == ("uint32", 70001)
+    assert TokenFile(tmp_path / "o.bin").tokens.tolist() == [0, 70000, 0]
+
+
+def test_token_files_of_different_tokenizers_are_not_blended_or_misread(corpus, bpe, tmp_path):
+    docs = corpus["files"]["jsonl"]
+    prepare(docs, tmp_path / "bpe.bin", load_tokenizer(str(bpe)))
+    prepare(docs, tmp_path / "bytes.bin")
+    with pytest.raises(VocabError, match="blends token files of different tokenizers"):
+        check_vocab(512, f"{tmp_path / 'bpe.bin'}:1,{tmp_path / 'bytes.bin'}:1", "bytes", tokenizer_needed=True)
+    other = train_bpe(docs, 300, tmp_path / "other")
+    with pytest.raises(VocabError, match=r"data.tokenizer=.* did not make data.source's"):
+        check_vocab(512, str(tmp_path / "bpe.bin"), str(other), tokenizer_needed=True)
+    check_vocab(512, str(tmp_path / "bpe.bin"), str(bpe), tokenizer_needed=True)  # its own: accepted

@@ -33,13 +33,13 @@ def prepare(inputs: list[str | os.PathLike], out: str | os.PathLike, tokenizer=N
     with TokenWriter(out, dtype_for(tokenizer.vocab_size)) as writer, \
             tqdm(total=sum(i.size for i in opened), unit="B", unit_scale=True, desc="prepare", file=sys.stderr,
                  disable=not progress) as bar:
-        for texts, moved in documents(opened, text_field):
+        for texts, ends, moved in documents(opened, text_field):
             encoded = tokenizer.encode_batch(texts)
             if eos is not None:
-                encoded = [part for ids in encoded for part in (ids, eos)]
+                encoded = [part for ids, end in zip(encoded, ends) for part in ((ids, eos) if end else (ids,))]
             if encoded:
                 writer.write(np.concatenate(encoded))
-            count += len(texts)
+            count += sum(ends)
             bar.update(moved)
             bar.set_postfix(documents=count, tokens=writer.count, refresh=False)
         return writer.finish(documents=count, vocab_size=tokenizer.vocab_size, eos_id=tokenizer.eos_id,

@@ -3,7 +3,8 @@ in batches of bounded size whatever the input's size (record batch by record bat
 parquet and arrow, line by line for jsonl), each with how many input bytes it moved
 past, for the progress bar.
 
-  .txt      the whole file is one document
+  .txt      the whole file is one document, read in line-aligned pieces of about
+            BATCH_BYTES, each a batch of its own (`ends` says which piece ends it)
   .jsonl    one JSON object per line; the document is its `text_field`
   .parquet  column `text_field`, streamed by pyarrow record batch
   folder    written by `datasets`' save_to_disk: its arrow shards (IPC streams) in the
@@ -83,18 +84,38 @@ def _input(path: pathlib.Path) -> Input:
     return Input(path, kind, (path,))
 
 
-def documents(inputs: list[Input], text_field: str) -> Iterator[tuple[list[str], int]]:
-    """(documents, input bytes moved past) batches, input after input, in order."""
+def documents(inputs: list[Input], text_field: str) -> Iterator[tuple[list[str], list[bool], int]]:
+    """(texts, ends, input bytes moved past) batches, input after input, in order.
+    A text is a whole document (its `ends` True) or, for a long .txt file, one of its
+    pieces, of which only the last ends the document."""
     for i in inputs:
         if i.kind == "txt":
-            yield [i.path.read_text(encoding="utf-8", errors="replace")], i.size
-        elif i.kind == "jsonl":
-            yield from _jsonl(i.path, text_field)
+            yield from _txt(i.path)
+            continue
+        if i.kind == "jsonl":
+            batches = _jsonl(i.path, text_field)
         elif i.kind == "parquet":
-            yield from _parquet(i.path, text_field)
+            batches = _parquet(i.path, text_field)
         else:
-            for shard in i.files:
-                yield from _arrow(shard, text_field)
+            batches = (b for shard in i.files for b in _arrow(shard, text_field))
+        for texts, moved in batches:
+            yield texts, [True] * len(texts), moved
+
+
+def _txt(path: pathlib.Path):
+    # Cut after a line end, never inside a UTF-8 character; a single line longer than
+    # BATCH_BYTES stays whole. Byte-level BPE merges do not cross a line end (its
+    # pre-tokenizer splits there), so the pieces encode as the whole file would, but
+    # for runs of blank lines split across a cut.
+    piece, size = [], 0
+    with open(path, "rb") as f:
+        for line in f:
+            piece.append(line)
+            size += len(line)
+            if size >= BATCH_BYTES:
+                yield [b"".join(piece).decode("utf-8", errors="replace")], [False], size
+                piece, size = [], 0
+    yield [b"".join(piece).decode("utf-8", errors="replace")], [True], size
 
 
 def _jsonl(path: pathlib.Path, field: str):

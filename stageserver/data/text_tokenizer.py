@@ -55,7 +55,9 @@ class FileTokenizer:
         except Exception as err:  # tokenizers raises plain Exceptions for a malformed file
             raise TokenizerError(f"{field}={str(path)!r} is not a tokenizers tokenizer.json: {err}") from None
         self.path = path
-        self.vocab_size = self.tokenizer.get_vocab_size(with_added_tokens=True)
+        # Ids need not be dense (a tokenizer may skip some): the vocabulary a model needs
+        # reaches the largest id.
+        self.vocab_size = max(self.tokenizer.get_vocab(with_added_tokens=True).values(), default=-1) + 1
         self.eos_id = _eos_id(self.tokenizer, path.parent / "tokenizer_config.json")
         # The canonical JSON: the same tokenizer saved with other whitespace or key order
         # has the same fingerprint.

@@ -71,6 +71,11 @@ class TokenWriter:
             os.unlink(self._tmp)
 
     def write(self, ids: np.ndarray) -> None:
+        ids = np.asarray(ids)
+        # A cast would wrap an id that does not fit silently: refuse it instead.
+        if ids.size and int(ids.max()) > np.iinfo(self.dtype).max:
+            raise ValueError(f"token id {int(ids.max())} does not fit this file's {np.dtype(self.dtype).name}: "
+                             f"the tokenizer's vocabulary is smaller than its ids")
         data = np.ascontiguousarray(ids, dtype=self.dtype).tobytes()
         self._file.write(data)
         self._sha.update(data)

@@ -32,7 +32,7 @@ def train_bpe(inputs: list[str | os.PathLike], vocab_size: int, out: str | os.Pa
     tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS], show_progress=progress,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tokenizer.train_from_iterator((texts for texts, _ in documents(opened, text_field)), trainer)
+    tokenizer.train_from_iterator((texts for texts, _, _ in documents(opened, text_field)), trainer)
     out = pathlib.Path(out)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer.save(str(out / "tokenizer.json"))

@@ -32,23 +32,39 @@ def check_vocab(vocab_size: int, source: str, tokenizer: str, tokenizer_needed: 
     read is left to the stage servers, which must. A tokenizer it cannot load is an error
     when `tokenizer_needed` (here is where the job runs), else left alone (a remote
     coordinator need not see the users' files)."""
+    made_by: dict[str, str] = {}  # tokenizer fingerprint -> a file it made
     for path, _ in parse_source(source):
-        data_vocab = BytesTokenizer.vocab_size if path == "builtin" else _sidecar_vocab(pathlib.Path(path))
+        sidecar = {"vocab_size": BytesTokenizer.vocab_size, "tokenizer": BytesTokenizer.fingerprint} \
+            if path == "builtin" else _sidecar(pathlib.Path(path))
+        data_vocab = sidecar.get("vocab_size")
         if data_vocab is not None and data_vocab > vocab_size:
             raise VocabError(data_too_big(vocab_size, path, data_vocab))
+        if sidecar.get("tokenizer"):
+            made_by.setdefault(sidecar["tokenizer"], path)
+    if len(made_by) > 1:
+        (a, first), (b, second) = list(made_by.items())[:2]
+        raise VocabError(f"data.source={source!r} blends token files of different tokenizers: {first!r} ({a}) and "
+                         f"{second!r} ({b}); the same id would mean different text in each")
     # 'bytes' is every job's default, so it claims nothing about the data: a job on a
     # token file of its own small ids leaves it set; the file's sidecar is what counts.
     if tokenizer == "bytes" or not (tokenizer_needed or pathlib.Path(tokenizer).expanduser().exists()):
         return
-    tokenizer_vocab = load_tokenizer(tokenizer).vocab_size
+    loaded = load_tokenizer(tokenizer)
+    tokenizer_vocab = loaded.vocab_size
     if tokenizer_vocab > vocab_size:
         raise VocabError(f"model.vocab_size={vocab_size} is smaller than the vocabulary of "
                          f"data.tokenizer={tokenizer!r} ({tokenizer_vocab}); set model.vocab_size to at least "
                          f"{tokenizer_vocab}")
+    if made_by and loaded.fingerprint not in made_by:
+        ((fingerprint, path),) = made_by.items()
+        raise VocabError(f"data.tokenizer={tokenizer!r} ({loaded.fingerprint}) did not make data.source's "
+                         f"{path!r} ({fingerprint}, as its sidecar records): generation and export would "
+                         f"turn its ids into other text")
 
 
-def _sidecar_vocab(path: pathlib.Path) -> int | None:
+def _sidecar(path: pathlib.Path) -> dict:
+    """A token file's sidecar; empty when this process cannot read it."""
     try:
-        return json.loads(path.with_name(path.name + ".json").read_text()).get("vocab_size")
+        return json.loads(path.with_name(path.name + ".json").read_text())
     except (OSError, ValueError):
-        return None
+        return {}
