@@ -63,7 +63,8 @@ def test_fp64_long_run_of_ptd_zero3_matches_reference_to_1e9(client, tmp_path, a
 BF16 = ["train.steps=50", "train.warmup_steps=5", "train.lr=0.003"]
 
 
-def test_bf16_tracks_its_reference_and_fp32(client):
+@pytest.mark.parametrize("arch", ARCHS)
+def test_bf16_tracks_its_reference_and_fp32(client, arch):
     """bf16 keeps 8 bits of mantissa (a rounding is up to 2^-9 = 2e-3 relative), and over
     50 steps of Adam the roundings move the trajectory rather than average out. What
     bf16 costs this run is the bf16 reference's own departure from fp32: 3.1e-3 relative
@@ -74,11 +75,12 @@ def test_bf16_tracks_its_reference_and_fp32(client):
     3x the measured 0.8e-3 against fp32 and 2.7e-3 against the bf16 reference), any
     single step at most 5e-2 (about 2x the largest spike measured over three layouts,
     2.6e-2); and it must train."""
-    sets = TINY + BF16 + layout(dp=2, pp=2, vpp=2) + ["parallel.zero=2", "train.precision=bf16"]
+    model = ARCHS[arch]
+    sets = TINY + model + BF16 + layout(dp=2, pp=2, vpp=2) + ["parallel.zero=2", "train.precision=bf16"]
     final, steps = run_job(client, sets)
     assert final.state == "SUCCEEDED", final.error
-    bf16_ref, _ = reference(layout_free(TINY + BF16 + ["train.precision=bf16"]))
-    fp32_ref, _ = reference(layout_free(TINY + BF16))
+    bf16_ref, _ = reference(layout_free(TINY + model + BF16 + ["train.precision=bf16"]))
+    fp32_ref, _ = reference(layout_free(TINY + model + BF16))
     assert len(steps) == len(bf16_ref) == len(fp32_ref) == 50
 
     def differences(a, b):
