@@ -18,8 +18,11 @@ def cmd_prepare(args) -> int:
     try:
         tokenizer = load_tokenizer(args.tokenizer, field="--tokenizer")
         meta = prepare(args.inputs, args.out, tokenizer, args.text_field, progress=sys.stderr.isatty())
-    except (InputError, TokenizerError) as err:
+    except (InputError, TokenizerError, ValueError) as err:  # ValueError: an id its file's dtype cannot hold
         raise UsageError(str(err)) from None
+    if tokenizer.eos_id is None and meta["documents"] > 1:
+        print(f"note: --tokenizer={args.tokenizer!r} has no end-of-document token, so the {meta['documents']:,} "
+              f"documents are joined with nothing between them", file=sys.stderr)
     print(f"wrote {meta['count']:,} tokens ({meta['dtype']}) to {args.out}: {meta['documents']:,} documents, "
           f"vocabulary {meta['vocab_size']}")
     return 0
