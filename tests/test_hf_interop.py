@@ -32,6 +32,8 @@ from interleaf.clients.reference import train
 from interleaf.coordinator.config import ConfigError, load_config
 from interleaf.protos.security import TOKEN_ENV
 from interleaf.stageserver import safetensors
+from interleaf.stageserver.data import prepare
+from interleaf.stageserver.data.text_tokenizer import load_tokenizer
 from interleaf.stageserver.init_weights import initial_values
 from interleaf.stageserver.model import full_model, shape_of
 from interleaf.stageserver.model.hf_folder import HFFolder, HFFolderError
@@ -315,8 +317,12 @@ def test_a_job_trains_from_a_hugging_face_llama_and_exports_one(client, made, tm
     `interleaf eval` gives the checkpoint, a loss training moved. A second job starts
     from that checkpoint under tp2·pp2, equal to the reference started from it too."""
     _tokenizer_json(tmp_path / "tokenizer.json")
+    # Data that tokenizer made: a job refuses a data.tokenizer its token files do not record.
+    (tmp_path / "doc.txt").write_text("the quick brown fox jumps over the lazy dog. " * 400)
+    prepare([tmp_path / "doc.txt"], tmp_path / "data.bin", load_tokenizer(str(tmp_path / "tokenizer.json")))
     ck = tmp_path / "ck"
-    settings = JOB + [f"checkpoint.init={made['llama']}", f"data.tokenizer={tmp_path / 'tokenizer.json'}"]
+    settings = JOB + [f"checkpoint.init={made['llama']}", f"data.tokenizer={tmp_path / 'tokenizer.json'}",
+                      f"data.source={tmp_path / 'data.bin'}"]
     final, steps = run_job(client, settings + LAYOUT + [f"checkpoint.dir={ck}"])
     assert final.state == "SUCCEEDED", final.error
     _held_to_reference(steps, settings)

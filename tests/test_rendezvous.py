@@ -367,7 +367,7 @@ def test_schedule_links_eager_simulates_without_waiting_senders(capsys):
 def test_schedule_links_rendezvous_names_the_blocked_ranks(capsys, monkeypatch):
     # As if the coordinator still lowered with the old placement.
     monkeypatch.setattr("interleaf.coordinator.plan.build_programs",
-                        lambda schedule, pp, vpp, m, dp, zero, prefetch:
+                        lambda schedule, pp, vpp, m, dp, zero, prefetch, tied:
                         _old_placement(schedule, pp, vpp, m, dp))
     assert _schedule(*LAYOUT) == 1
     assert capsys.readouterr().out == (
