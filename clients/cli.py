@@ -11,6 +11,7 @@ import sys
 
 from interleaf.clients.data_commands import add_data_commands
 from interleaf.clients.follow import MetricsOut, follow
+from interleaf.clients.parent_death import die_with_parent_if_asked
 from interleaf.clients.usage import UsageError
 from interleaf.clients.weights_commands import add_weights_commands
 
@@ -526,6 +527,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    die_with_parent_if_asked()
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:

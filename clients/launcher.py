@@ -11,12 +11,10 @@ every user of the machine can read in /proc), and TLS when given certificates.
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import os
 import secrets
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -28,17 +26,9 @@ import torch
 
 from interleaf.clients.api import Client as ApiClient
 from interleaf.clients.client import Client
+from interleaf.clients.parent_death import PARENT_ENV
 from interleaf.protos.security import TOKEN_ENV, Security
 from interleaf.stageserver.device import device_memory_bytes, physical_memory_bytes
-
-PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent(parent: int) -> None:
-    libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    if os.getppid() != parent:  # the parent died before the request was made: no signal will come
-        os._exit(1)
 
 
 def local_devices(device: str, servers: int) -> list[str]:
@@ -109,8 +99,8 @@ class LocalCluster:
             stderr = open(os.path.join(self.log_dir, f"{name}.log"), "ab")
         process = subprocess.Popen(
             command([sys.executable, "-m", "interleaf.clients.cli", *args, *self.security.tls_flags()]),
-            stdout=stdout, stderr=stderr, start_new_session=True, preexec_fn=partial(_die_with_parent, os.getpid()),
-            env={**os.environ, TOKEN_ENV: self.security.token},
+            stdout=stdout, stderr=stderr, start_new_session=True,
+            env={**os.environ, TOKEN_ENV: self.security.token, PARENT_ENV: str(os.getpid())},
         )
         self.processes.append(process)
         return process
