@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from interleaf.protos import limits
 from interleaf.protos.limits import shown
-from interleaf.stageserver.model.config import resolve_defaults
+from interleaf.stageserver.model.config import padded_vocab, resolve_defaults
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
 TRANSPORTS = ("auto", "gloo", "nccl")
@@ -160,9 +160,7 @@ class ModelConfig:
         return self.d_model // self.n_heads
 
     def padded_vocab(self, tp: int) -> int:
-        """vocab_size rounded up to a multiple of pad_vocab_to·tp (Megatron's rule)."""
-        multiple = self.pad_vocab_to * tp
-        return -(-self.vocab_size // multiple) * multiple
+        return padded_vocab(self, tp)
 
 
 @dataclass(frozen=True)

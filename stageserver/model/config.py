@@ -21,6 +21,15 @@ def default_ffn_hidden(arch: str, d_model: int) -> int:
     return 4 * d_model
 
 
+def padded_vocab(model, tp: int) -> int:
+    """Rows of the embedding and head of `model` (anything with vocab_size and
+    pad_vocab_to) under `tp` tensor ranks: vocab_size rounded up to a multiple of
+    pad_vocab_to·tp (Megatron's make-vocab-size-divisible-by), so any vocabulary splits
+    evenly over any tp."""
+    multiple = max(model.pad_vocab_to, 1) * tp
+    return -(-model.vocab_size // multiple) * multiple
+
+
 def resolve_defaults(model) -> None:
     """Fills a frozen model description's architecture-dependent defaults in place
     (n_kv_heads 0, ffn_hidden 0, tie_embeddings None), for ModelShape and the job
@@ -73,11 +82,7 @@ class ModelShape:
         return self.d_model // self.n_heads
 
     def padded_vocab(self, tp: int) -> int:
-        """Rows of the embedding and head under `tp` tensor ranks: vocab_size rounded up
-        to a multiple of pad_vocab_to·tp (Megatron's make-vocab-size-divisible-by), so
-        any vocabulary splits evenly over any tp."""
-        multiple = max(self.pad_vocab_to, 1) * tp
-        return -(-self.vocab_size // multiple) * multiple
+        return padded_vocab(self, tp)
 
 
 def shape_of(model) -> ModelShape:
