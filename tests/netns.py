@@ -14,28 +14,21 @@ processes, then deletes every namespace, whatever happened before.
 
 from __future__ import annotations
 
-import ctypes
 import os
 import pathlib
 import secrets
-import signal
 import subprocess
 import sys
 
+from interleaf.clients.parent_death import PARENT_ENV
 from interleaf.protos.security import TOKEN_ENV
 
 SUBNET = "10.213.0"
 REPO = pathlib.Path(__file__).resolve().parent.parent
-PR_SET_PDEATHSIG = 1
 
 
 def _ip(*args: str) -> str:
     return subprocess.run(["ip", *args], check=True, capture_output=True, text=True, timeout=30).stdout
-
-
-def _die_with_parent() -> None:
-    # `ip netns exec` execs the command in its place (no fork), so the signal reaches it.
-    ctypes.CDLL("libc.so.6").prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 class Hosts:
@@ -88,13 +81,14 @@ class Hosts:
 
     def python(self, host: str, *args: str, log: str = "", stdout=subprocess.DEVNULL) -> subprocess.Popen:
         """`python ARGS` on the host, its stderr in LOG.log (default: the host's name).
-        Call from the main thread: the process dies with the thread that started it
-        (PR_SET_PDEATHSIG)."""
+        An `interleaf` command dies with this process (clients/parent_death.py: asked
+        for by the child, as no preexec_fn may fork while gRPC runs here; `ip netns
+        exec` execs the command in its place, so this process stays its parent)."""
         with open(self.log_dir / f"{log or host}.log", "ab") as stderr:
             process = subprocess.Popen(
                 self.command(host, [sys.executable, *args]),
-                cwd=REPO, env=self.env, stdout=stdout, stderr=stderr, start_new_session=True,
-                preexec_fn=_die_with_parent,
+                cwd=REPO, env={**self.env, PARENT_ENV: str(os.getpid())}, stdout=stdout, stderr=stderr,
+                start_new_session=True,
             )
         self.processes.append(process)
         return process
