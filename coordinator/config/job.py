@@ -1,0 +1,54 @@
+"""The whole job configuration, and the rules that span its sections."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from interleaf.coordinator.config.model import ModelConfig
+from interleaf.coordinator.config.parallel import ParallelConfig
+from interleaf.coordinator.config.rules import ConfigError
+from interleaf.coordinator.config.sections import (
+    DEFAULT_TRACED,
+    CheckpointConfig,
+    DataConfig,
+    RecoveryConfig,
+    TraceConfig,
+)
+from interleaf.coordinator.config.train import TrainConfig
+
+
+@dataclass(frozen=True)
+class JobConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
+    trace: TraceConfig = field(default_factory=TraceConfig)
+
+    def __post_init__(self):
+        m, p, t = self.model, self.parallel, self.train
+        for step in self.trace.steps:
+            if not -t.steps <= step < t.steps and self.trace.steps != DEFAULT_TRACED:
+                raise ConfigError(f"trace.steps={list(self.trace.steps)}: step {step} is not one of train.steps="
+                                  f"{t.steps} (0 to {t.steps - 1}, or -{t.steps} to -1 counting from the end)")
+        if p.pp * p.vpp > m.n_layers:
+            raise ConfigError(
+                f"parallel.pp*parallel.vpp={p.pp * p.vpp} must not exceed model.n_layers="
+                f"{m.n_layers}: every chunk needs at least one layer"
+            )
+        if m.n_heads % p.tp:
+            raise ConfigError(
+                f"model.n_heads={m.n_heads} must be divisible by parallel.tp={p.tp}"
+            )
+        if m.n_kv_heads % p.tp:
+            raise ConfigError(f"model.n_kv_heads={m.n_kv_heads} must be divisible by parallel.tp={p.tp}: "
+                              f"key/value heads are split across tensor ranks")
+        if m.ffn_hidden % p.tp:
+            raise ConfigError(f"model.ffn_hidden={m.ffn_hidden} must be divisible by parallel.tp={p.tp}")
+        if t.global_batch % (p.dp * p.microbatches):
+            raise ConfigError(
+                f"train.global_batch={t.global_batch} must be divisible by "
+                f"parallel.dp*parallel.microbatches={p.dp * p.microbatches}"
+            )

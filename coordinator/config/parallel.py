@@ -1,0 +1,115 @@
+"""[parallel]: the layout: data, tensor and pipeline degrees, the schedule, ZeRO."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from interleaf.coordinator.config.rules import ConfigError, _bounded, _positive
+from interleaf.protos import limits
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
+TRANSPORTS = ("auto", "gloo", "nccl")
+MAX_ZERO_PREFETCH = 4
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    dp: int = 1
+    """Data-parallel replicas; each takes its slice of every microbatch."""
+    tp: int = 1
+    """Tensor-parallel ranks per layer (Megatron-LM column/row split)."""
+    pp: int = 2
+    """Pipeline ranks."""
+    vpp: int = 2
+    """Model chunks per pipeline rank (interleaved 1F1B's virtual stages)."""
+    schedule: str = "interleaved-1f1b"
+    """One of gpipe, 1f1b, interleaved-1f1b."""
+    microbatches: int = 4
+    """Microbatches per step (gradient accumulation through the pipeline)."""
+    zero: int = 0
+    """ZeRO stage over the data-parallel group: 0 replicates everything (gradients
+    all-reduced); 1 shards the optimizer state (fp32 master weights and Adam moments);
+    2 also the gradients (reduce-scattered); 3 also the parameters (gathered before a
+    chunk's forwards and backwards, released after). With dp=1 every stage runs and
+    shards over the one rank, which holds everything, as stage 0 does."""
+    zero_prefetch: int = 1
+    """ZeRO-3: how many parameter gathers are issued ahead of the compute that needs
+    them (0: each gather waits in front of its first use; 1: the next chunk's gather
+    overlaps the current chunk's compute). Bounds the gathered chunks a rank holds at
+    once to zero_prefetch + 1."""
+    transport: str = "auto"
+    """How tensors move between ranks: nccl (CUDA servers, through CuPy), gloo (CPU
+    servers), or auto: nccl when the job's servers compute on GPUs, gloo otherwise."""
+    elastic: bool = False
+    """When the job loses servers and too few idle ones are registered to set its layout
+    up again, go on at once with the largest smaller dp that they hold (tp and pp
+    unchanged; microbatches grown so that dp*microbatches stays the same, and with it
+    the rows, and so the activations, of a replica's microbatch; a step's samples do not
+    depend on the layout) instead of waiting for replacements. Needs dp >= 2 and such a
+    smaller layout within every rule (refused at submit otherwise)."""
+
+    def __post_init__(self):
+        _positive("parallel", self, "dp", "tp", "pp", "vpp", "microbatches")
+        _bounded("parallel", self)
+        if self.world_size > limits.MAX_RANKS:
+            raise ConfigError(f"parallel.dp*parallel.tp*parallel.pp={self.world_size} must be at most "
+                              f"{limits.MAX_RANKS}: one stage server per rank")
+        slots = self.pp * self.vpp * self.microbatches
+        if slots > limits.MAX_PIPELINE_SLOTS:
+            raise ConfigError(f"parallel.pp*parallel.vpp*parallel.microbatches={slots} must be at most "
+                              f"{limits.MAX_PIPELINE_SLOTS}: the coordinator plans every forward and backward "
+                              f"of a step")
+        if self.schedule not in SCHEDULES:
+            raise ConfigError(
+                f"parallel.schedule={self.schedule!r} must be one of {', '.join(SCHEDULES)}"
+            )
+        if self.vpp > 1 and self.schedule != "interleaved-1f1b":
+            raise ConfigError(
+                f"parallel.vpp={self.vpp} needs parallel.schedule='interleaved-1f1b' "
+                f"({self.schedule} runs one chunk per rank)"
+            )
+        if self.schedule == "interleaved-1f1b" and self.microbatches % self.pp:
+            raise ConfigError(
+                f"parallel.microbatches={self.microbatches} must be a multiple of "
+                f"parallel.pp={self.pp} for interleaved-1f1b"
+            )
+        if not 0 <= self.zero <= 3:
+            raise ConfigError(f"parallel.zero={self.zero} must be 0, 1, 2 or 3")
+        if self.transport not in TRANSPORTS:
+            raise ConfigError(f"parallel.transport={self.transport!r} must be one of {', '.join(TRANSPORTS)}")
+        if not 0 <= self.zero_prefetch <= MAX_ZERO_PREFETCH:
+            raise ConfigError(
+                f"parallel.zero_prefetch={self.zero_prefetch} must be between 0 and {MAX_ZERO_PREFETCH}"
+            )
+        if self.elastic:
+            self._check_elastic()
+
+    def _check_elastic(self) -> None:
+        """An elastic job must have a smaller layout to go on with (coordinator/elastic.py):
+        some dp' < dp dividing dp*microbatches whose dp*microbatches/dp' microbatches keep
+        every rule. dp'=1 need not: at dp=2, microbatches=4096 it would run 8192, beyond
+        the bound of protos/limits.py."""
+        if self.dp < 2:
+            raise ConfigError(
+                f"parallel.elastic=true needs parallel.dp>=2 (dp={self.dp} has no smaller "
+                f"data-parallel degree to go on with)"
+            )
+        samples = self.dp * self.microbatches
+        for dp in range(self.dp - 1, 0, -1):
+            if samples % dp:
+                continue
+            try:
+                dataclasses.replace(self, dp=dp, microbatches=samples // dp, elastic=False)
+                return
+            except ConfigError as err:
+                why = err  # dp'=1, tried last, always divides: its rule is the one named
+        raise ConfigError(
+            f"parallel.elastic=true needs a smaller layout to go on with, and parallel.dp={self.dp} with "
+            f"parallel.microbatches={self.microbatches} has none: every dp' < {self.dp} dividing "
+            f"dp*microbatches={samples} breaks a rule (dp'=1: {why})"
+        )
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp
