@@ -15,7 +15,8 @@ import torch.distributed as dist
 from interleaf.coordinator.config import JobConfig
 from interleaf.stageserver.data import Sampler, resolve_source
 from interleaf.stageserver.model import ModelChunk
-from interleaf.stageserver.optim import BETAS, EPS, Schedule, clip_coefficient
+from interleaf.stageserver.lr_schedule import Schedule
+from interleaf.stageserver.optim import BETAS, EPS, clip_coefficient
 
 
 def param_groups(chunks: list[ModelChunk], weight_decay: float) -> list[dict]:
@@ -65,6 +66,6 @@ def training_setup(config: JobConfig, chunks: list[ModelChunk], optimizer=adamw)
     m, p, t = config.model, config.parallel, config.train
     return (
         optimizer(chunks, t.weight_decay),
-        Schedule(t.lr, t.warmup_steps, t.steps),
+        Schedule.of(t),
         Sampler(resolve_source(config.data.source), t.seed, m.seq_len, t.global_batch, p.microbatches),
     )

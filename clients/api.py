@@ -60,6 +60,18 @@ class Checkpoint:
 
 
 @dataclass(frozen=True)
+class Evaluation:
+    """A held-out evaluation ([eval]): the mean next-token loss over every token of the
+    same `samples` held-out samples, after `step` steps completed."""
+    step: int
+    loss: float
+    perplexity: float
+    samples: int
+    tokens: int
+    seconds: float
+
+
+@dataclass(frozen=True)
 class Recovery:
     """The job lost stage servers and is running again from `restart_step`."""
     attempt: int
@@ -110,15 +122,17 @@ class JobFailed(RuntimeError):
         self.status = status
 
 
-Event = Step | Checkpoint | Recovery | JobStatus
+Event = Step | Evaluation | Checkpoint | Recovery | JobStatus
 
 
 class Job:
     """A submitted job: ask its status, follow its steps, wait for it or cancel it."""
 
-    def __init__(self, rpc: RpcClient, job_id: str):
+    def __init__(self, rpc: RpcClient, job_id: str, model=None):
+        """`model`: the job's [model] section where known (the model FLOPs of its MFU)."""
         self._rpc = rpc
         self.id = job_id
+        self.model = model
 
     def __repr__(self) -> str:
         return f"Job({self.id!r})"
@@ -128,7 +142,7 @@ class Job:
 
     def events(self, timeout_s: float | None = None) -> Iterator[Event]:
         """Every event from the job's start, then new ones as they happen, until it ends:
-        Steps, Checkpoints, Recoveries and a JobStatus on each change of state."""
+        Steps, Evaluations, Checkpoints, Recoveries and a JobStatus on each change of state."""
         for event in self._rpc.watch(self.id, timeout_s):
             kind = event.WhichOneof("event")
             if kind == "step":
@@ -139,6 +153,10 @@ class Job:
                 c = event.checkpoint
                 yield Checkpoint(kind=c.kind, step=c.step, manifest=c.manifest, stall_seconds=c.stall_seconds,
                                  write_seconds=c.write_seconds, load_seconds=c.load_seconds, bytes=c.bytes)
+            elif kind == "eval":
+                e = event.eval
+                yield Evaluation(step=e.step, loss=e.loss, perplexity=e.perplexity, samples=e.samples,
+                                 tokens=e.tokens, seconds=e.seconds)
             elif kind == "recovery":
                 r = event.recovery
                 yield Recovery(attempt=r.attempt, failure=r.failure, lost=tuple(r.lost),
@@ -149,10 +167,27 @@ class Job:
         from the checkpoint on come again, as the job trained them again."""
         return (event for event in self.events(timeout_s) if isinstance(event, Step))
 
-    def wait(self, timeout_s: float | None = None) -> JobStatus:
-        """Blocks until the job ends; its final status, or JobFailed if it failed."""
-        for _ in self._rpc.watch(self.id, timeout_s):
-            pass
+    def evaluations(self, timeout_s: float | None = None) -> Iterator[Evaluation]:
+        """The job's held-out evaluations ([eval]), from its first, until it ends (after a
+        recovery, those from the checkpoint on come again)."""
+        return (event for event in self.events(timeout_s) if isinstance(event, Evaluation))
+
+    def wait(self, timeout_s: float | None = None, tensorboard: str | os.PathLike | None = None,
+             wandb: str | None = None) -> JobStatus:
+        """Blocks until the job ends; its final status, or JobFailed if it failed. Meanwhile
+        its scalars from the first step on (loss, lr, grad norm, tokens/s, MFU, bubble,
+        memory by kind, eval loss; coordinator/run_logs.py) go to TensorBoard event files
+        in the folder `tensorboard` and/or the W&B project `wandb` (the optional extra
+        interleaf[wandb]; RuntimeError naming it without), as `interleaf run` writes them."""
+        from interleaf.coordinator.run_logs import RunLogs
+
+        logs = RunLogs.open(tensorboard=os.fspath(tensorboard) if tensorboard else None, wandb=wandb,
+                            name=self.id, model=self.model, peak_flops=self._rpc.peak_flops)
+        try:
+            for event in self._rpc.watch(self.id, timeout_s):
+                logs.event(event)
+        finally:
+            logs.close()
         status = self.status()
         if status.state == "FAILED":
             raise JobFailed(status)
@@ -178,6 +213,19 @@ def config_text(config: str | os.PathLike | JobConfig) -> str:
     raise TypeError(f"config={config!r} must be a TOML path, TOML text or an interleaf.JobConfig")
 
 
+def _model(config, text: str, overrides: Sequence[str]):
+    """The [model] section of a submitted config, or None where only the coordinator
+    can build it (a checkpoint.init on the cluster's filesystem)."""
+    if isinstance(config, JobConfig):
+        return config.model
+    from interleaf.coordinator.config import ConfigError, load_config
+
+    try:
+        return load_config(text, list(overrides)).model
+    except ConfigError:
+        return None
+
+
 class Client:
     """A coordinator's client. `address` is HOST:PORT; `security` the token and TLS files to
     call with (default: $INTERLEAF_TOKEN's token, without TLS)."""
@@ -190,8 +238,9 @@ class Client:
         """Submits a job (the defaults when `config` is empty); `overrides` are
         SECTION.KEY=VALUE settings over it. A config the coordinator refuses raises
         grpc.RpcError with INVALID_ARGUMENT and a message naming the field and rule."""
-        status = self.rpc.submit(config_text(config), list(overrides))
-        return Job(self.rpc, status.job_id)
+        text = config_text(config)
+        status = self.rpc.submit(text, list(overrides))
+        return Job(self.rpc, status.job_id, _model(config, text, overrides))
 
     def job(self, job_id: str) -> Job:
         """A handle on a job submitted earlier (by anyone)."""

@@ -10,7 +10,8 @@ import signal
 import sys
 
 from interleaf.clients.data_commands import add_data_commands
-from interleaf.clients.follow import MetricsOut, follow
+from interleaf.clients.follow import MetricsOut, eval_line, eval_row, follow
+from interleaf.coordinator.run_logs import RunLogs, check_wandb
 from interleaf.clients.parent_death import die_with_parent_if_asked
 from interleaf.clients.usage import UsageError
 from interleaf.clients.weights_commands import add_weights_commands
@@ -120,21 +121,25 @@ def cmd_run(args) -> int:
     if not remote:
         _check_vocab_locally(config)
         _admit_locally(config, servers, args.device)
+    _check_wandb(args)
     metrics = MetricsOut(args.metrics_out)
+    logs = RunLogs()  # opened once the job has an id: W&B names its run after it
     note = "the job goes on at the coordinator" if remote else "stopping the local servers"
     try:
         with _StopSignals(note) as signals:
             if remote:
                 job = client.submit(text, args.set)
                 print(f"submitted {job.job_id}", file=sys.stderr)
-                return follow(client, job.job_id, job.steps, metrics)
+                logs = _run_logs(args, job.job_id, config, client)
+                return follow(client, job.job_id, job.steps, metrics, logs)
             print(f"starting a coordinator and {servers} stage servers", file=sys.stderr)
             cluster = LocalCluster(servers, log_dir=args.log_dir, device=args.device)
             try:
                 cluster.start()  # stops what it started should it fail or be stopped
                 client = cluster.client()
                 job = client.submit(text, args.set)
-                status = follow(client, job.job_id, config.train.steps, metrics)
+                logs = _run_logs(args, job.job_id, config, client)
+                status = follow(client, job.job_id, config.train.steps, metrics, logs)
             finally:
                 signals.holding = True
                 cluster.stop()
@@ -143,6 +148,27 @@ def cmd_run(args) -> int:
         return 128 + stopped.signum
     finally:
         metrics.close()
+        logs.close()
+
+
+def _check_wandb(args) -> None:
+    """--wandb without the wandb package is refused before anything starts."""
+    if getattr(args, "wandb", None):
+        try:
+            check_wandb()
+        except RuntimeError as err:
+            raise UsageError(str(err)) from None
+
+
+def _run_logs(args, name: str, config=None, client=None) -> RunLogs:
+    """The --tensorboard and --wandb sinks of a run named `name` (a job id, or the
+    reference's); `config` (None: unknown here) gives MFU its model FLOPs and W&B its settings."""
+    import dataclasses
+
+    return RunLogs.open(tensorboard=args.tensorboard, wandb=args.wandb, name=name,
+                        config=dataclasses.asdict(config) if config is not None else None,
+                        model=config.model if config is not None else None,
+                        peak_flops=client.peak_flops if client is not None else None)
 
 
 def _check_vocab_locally(config) -> None:
@@ -163,10 +189,17 @@ def _admit_locally(config, servers: int, device: str) -> None:
     from interleaf.coordinator.admission import AdmissionError, check_fits, needed_bytes
     from interleaf.coordinator.plan import plan_programs
 
+    from interleaf.coordinator.config import ConfigError
+    from interleaf.coordinator.plan import check_memory_snapshot
+
     try:
         devices = local_devices(device, servers)
     except ValueError as err:
         raise UsageError(f"--device: {err}") from None
+    try:
+        check_memory_snapshot(config, devices)
+    except ConfigError as err:
+        raise UsageError(str(err)) from None
     programs, _ = plan_programs(config)
     share = memory_per_local_server(devices)
     try:
@@ -178,16 +211,29 @@ def _admit_locally(config, servers: int, device: str) -> None:
 def cmd_reference(args) -> int:
     from interleaf.clients.progress import Progress
     from interleaf.clients.reference import train
+    from interleaf.coordinator.run_logs import eval_scalars, reference_scalars
 
     _, config = _load(args)
+    _check_wandb(args)
     metrics, progress = MetricsOut(args.metrics_out), Progress(config.train.steps)
+    logs = _run_logs(args, "reference", config)
 
     def on_step(r):
-        metrics.write(step=r.step, loss=r.loss, tokens=r.tokens, step_seconds=r.step_seconds,
+        metrics.write(kind="step", step=r.step, loss=r.loss, tokens=r.tokens, step_seconds=r.step_seconds,
                       tokens_per_second=r.tokens / r.step_seconds, grad_norm=r.grad_norm, lr=r.lr)
+        logs.log(r.step + 1, reference_scalars(r))
         progress.update(r.step, r.loss, r.tokens / r.step_seconds)
 
-    train(config, on_step)
+    def on_eval(e):
+        metrics.write(**eval_row(e))
+        logs.log(e.step, eval_scalars(e.loss, e.perplexity, e.seconds))
+        progress.evaluation(e.loss, e.perplexity)
+        progress.note(eval_line(e))
+
+    try:
+        train(config, on_step, on_eval)
+    finally:
+        logs.close()
     progress.close()
     metrics.close()
     return 0
@@ -281,8 +327,15 @@ def cmd_status(args) -> int:
 
 
 def cmd_watch(args) -> int:
+    _check_wandb(args)
     client = _client(args)
-    return follow(client, args.job, client.status(args.job).steps, MetricsOut(args.metrics_out))
+    steps = client.status(args.job).steps
+    metrics, logs = MetricsOut(args.metrics_out), _run_logs(args, args.job, client=client)
+    try:
+        return follow(client, args.job, steps, metrics, logs)
+    finally:
+        logs.close()
+        metrics.close()
 
 
 def cmd_trace(args) -> int:
@@ -291,8 +344,13 @@ def cmd_trace(args) -> int:
     step = _client(args).trace(args.job, args.step)
     print(trace.summary(step))
     if args.out:
+        from interleaf.coordinator.step_profiles import write_profiles
+
         trace.write_chrome_trace(args.out, step)
         print(f"trace written to {args.out} (open it in https://ui.perfetto.dev or chrome://tracing)")
+        for path in write_profiles(args.out, step):  # trace.torch_profiler, trace.memory_snapshot
+            viewer = "https://pytorch.org/memory_viz" if path.suffix == ".pickle" else "https://ui.perfetto.dev"
+            print(f"{path} written (open it in {viewer})")
     if args.png:
         trace.write_picture(args.png, step)
         print(f"timeline written to {args.png}")
@@ -376,6 +434,14 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--resume", metavar="CKPT", help="continue from a checkpoint (a manifest, a step folder "
                                                         "or checkpoint.dir), saved under any layout")
 
+    def with_run_logs(p):
+        p.add_argument("--tensorboard", metavar="DIR",
+                       help="write TensorBoard event files here: loss, lr, grad norm, tokens/s, MFU, bubble, "
+                            "memory by kind per step, eval loss (tensorboard --logdir DIR)")
+        p.add_argument("--wandb", metavar="PROJECT",
+                       help="log the same scalars to this Weights & Biases project (needs the optional extra: "
+                            "pip install 'interleaf[wandb]'; WANDB_MODE=offline works as wandb documents)")
+
     def with_coordinator(p, required=False):
         p.add_argument("--coordinator", default=None if required else DEFAULT_COORDINATOR, metavar="HOST:PORT",
                        help=f"coordinator address (default {DEFAULT_COORDINATOR}, or $INTERLEAF_COORDINATOR)")
@@ -403,6 +469,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--coordinator", metavar="HOST:PORT", help="submit to a running coordinator instead")
     with_security(p)
     p.add_argument("--metrics-out", metavar="FILE.jsonl")
+    with_run_logs(p)
     p.add_argument("--log-dir", help="write the local processes' logs here")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
                    help="local servers compute on: one GPU each (cuda), the CPU, or auto (GPUs when "
@@ -412,6 +479,7 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("reference", help="the single-process reference run of a config")
     with_config(p)
     p.add_argument("--metrics-out", metavar="FILE.jsonl")
+    with_run_logs(p)
     p.set_defaults(fn=cmd_reference)
 
     p = sub.add_parser("schedule", help="print every rank's program as a timeline and the simulated bubble")
@@ -482,13 +550,17 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("job")
     with_coordinator(p)
     p.add_argument("--metrics-out", metavar="FILE.jsonl")
+    with_run_logs(p)
     p.set_defaults(fn=cmd_watch)
 
     p = sub.add_parser("trace", help="what each rank did in a traced step, beside the simulator's prediction")
     p.add_argument("job")
     p.add_argument("--step", type=int, default=None, help="the traced step (default: the newest; trace.steps "
                                                           "in the job's config says which are traced)")
-    p.add_argument("--out", metavar="TRACE.json", help="write a Chrome/Perfetto trace: a track per rank")
+    p.add_argument("--out", metavar="TRACE.json", help="write a Chrome/Perfetto trace: a track per rank; with "
+                                                       "trace.torch_profiler (trace.memory_snapshot) also each "
+                                                       "rank's torch profiler trace TRACE.rankN.torch.json (CUDA "
+                                                       "memory snapshot TRACE.rankN.memory_snapshot.pickle)")
     p.add_argument("--png", metavar="FILE", help="draw the executed timeline above the predicted one")
     with_coordinator(p)
     p.set_defaults(fn=cmd_trace)

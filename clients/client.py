@@ -36,6 +36,11 @@ class Client:
     def servers(self) -> list[pb.ServerInfo]:
         return list(self._stub.ListServers(pb.Empty(), timeout=RPC_TIMEOUT_S).servers)
 
+    def peak_flops(self, status: pb.JobStatus) -> list[float]:
+        """The peak FLOP/s of the servers a job's ranks run on (0: unknown), by rank."""
+        by_address = {s.address: s.peak_flops for s in self.servers()}
+        return [by_address.get(r.server_address, 0.0) for r in status.ranks]
+
     def watch(self, job_id: str, timeout_s: float | None = None):
         """Yields JobEvents (step events and state changes) until the job ends."""
         return self._stub.WatchJob(pb.JobRef(job_id=job_id), timeout=timeout_s)

@@ -1,4 +1,5 @@
-"""A one-line progress bar on stderr: step, loss and tokens per second."""
+"""A one-line progress bar on stderr: step, loss, the latest held-out evaluation's loss and
+perplexity, and tokens per second."""
 
 from __future__ import annotations
 
@@ -14,12 +15,17 @@ class Progress:
         self.tty = stream.isatty()
         self.started = time.perf_counter()
         self._last_print = 0.0
+        self.evaluated = ""  # the latest evaluation, as the bar shows it
+
+    def evaluation(self, loss: float, perplexity: float) -> None:
+        """The latest held-out evaluation ([eval]); shown on the bar from the next step on."""
+        self.evaluated = f"  eval {loss:.4f} (ppl {perplexity:,.2f})"
 
     def update(self, step: int, loss: float, tokens_per_second: float) -> None:
         done = step + 1
         filled = self.width * done // self.total
         bar = "█" * filled + "·" * (self.width - filled)
-        line = f"step {done:>{len(str(self.total))}}/{self.total} {bar} loss {loss:.4f}  {tokens_per_second:,.0f} tok/s"
+        line = f"step {done:>{len(str(self.total))}}/{self.total} {bar} loss {loss:.4f}{self.evaluated}  {tokens_per_second:,.0f} tok/s"
         now = time.perf_counter()
         if self.tty:
             self.stream.write("\r" + line)

@@ -13,14 +13,17 @@ from dataclasses import dataclass
 
 import torch
 
-from interleaf.coordinator.config import JobConfig
+from interleaf.coordinator.config import JobConfig, eval_points
+from interleaf.coordinator.evaluations import perplexity
 from interleaf.stageserver.data import Sampler, resolve_source
+from interleaf.stageserver.data.holdout import EvalSet, open_eval
 from interleaf.stageserver.buckets import BucketLayout
 from interleaf.stageserver.init_weights import initial_values
 from interleaf.stageserver.memory import MemoryLedger
 from interleaf.stageserver.model import full_model, shape_of
 from interleaf.stageserver.model_state import DTYPES, MASTER_DTYPES
-from interleaf.stageserver.optim import Schedule, clip_coefficient, squared_norm
+from interleaf.stageserver.lr_schedule import Schedule
+from interleaf.stageserver.optim import clip_coefficient, squared_norm
 from interleaf.stageserver.sharded_bucket import ShardedBucket
 from interleaf.stageserver.transport import SoloTransport
 
@@ -35,7 +38,34 @@ class ReferenceStep:
     lr: float
 
 
-def train(config: JobConfig, on_step=None) -> tuple[list[ReferenceStep], dict[str, torch.Tensor]]:
+@dataclass
+class ReferenceEval:
+    """A held-out evaluation (EvalEvent's fields): after `step` steps completed."""
+    step: int
+    loss: float
+    perplexity: float
+    samples: int
+    tokens: int
+    seconds: float
+
+
+def evaluate(model, eval_set: EvalSet, step: int, rows: int, seq_len: int) -> ReferenceEval:
+    """The mean next-token loss over the evaluation set, scored in microbatches of the
+    training microbatch's rows as the servers score it (stageserver/evaluation.py)."""
+    started = time.perf_counter()
+    losses = []
+    with torch.no_grad():
+        for microbatch in range(eval_set.samples // rows):
+            inputs, targets = eval_set.microbatch(microbatch, rows)
+            losses.append(model(inputs, targets).item())
+    loss = sum(losses) / len(losses)
+    return ReferenceEval(step, loss, perplexity(loss), eval_set.samples, eval_set.samples * seq_len,
+                         time.perf_counter() - started)
+
+
+def train(config: JobConfig, on_step=None, on_eval=None) -> tuple[list[ReferenceStep], dict[str, torch.Tensor]]:
+    """`on_step(ReferenceStep)` after every step; `on_eval(ReferenceEval)` after each
+    evaluation ([eval]: at the job's own eval_points, on the servers' very samples)."""
     m, t, microbatches = config.model, config.train, config.parallel.microbatches
     shape = shape_of(m)
     # checkpoint.init (resolved where the config was built): the weights every server starts from.
@@ -47,9 +77,15 @@ def train(config: JobConfig, on_step=None) -> tuple[list[ReferenceStep], dict[st
     # The whole model in one bucket on a data-parallel group of one: stage 0, no padding.
     flat = ShardedBucket(named, BucketLayout.build([(n, p.numel()) for n, p in named], 1, 0), 0,
                          dtype, MASTER_DTYPES[dtype], SoloTransport(), MemoryLedger(),
-                         {n for n in specs if specs[n].weight_decay}, t.weight_decay)
-    schedule = Schedule(t.lr, t.warmup_steps, t.steps)
-    sampler = Sampler(resolve_source(config.data.source), t.seed, m.seq_len, t.global_batch, microbatches)
+                         {n for n in specs if specs[n].weight_decay}, t.weight_decay,
+                         betas=t.betas, eps=t.eps)
+    schedule = Schedule.of(t)
+    data, eval_set = resolve_source(config.data.source), None
+    if config.eval.enabled:  # the servers' split and set (stageserver/data/holdout.py)
+        e = config.eval
+        data, eval_set = open_eval(data, e.source, e.fraction, m.seq_len, e.samples)
+    scored = set(eval_points(config.eval.every, t.steps))
+    sampler = Sampler(data, t.seed, m.seq_len, t.global_batch, microbatches)
     history = []
     for step in range(t.steps):
         started = time.perf_counter()
@@ -68,4 +104,8 @@ def train(config: JobConfig, on_step=None) -> tuple[list[ReferenceStep], dict[st
         history.append(record)
         if on_step:
             on_step(record)
+        if step + 1 in scored:
+            evaluation = evaluate(model, eval_set, step + 1, t.global_batch // microbatches, m.seq_len)
+            if on_eval:
+                on_eval(evaluation)
     return history, {name: p.clone() for name, p in model.unpadded_parameters().items()}

@@ -21,6 +21,13 @@ Per transformer block, per tp rank:
                                              gate, SiLU, up and product
         + 2*b*s*f + b*(h/t)*s*f              the two reciprocal rms, the logsumexp
         + 2*s*hd*a                           the rotary cos and sin tables
+Sequence parallelism (Korthikanti et al. 2022, section 4.2.2; parallel.sequence_parallel)
+keeps every term that sits between the tensor-parallel regions on this rank's s/t
+tokens: the norms' inputs, statistics and outputs (the column-parallel linears keep
+their local input and gather it again in the backward), the chunk's input and output,
+the embedding's positions; what sits inside them is as without it (every token of the
+rank's heads and columns), as are the rotary tables, the token ids and the head's
+softmax over the whole sequence. A gpt2 block is then exactly its t=1 bytes over t.
 No s^2 term: CPU scaled_dot_product_attention is the flash kernel, which saves only
 q, k, v, its output and the logsumexp, not the attention matrix (nor, without dropout, a
 mask). Grouped-query attention saves k and v repeated to every query head, so they are
@@ -65,14 +72,21 @@ def _norm_bytes(arch: str, bs: int, d: int, a: int, f: int) -> tuple[int, int]:
     return bs * d * f, bs * f + bs * d * a
 
 
-def block_activation_bytes(model, rows: int, tp: int, precision: str) -> int:
+def _local_tokens(rows: int, seq_len: int, tp: int, sequence_parallel: bool) -> int:
+    """Tokens of the residual stream one tp rank holds: its slice under sequence
+    parallelism, else all of them."""
+    return rows * seq_len // tp if sequence_parallel else rows * seq_len
+
+
+def block_activation_bytes(model, rows: int, tp: int, precision: str, sequence_parallel: bool = False) -> int:
     """What one transformer block saves for its backward, on one tp rank; `model` has
     ModelShape's fields (a job's `[model]` section, a ModelShape)."""
     a, f = _dtype_bytes(precision)
     s, d = model.seq_len, model.d_model
     bs, local_heads = rows * s, model.n_heads // tp
-    norm_input, norm_own = _norm_bytes(model.arch, bs, d, a, f)
-    norms = 2 * (norm_input + norm_own + bs * d * a)  # ln_1, ln_2; outputs: the q/k/v and up/gate input
+    local = _local_tokens(rows, s, tp, sequence_parallel)
+    norm_input, norm_own = _norm_bytes(model.arch, local, d, a, f)
+    norms = 2 * (norm_input + norm_own + local * d * a)  # ln_1, ln_2; outputs: the q/k/v and up/gate input
     # SDPA's q, k and v: gpt2's qkv output, of which they are three views; llama's q and
     # k turned (fresh tensors) and v, with k and v repeated to every query head
     # (repeat_interleave copies) where n_kv_heads < n_heads.
@@ -91,46 +105,87 @@ def block_activation_bytes(model, rows: int, tp: int, precision: str) -> int:
     return norms + attention + mlp
 
 
-def chunk_activation_bytes(
-    model, layers: int, has_embedding: bool, has_head: bool, rows: int, tp: int, precision: str
-) -> int:
-    """Bytes one tp rank keeps from a chunk's forward of `rows` samples of model.seq_len
-    tokens until its backward (recompute=none), counting the chunk's input and output;
-    `model` has ModelShape's fields. Also the transient peak of saved activations while
-    recompute=full reruns the forward in the backward."""
+def selective_block_bytes(model, rows: int, tp: int, precision: str, sequence_parallel: bool = False) -> int:
+    """What one block keeps under selective recompute (stageserver/model/recompute.py),
+    on one tp rank: its input, and the outputs of its matrix products and attention -
+    every token of them, also under sequence parallelism, where the row-parallel
+    products are partial sums not yet reduce-scattered. Per block:
+      gpt2    b*s*d*a*(3/t + 1/t + 2) + b*s*F*a/t   qkv, attention output, proj and down
+                                                   partial sums; up
+      llama   b*s*a*(d/t + 2*kv*hd/t + d/t + 2*d)   q, k, v, attention output, proj and
+            + 2*b*s*F*a/t                          down; gate and up
+      both  + b*(h/t)*s*f + b*s_local*d*a          the logsumexp, the block's input."""
     a, f = _dtype_bytes(precision)
     s, d = model.seq_len, model.d_model
     bs = rows * s
-    norm_input, norm_own = _norm_bytes(model.arch, bs, d, a, f)
-    total = layers * block_activation_bytes(model, rows, tp, precision)
+    local = _local_tokens(rows, s, tp, sequence_parallel)
+    ffn = model.ffn_hidden // tp
+    if model.arch == "gpt2":
+        products = bs * a * (3 * d // tp + 2 * d) + bs * ffn * a
+    else:
+        kv = model.n_kv_heads * model.head_dim // tp
+        products = bs * a * (d // tp + 2 * kv + 2 * d) + 2 * bs * ffn * a
+    attention = bs * d // tp * a + rows * (model.n_heads // tp) * s * f
+    return local * d * a + products + attention
+
+
+def _blocks_bytes(model, modes: list[str], rows: int, tp: int, precision: str, sequence_parallel: bool) -> int:
+    """The blocks of a chunk, each as its recompute mode keeps it (recompute.block_modes)."""
+    a, _ = _dtype_bytes(precision)
+    kept = {
+        "none": lambda: block_activation_bytes(model, rows, tp, precision, sequence_parallel),
+        "selective": lambda: selective_block_bytes(model, rows, tp, precision, sequence_parallel),
+        "full": lambda: _local_tokens(rows, model.seq_len, tp, sequence_parallel) * model.d_model * a,  # input only
+    }
+    return sum(kept[mode]() for mode in modes)
+
+
+def chunk_activation_bytes(
+    model, layers: int, has_embedding: bool, has_head: bool, rows: int, tp: int, precision: str,
+    sequence_parallel: bool = False, block_modes: list[str] | None = None,
+) -> int:
+    """Bytes one tp rank keeps from a chunk's forward of `rows` samples of model.seq_len
+    tokens until its backward (recompute=none, or per block `block_modes`, one of
+    stageserver/model/recompute.py's block_modes), counting the chunk's input and
+    output; `model` has ModelShape's fields. Also the transient peak of saved
+    activations while recompute=full reruns the forward in the backward."""
+    a, f = _dtype_bytes(precision)
+    s, d = model.seq_len, model.d_model
+    bs = rows * s
+    local = _local_tokens(rows, s, tp, sequence_parallel)
+    norm_input, norm_own = _norm_bytes(model.arch, local, d, a, f)
+    modes = block_modes or ["none"] * layers
+    total = _blocks_bytes(model, modes, rows, tp, precision, sequence_parallel)
     if has_embedding:
         total += (
             token_window_bytes(s, rows)  # x: the token ids, a view of the window
             + bs * _INT64  # the ids local to this rank's vocab slice (embedding's indices)
             + bs * _BOOL  # which ids are outside that slice (masked_fill's mask)
-            + (s * _INT64 if model.arch == "gpt2" else 0)  # the positions 0..s-1 (wpe's indices)
+            + (local // rows * _INT64 if model.arch == "gpt2" else 0)  # this rank's positions (wpe's indices)
         )
-    elif norm_input != bs * d * a:
-        total += bs * d * a  # x, the input: the first norm keeps only its float32 copy
+    elif norm_input != local * d * a and modes[0] == "none":  # a recomputed block keeps its input
+        total += local * d * a  # x, the input: the first norm keeps only its float32 copy
     if has_head:
         total += (
             norm_input + norm_own  # ln_f: its input is the last hidden states
-            + bs * d * a  # ln_f output: the head matmul's input
+            + local * d * a  # ln_f output: the head matmul's input
             + bs * (model.padded_vocab(tp) // tp) * f  # vocab-parallel softmax, padding included, float32 for bf16
             + bs * _INT64  # targets local to this rank's vocab slice
             + bs * _BOOL  # which targets are outside that slice
             + f  # out: the scalar loss, float32 for bf16
         )  # the logits themselves are not kept: the cross-entropy saves only the softmax
     else:
-        total += bs * d * a  # out: the chunk's output, which no block keeps
+        total += local * d * a  # out: the chunk's output, which no block keeps
     return total
 
 
-def chunk_input_bytes(model, has_embedding: bool, rows: int, precision: str) -> int:
+def chunk_input_bytes(model, has_embedding: bool, rows: int, precision: str, tp: int = 1,
+                      sequence_parallel: bool = False) -> int:
     """Bytes one tp rank keeps from a chunk's forward until its backward with
     recompute=full: only the input, token ids for the chunk with the embedding (the head
-    chunk's targets are read again, not kept), else hidden states [rows, seq, d_model]."""
+    chunk's targets are read again, not kept), else hidden states [rows, seq, d_model]
+    (sequence parallel: this rank's seq/tp of them)."""
     if has_embedding:
         return token_window_bytes(model.seq_len, rows)
     a, _ = _dtype_bytes(precision)
-    return rows * model.seq_len * model.d_model * a
+    return _local_tokens(rows, model.seq_len, tp, sequence_parallel) * model.d_model * a

@@ -98,6 +98,14 @@ class Checkpointing:
         if saved_model is None or ModelShape(**saved_model) != shape_of(config.model):
             raise CheckpointError(f"checkpoint.resume={where!r} holds a model of shape {saved_model}, "
                                   f"this job's is {dataclasses.asdict(config.model)}")
+        saved_split = checkpoint.manifest.get("data_split", {"held_out_fraction": 0.0})  # older: no split
+        if saved_split["held_out_fraction"] != config.eval.held_out:
+            raise CheckpointError(
+                f"checkpoint.resume={where!r} trained with {_held_out(saved_split['held_out_fraction'])} of "
+                f"data.source held out for validation; this job holds out {_held_out(config.eval.held_out)} "
+                f"(eval.every={config.eval.every}, eval.fraction={config.eval.fraction}, "
+                f"eval.source={config.eval.source!r}): its training data would change; resume with the split "
+                f"it was trained with")
         if checkpoint.step >= config.train.steps:
             raise CheckpointError(f"checkpoint.resume={where!r} is at step {checkpoint.step}: nothing is "
                                   f"left of train.steps={config.train.steps}")
@@ -194,6 +202,9 @@ class Checkpointing:
             "tokenizer": _tokenizer(job.config.data.tokenizer),  # what `export --format hf` writes beside it
             "precision": job.config.train.precision,
             "stall_seconds": stall,  # training waited this long
+            # The train/validation split ([eval]): the fraction of data.source's documents
+            # training never reads (0: all of them), which a resume must keep.
+            "data_split": data_split(job.config),
         }
         save = self._save = _Save()
         save.thread = threading.Thread(target=self._complete, args=(save, stubs, folder, names, manifest),
@@ -269,6 +280,17 @@ class _Save:
     step: int = 0
     failure: Exception | None = None
     abandoned: bool = False
+
+
+def data_split(config) -> dict:
+    """The manifest's record of the train/validation split (stageserver/data/holdout.py)."""
+    e = config.eval
+    return {"held_out_fraction": e.held_out, "eval_source": e.source if e.enabled else "",
+            "eval_samples": e.samples if e.enabled else 0}
+
+
+def _held_out(fraction: float) -> str:
+    return f"eval.fraction={fraction}" if fraction else "nothing"
 
 
 def _tokenizer(spec: str) -> str:

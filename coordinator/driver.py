@@ -19,10 +19,12 @@ from functools import partial
 
 import grpc
 
+from interleaf.coordinator.job_logs import start_job_logs
 from interleaf.coordinator.jobs import JobRecord
 from interleaf.coordinator.admission import needed_bytes
 from interleaf.coordinator.checkpointing import Checkpointing
 from interleaf.coordinator.elastic import describe_change, smaller_layouts
+from interleaf.coordinator.evaluations import eval_event, evaluated_in_block
 from interleaf.coordinator.plan import JobPlan, place_servers, plan_job, plan_programs, setup_requests
 from interleaf.coordinator.registry import DEAD_AFTER_S, HEARTBEAT_INTERVAL_S, Registry
 from interleaf.coordinator.traces import trace_plan, traced_in_block
@@ -82,6 +84,7 @@ class JobDriver(threading.Thread):
         job = self.job
         state, error = "SUCCEEDED", ""
         try:
+            start_job_logs(job, self.registry)  # metrics.tensorboard_dir; ends with the job
             self._run_with_recovery()
         except Exception as err:
             log.exception("job %s failed", job.job_id)
@@ -341,7 +344,9 @@ class JobDriver(threading.Thread):
         job, world = self.job, plan.grid.world_size
         reports: queue.Queue = queue.Queue()
         traced = traced_in_block(self.config, first, count)
-        request = pb.RunStepsRequest(job_id=job.job_id, first_step=first, num_steps=count, trace_steps=traced)
+        evaluated = evaluated_in_block(self.config, first, count)
+        request = pb.RunStepsRequest(job_id=job.job_id, first_step=first, num_steps=count, trace_steps=traced,
+                                     eval_after=evaluated)
         traced_plan = trace_plan(job.job_id, self.config, plan) if traced else None
 
         def stream(rank, stub):
@@ -375,7 +380,7 @@ class JobDriver(threading.Thread):
                 continue
             if isinstance(item, JobFailed):
                 if held is not None:  # a step every rank finished is reported all the same
-                    job.add_step(held)
+                    self._publish_step(*held)
                 raise item
             inside[item.rank] += item.step_seconds
             if item.step != self.first_step:
@@ -385,19 +390,27 @@ class JobDriver(threading.Thread):
                 now = time.perf_counter()
                 if item.step in traced:
                     job.traces.add(traced_plan, pending[item.step])
-                event = self._step_event(pending.pop(item.step), now - last_time)
+                done = pending.pop(item.step)
+                event = self._step_event(done, now - last_time)
+                evaluation = eval_event(self.config, done) if item.step in evaluated else None
                 next_step = item.step + 1
                 last_time = now
                 if held is not None:
-                    job.add_step(held)
-                held = event  # the block's last event waits for the streams to end
+                    self._publish_step(*held)
+                held = (event, evaluation)  # the block's last event waits for the streams to end
         for t in threads:
             t.join()
-        held.block_control_seconds = (time.perf_counter() - started) - max(inside)
-        held.block_steps = count
-        job.add_step(held)
+        held[0].block_control_seconds = (time.perf_counter() - started) - max(inside)
+        held[0].block_steps = count
+        self._publish_step(*held)
         log.info("steps %d-%d: control %.4fs beyond the slowest rank", first, first + count - 1,
-                 held.block_control_seconds)
+                 held[0].block_control_seconds)
+
+    def _publish_step(self, event: pb.StepEvent, evaluation: pb.EvalEvent | None) -> None:
+        """A step's event, then the evaluation run after it, if any."""
+        self.job.add_step(event)
+        if evaluation is not None:
+            self.job.add_eval(evaluation)
 
     def _progress_deadline(self) -> float:
         """How long a block may go without any rank finishing a step before the job is

@@ -42,3 +42,11 @@ def matrix_parameters(model) -> int:
 def flops_per_token(model) -> int:
     """Model FLOPs of one token's forward and backward; `model` as matrix_parameters'."""
     return 6 * matrix_parameters(model) + 12 * model.n_layers * model.d_model * model.seq_len
+
+
+def utilization(model, tokens: int, step_seconds: float, peak_flops: list[float]) -> float | None:
+    """Model FLOPs utilization of a step: its model FLOPs over step time x the summed peak
+    FLOP/s of the job's servers (each one's --peak-flops); None when a peak is unknown."""
+    if not peak_flops or min(peak_flops) <= 0 or step_seconds <= 0:
+        return None
+    return flops_per_token(model) * tokens / (step_seconds * sum(peak_flops))

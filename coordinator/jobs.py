@@ -86,6 +86,9 @@ class JobRecord:
     def add_checkpoint(self, event: pb.CheckpointEvent) -> None:
         self._publish(pb.JobEvent(checkpoint=event))
 
+    def add_eval(self, event: pb.EvalEvent) -> None:
+        self._publish(pb.JobEvent(eval=event))
+
     def request_cancel(self) -> None:
         """Marks the job to stop, stored first: a coordinator that dies before the job is
         CANCELLED finishes it as CANCELLED when restarted, rather than run it again."""
@@ -114,11 +117,18 @@ class JobRecord:
             finally:
                 self._changed.notify_all()
 
-    def follow(self, alive=lambda: True, poll_s: float = 1.0):
-        """Yields every event kept (the newest MAX_EVENTS), then new ones, until a final
-        state. `index` counts every event ever published, dropped ones included, so
-        a watcher that falls more than MAX_EVENTS behind skips those dropped meanwhile."""
-        index = 0
+    def published(self) -> int:
+        """Events ever published, dropped ones included: a `follow(start=...)` from here
+        yields only those still to come."""
+        with self._changed:
+            return self.events_dropped + len(self.events)
+
+    def follow(self, alive=lambda: True, poll_s: float = 1.0, start: int = 0):
+        """Yields every event kept (the newest MAX_EVENTS) from the `start`-th published
+        on, then new ones, until a final state. `index` counts every event ever published,
+        dropped ones included, so a watcher that falls more than MAX_EVENTS behind skips
+        those dropped meanwhile."""
+        index = start
         while alive():
             with self._changed:
                 while index >= self.events_dropped + len(self.events) and not self.final and alive():

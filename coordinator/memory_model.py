@@ -19,6 +19,15 @@ rank's program in the order the executor runs it: activations per (chunk, microb
 from `activation_bytes`, received tensors until consumed, full-size gradients from a
 chunk's first backward to its reduction, gathered parameters from AG to RP, and the
 staging buffers of reductions and gathers until they are waited.
+
+Pipeline messages (stageserver/pipeline_messages.py): with tp > 1 and scatter/gather or
+sequence parallelism, what a send holds and a receive buffer takes is 1/tp of the
+hidden states; under sequence parallelism the hidden states themselves are (the
+residual stream's s/tp tokens), so a local hand-over between chunks shrinks too, while
+under scatter/gather a received message is gathered back to the whole tensor, which
+the chunk keeps as its input (activation_bytes counts it). Sequence parallelism's one
+reduction of the replicated parameters' gradients over the tensor group stages them at
+the optimizer step.
 """
 
 from __future__ import annotations
@@ -26,9 +35,12 @@ from __future__ import annotations
 from interleaf.coordinator.activation_bytes import chunk_activation_bytes, chunk_input_bytes
 from interleaf.coordinator.config import MASTER_BYTES, PRECISION_BYTES, JobConfig
 from interleaf.coordinator.partition import Chunk, chunks_of, partition
+from interleaf.stageserver.model.recompute import block_modes
 from interleaf.protos.actions import RECVS, SENDS, Action, Kind
 from interleaf.protos.memory import MemoryLedger
+from interleaf.stageserver.buckets import BucketLayout, clip_segments
 from interleaf.stageserver.model.config import shape_of
+from interleaf.stageserver.pipeline_messages import message_mode
 from interleaf.stageserver.model.params import TIED
 from interleaf.stageserver.model.shapes import chunk_param_specs, local_numel
 
@@ -54,12 +66,19 @@ class _ProgramWalk:
         self.a, self.m = PRECISION_BYTES[t.precision], MASTER_BYTES[t.precision]
         self.zero, self.dp, self.tp, self.model, self.precision = p.zero, p.dp, p.tp, m, t.precision
         self.recompute = t.recompute == "full"
+        self.block_recompute = (t.recompute, t.recompute_layers)  # selective: inside the blocks
+        self.sequence_parallel = p.sequence_parallel and p.tp > 1
         self.chunks = {c.index: c for c in chunks_of(partition(m.n_layers, p.pp, p.vpp), pipeline_rank)}
         self.full = {c: sum(-(-n // p.dp) * p.dp for n in bucket_sizes(config, chunk))
                      for c, chunk in self.chunks.items()}  # padded elements, all buckets
         self.shard = {c: n // p.dp for c, n in self.full.items()}
         self.rows = t.global_batch // (p.dp * p.microbatches)
-        self.hidden = self.rows * m.seq_len * m.d_model * self.a  # one activation message
+        # The hidden states [rows, seq, d] a compute takes and gives (sequence parallel:
+        # this rank's seq/tp), and what one pipeline message of them holds.
+        tokens = m.seq_len // p.tp if self.sequence_parallel else m.seq_len
+        self.hidden = self.rows * tokens * m.d_model * self.a
+        self.message = message_bytes(config)
+        self.partial = self.m * partial_grad_elements(config, pipeline_rank) if self.sequence_parallel else 0
         self.ledger = MemoryLedger()
         self.grads_held = {c: p.zero < 2 for c in self.chunks}
         self.pending: list[tuple[int, int, bool]] = []  # (chunk, staged bytes, frees grads)
@@ -93,9 +112,11 @@ class _ProgramWalk:
         """(kept from the forward to the backward, held during the backward)."""
         chunk = self.chunks[c]
         full = chunk_activation_bytes(self.model, len(chunk.layers), chunk.has_embedding, chunk.has_head,
-                                      self.rows, self.tp, self.precision)
+                                      self.rows, self.tp, self.precision, self.sequence_parallel,
+                                      block_modes(chunk.layers, *self.block_recompute))
         if self.recompute:
-            return chunk_input_bytes(self.model, chunk.has_embedding, self.rows, self.precision), full
+            return chunk_input_bytes(self.model, chunk.has_embedding, self.rows, self.precision, self.tp,
+                                     self.sequence_parallel), full
         if c - 1 in self.chunks:
             full -= self.hidden  # the input is the previous chunk's output, counted there
         return full, full
@@ -103,7 +124,7 @@ class _ProgramWalk:
     def _forward(self, action: Action) -> None:
         c = action.chunk
         if not self.chunks[c].has_embedding and c - 1 not in self.chunks:
-            self.ledger.free("communication", self.hidden)  # the received input, now in use
+            self.ledger.free("communication", self.message)  # the received input, now in use
         self.ledger.add("activations", self._activations(c)[0])
 
     def _backward(self, action: Action) -> None:
@@ -114,20 +135,20 @@ class _ProgramWalk:
             self.grads_held[c] = True
         kept, held = self._activations(c)
         self.ledger.add("activations", held - kept)  # recompute's rerun
-        if not self.chunks[c].has_head:
-            self.ledger.free("communication", self.hidden)  # the output's gradient
+        if not self.chunks[c].has_head:  # the output's gradient, handed over or received
+            self.ledger.free("communication", self.hidden if c + 1 in self.chunks else self.message)
         self.ledger.free("activations", held)
         if not self.chunks[c].has_embedding and c - 1 in self.chunks:
             self.ledger.add("communication", self.hidden)  # the input's gradient, handed over
 
     def _receive(self, action: Action) -> None:
-        self.ledger.add("communication", self.hidden)
+        self.ledger.add("communication", self.message)
 
     def _sent_bytes(self, action: Action) -> int:
         """What a send holds on the communication account until the network has it: an
         input gradient, or an output only recompute keeps (otherwise the output is
         counted among the activations)."""
-        return self.hidden if action.kind is Kind.SEND_GRAD or self.recompute else 0
+        return self.message if action.kind is Kind.SEND_GRAD or self.recompute else 0
 
     def _send(self, action: Action) -> None:
         # Freed when the network has it: at once, as far as a model can know.
@@ -185,7 +206,46 @@ class _ProgramWalk:
             total = self.m * sum(self.full.values())
             if self.dp == 1:  # never reduced: the fp32 copy is made for the step
                 self.ledger.add("gradients", total)
+        self.ledger.add("communication", self.partial)  # sequence parallel: summed over tp
+        self.ledger.free("communication", self.partial)
+        if self.zero == 0 and self.separate:
             self.ledger.free("gradients", total)
+
+
+def message_bytes(config: JobConfig) -> int:
+    """What one pipeline message (an activation or its gradient) holds on one rank: the
+    hidden states [rows, seq, d] of a microbatch, or 1/tp of them under scatter/gather
+    or sequence parallelism (stageserver/pipeline_messages.py)."""
+    p, t, m = config.parallel, config.train, config.model
+    whole = t.global_batch // (p.dp * p.microbatches) * m.seq_len * m.d_model * PRECISION_BYTES[t.precision]
+    return whole if message_mode(p.tp, p.sequence_parallel, p.scatter_gather) == "plain" else whole // p.tp
+
+
+def sent_bytes_per_step(config: JobConfig, program: list[Action]) -> int:
+    """Bytes one rank of a pipeline rank running `program` sends to its neighbours in a
+    step: every activation and gradient message, lone or in an exchange."""
+    sends = sum(1 for a in program if a.kind in SENDS)
+    sends += sum(1 for a in program if a.kind is Kind.EXCHANGE for op in a.members if op.kind in SENDS)
+    return sends * message_bytes(config)
+
+
+def partial_grad_elements(config: JobConfig, pipeline_rank: int, dp_rank: int = 0) -> int:
+    """Sequence parallel: the gradient elements of parameters replicated over tp (norms,
+    row-parallel biases, wpe) in what the optimizer reads on this rank (its ZeRO shard
+    at stages 1-3, which data-parallel ranks cut at different places), summed over the
+    tensor group at the optimizer step (stageserver/model_state.py)."""
+    p = config.parallel
+    count = 0
+    for chunk in chunks_of(partition(config.model.n_layers, p.pp, p.vpp), pipeline_rank):
+        specs = chunk_param_specs(shape_of(config.model), chunk.layers, chunk.has_embedding, chunk.has_head, p.tp)
+        for names in ([n for n in specs if n == TIED], [n for n in specs if n != TIED]):
+            if not names:
+                continue
+            layout = BucketLayout.build([(n, local_numel(specs[n], p.tp)) for n in names], p.dp, dp_rank)
+            window = (0, layout.padded) if p.zero == 0 else layout.shard
+            replicated = layout.segments(n for n in names if specs[n].tp_dim is None)
+            count += sum(end - start for start, end in clip_segments(replicated, window))
+    return count
 
 
 def predict_rank(config: JobConfig, program: list[Action], pipeline_rank: int) -> dict[str, int]:

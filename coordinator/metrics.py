@@ -16,7 +16,7 @@ from typing import Callable, Iterable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 
-from interleaf.coordinator.flops import flops_per_token
+from interleaf.coordinator.flops import utilization
 from interleaf.coordinator.jobs import JobRecord
 from interleaf.coordinator.registry import DEAD_AFTER_S, FORGET_DEAD_AFTER_S, Registry
 from interleaf.protos import interleaf_pb2 as pb
@@ -85,6 +85,11 @@ class CoordinatorMetrics:
         self.control = Gauge(
             "interleaf_block_control_seconds", "The last RunSteps block's control-plane time: the coordinator's "
             "wall time for the block beyond the slowest rank's time inside its steps.", job, registry=r)
+        self.eval_loss = Gauge(
+            "interleaf_eval_loss", "The last held-out evaluation's loss ([eval]): the mean next-token loss over "
+            "every token of eval.samples held-out samples.", job, registry=r)
+        self.eval_step = Gauge("interleaf_eval_step", "The last held-out evaluation: steps completed when it was "
+                               "scored.", job, registry=r)
         self.saves = Counter("interleaf_checkpoints_saved_total", "Checkpoints saved (manifest written).", job,
                              registry=r)
         self.save_stall = Gauge(
@@ -145,6 +150,9 @@ class CoordinatorMetrics:
             mfu = self.utilization(record, step)
             if mfu is not None:
                 self.mfu.labels(job).set(mfu)
+        elif which == "eval":
+            self.eval_loss.labels(job).set(event.eval.loss)
+            self.eval_step.labels(job).set(event.eval.step)
         elif which == "checkpoint":
             saved = event.checkpoint
             if saved.kind == "saved":
@@ -168,7 +176,4 @@ class CoordinatorMetrics:
         """Model FLOPs of the step over step time x the job's servers' summed peak."""
         peaks = {e.address: e.peak_flops for e in self.servers.servers()}
         job_peaks = [peaks.get(rank.server_address, 0.0) for rank in record.ranks]
-        if not job_peaks or min(job_peaks) <= 0 or step.step_seconds <= 0:
-            return None
-        flops = flops_per_token(record.config.model) * step.tokens
-        return flops / (step.step_seconds * sum(job_peaks))
+        return utilization(record.config.model, step.tokens, step.step_seconds, job_peaks)

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from interleaf.coordinator import partition as partitioning
 from interleaf.coordinator.config import ConfigError, JobConfig
 from interleaf.coordinator.grid import RankGrid, place
+from interleaf.coordinator.config.eval import eval_microbatches
 from interleaf.coordinator.schedule import CostModel, build_programs, simulate, validate_programs
+from interleaf.coordinator.schedule.forward_only import build_eval_programs
 from interleaf.protos.actions import Action
 from interleaf.protos import interleaf_pb2 as pb
 
@@ -30,6 +32,7 @@ class JobPlan:
     predicted_bubble: float
     state: str = ""  # how training state is held: ZeRO stage, precision, recompute
     transport: str = "gloo"  # how tensors move: gloo (CPU servers) or nccl (CUDA servers)
+    eval_programs: list[list[Action]] = field(default_factory=list)  # by pipeline rank; [] without [eval]
 
     def layout(self) -> str:
         pp = self.grid.pp
@@ -72,6 +75,19 @@ def plan_programs(config: JobConfig) -> tuple[list[list[Action]], float]:
     return programs, result.bubble_fraction
 
 
+def plan_eval_programs(config: JobConfig) -> list[list[Action]]:
+    """The forward-only programs an evaluation runs (coordinator/schedule/forward_only.py),
+    validated and simulated like the training programs; [] when the job does not evaluate."""
+    p, e = config.parallel, config.eval
+    if not e.enabled:
+        return []
+    count = eval_microbatches(e.samples, config.train.global_batch, p.microbatches)
+    programs = build_eval_programs(p.schedule, p.pp, p.vpp, count, p.zero, p.zero_prefetch)
+    validate_programs(programs, p.pp, p.vpp, count, p.zero, forward_only=True)
+    simulate(programs, CostModel(forward_s=1.0, backward_s=1.0))
+    return programs
+
+
 def place_servers(config: JobConfig, idle: list[ServerSlot], need_bytes: int = 0) -> list[ServerSlot] | None:
     """The servers for each rank, TP groups kept on one host where possible, among
     those offering at least `need_bytes` (the most any rank needs); None while there
@@ -91,6 +107,7 @@ def plan_job(config: JobConfig, servers: list[ServerSlot],
     plan_programs(config) returned, when the caller already has it."""
     p = config.parallel
     transport = choose_transport(p.transport, [s.device for s in servers])
+    check_memory_snapshot(config, [s.device for s in servers])
     if transport == "nccl":
         _check_one_rank_per_gpu(servers)
     programs, bubble = planned or plan_programs(config)
@@ -102,13 +119,24 @@ def plan_job(config: JobConfig, servers: list[ServerSlot],
         servers=list(servers),
         predicted_bubble=bubble,
         state=describe_state(config),
+        eval_programs=plan_eval_programs(config),
     )
 
 
 def describe_state(config: JobConfig) -> str:
     p, t = config.parallel, config.train
     zero = f"ZeRO stage {p.zero} over dp={p.dp}" + (f" (prefetch {p.zero_prefetch})" if p.zero == 3 else "")
-    return f"{zero}, {t.precision}, recompute {t.recompute}"
+    return f"{zero}, {t.precision}, recompute {t.recompute}{tensor_parallel_mode(p)}"
+
+
+def tensor_parallel_mode(p) -> str:
+    """How activations move between tensor ranks, where tp > 1: sequence parallelism, or
+    the pipeline sends' scatter/gather (only with pp > 1, where there are sends)."""
+    if p.tp == 1:
+        return ""
+    if p.sequence_parallel:
+        return f", sequence parallel over tp={p.tp}"
+    return f", scatter/gather {'on' if p.scatter_gather else 'off'}" if p.pp > 1 else ""
 
 
 def setup_requests(
@@ -119,7 +147,7 @@ def setup_requests(
     from: a resumed checkpoint's (stageserver/data/sampler.py); (0, 0) for a new job.
     `init_from`: the weights each server reads its parameters from (checkpoint.init,
     resolved); "" starts from the seed, or from a checkpoint loaded after setup."""
-    m, p, t = config.model, config.parallel, config.train
+    m, p, t, e = config.model, config.parallel, config.train, config.eval
     host, port, prefix = store
     requests = []
     for rank in range(plan.grid.world_size):
@@ -147,6 +175,9 @@ def setup_requests(
                     grad_clip=t.grad_clip, seed=t.seed, microbatches=p.microbatches,
                     precision=t.precision, recompute=t.recompute,
                     data_start_step=data_start[0], data_start_samples=data_start[1],
+                    beta1=t.betas[0], beta2=t.betas[1], eps=t.eps, lr_decay=t.lr_decay,
+                    min_lr_ratio=t.min_lr_ratio, decay_fraction=t.decay_fraction,
+                    recompute_layers=t.recompute_layers,
                 ),
                 data_source=config.data.source,
                 init_from=init_from,
@@ -165,6 +196,15 @@ def setup_requests(
                 comm_timeout_s=comm_timeout_s,
                 zero=p.zero,
                 transport=plan.transport,
+                sequence_parallel=p.sequence_parallel,
+                scatter_gather=p.scatter_gather,
+                torch_profiler=config.trace.torch_profiler,
+                memory_snapshot=config.trace.memory_snapshot,
+                eval_program=[pb.Action(text=str(a)) for a in plan.eval_programs[c.pp]] if plan.eval_programs else [],
+                eval_microbatches=eval_microbatches(e.samples, t.global_batch, p.microbatches) if e.enabled else 0,
+                eval_samples=e.samples if e.enabled else 0,
+                eval_source=e.source if e.enabled else "",
+                eval_fraction=e.fraction if e.enabled else 0.0,
             )
         )
     return requests
@@ -180,6 +220,15 @@ def _check_one_rank_per_gpu(servers: list[ServerSlot]) -> None:
                               f"(servers {servers[seen[where]].address} and {slot.address}): NCCL refuses "
                               f"two ranks on one GPU; start each stage server with its own --device")
         seen[where] = rank
+
+
+def check_memory_snapshot(config: JobConfig, devices: list[str]) -> None:
+    """trace.memory_snapshot records the CUDA caching allocator's history: a job whose
+    servers compute on the CPU has none to record."""
+    cpu = sorted({d for d in devices if not d.startswith("cuda")})
+    if config.trace.memory_snapshot and cpu:
+        raise ConfigError(f"trace.memory_snapshot=true records CUDA memory history, and the job's servers "
+                          f"compute on {', '.join(cpu)}: it needs CUDA servers (trace.torch_profiler works on both)")
 
 
 def choose_transport(setting: str, devices: list[str]) -> str:

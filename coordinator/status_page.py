@@ -44,6 +44,13 @@ def _losses(job: JobRecord) -> list[tuple[int, float]]:
     return sorted(by_step.items())
 
 
+def _eval_losses(job: JobRecord) -> list[tuple[int, float]]:
+    """(steps completed, held-out loss) of the evaluations the job keeps ([eval]); one run
+    again after a recovery replaces its first run."""
+    by_step = {event.eval.step: event.eval.loss for event in list(job.events) if event.HasField("eval")}
+    return sorted(by_step.items())
+
+
 def _job_rows(jobs: Iterable[JobRecord]) -> list[dict]:
     rows = []
     for job in jobs:
@@ -100,7 +107,13 @@ def loss_curve_svg(job: JobRecord) -> str:
 
     figure = Figure(figsize=(6.4, 2.8), dpi=100)
     axes = figure.add_subplot()
-    axes.plot([s for s, _ in losses], [loss for _, loss in losses], color="#1f77b4", linewidth=1.5)
+    axes.plot([s for s, _ in losses], [loss for _, loss in losses], color="#1f77b4", linewidth=1.5,
+              label="training loss")
+    evaluated = _eval_losses(job)
+    if evaluated:  # the held-out loss at the points it was scored, over the training curve
+        axes.plot([s for s, _ in evaluated], [loss for _, loss in evaluated], color="#d62728", marker="o",
+                  markersize=4, linewidth=1.0, label="held-out loss")
+        axes.legend(loc="upper right", fontsize="small")
     axes.set_xlabel("step")
     axes.set_ylabel("loss")
     axes.set_title(f"{job.job_id}: loss, {job.step}/{job.config.train.steps} steps")
@@ -185,7 +198,8 @@ def routes(servers: Registry, jobs: Callable[[], Iterable[JobRecord]], address: 
     def data(request: Request) -> Response:
         shown = newest()
         body = {"servers": _server_rows(servers), "jobs": _job_rows(shown),
-                "losses": {job.job_id: _losses(job) for job in shown}}
+                "losses": {job.job_id: _losses(job) for job in shown},
+                "eval_losses": {job.job_id: _eval_losses(job) for job in shown}}
         return Response(json.dumps(body).encode(), "application/json")
 
     return {"/": page, "/status.json": data}

@@ -23,6 +23,7 @@ _API = {
     "JobFailed": "interleaf.clients.api",
     "JobStatus": "interleaf.clients.api",
     "Step": "interleaf.clients.api",
+    "Evaluation": "interleaf.clients.api",
     "LocalCluster": "interleaf.clients.launcher",
     "JobConfig": "interleaf.coordinator.config",
     "ModelConfig": "interleaf.coordinator.config",
@@ -32,6 +33,8 @@ _API = {
     "CheckpointConfig": "interleaf.coordinator.config",
     "RecoveryConfig": "interleaf.coordinator.config",
     "TraceConfig": "interleaf.coordinator.config",
+    "EvalConfig": "interleaf.coordinator.config",
+    "MetricsConfig": "interleaf.coordinator.config",
     "ConfigError": "interleaf.coordinator.config",
 }
 __all__ = sorted(_API)

@@ -42,10 +42,16 @@ MAXIMA = {
     "train.warmup_steps": 10_000_000,
     "train.weight_decay": 10.0,
     "train.grad_clip": 1e6,
+    "train.eps": 1.0,
+    "train.min_lr_ratio": 1.0,
+    "train.decay_fraction": 1.0,
+    "train.recompute_layers": 1024,  # model.n_layers' bound
     "train.seed": 2**64 - 1,  # the wire's uint64
     "checkpoint.every": 10_000_000,
     "checkpoint.keep": 1_000_000,
     "recovery.max_restarts": 1000,
+    "eval.every": 10_000_000,  # train.steps' bound
+    "eval.samples": 1 << 20,  # train.global_batch's bound
     "recovery.progress_timeout_s": 86400.0,
 }
 """Inclusive upper bounds by field. train.lr has none beyond being finite: a huge rate is

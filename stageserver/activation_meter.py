@@ -22,6 +22,11 @@ packed output would be a reference cycle through C++ that no garbage collector b
 leaking the whole graph of a step abandoned before its backward. Note that under any
 saved-tensor hooks autograd no longer detects in-place writes to saved tensors.
 
+Selective recompute (`train.recompute=selective`, stageserver/model/recompute.py): inside
+a checkpointed block autograd saves nothing (torch's checkpoint hooks take the place of
+the pack hook here); what the block keeps is its input and the outputs its policy saves,
+which recompute.kept_tensors reports and are counted with the rest.
+
 Recompute (`train.recompute=full`): the forward runs under no_grad and the executor keeps
 only x, so that is all `forward_no_grad` counts; for the chunk with the head the targets
 are read again from the (deterministic) sampler for the rerun, not kept. The backward
@@ -39,6 +44,8 @@ from collections.abc import Iterable
 
 import torch
 from torch import nn
+
+from interleaf.stageserver.model import recompute
 
 
 def parameter_storages(module: nn.Module) -> frozenset[int]:
@@ -77,10 +84,10 @@ class ActivationMeter:
             saved.append(weakref.ref(alias))
             return alias
 
-        with torch.autograd.graph.saved_tensors_hooks(pack, _unpack):
+        with torch.autograd.graph.saved_tensors_hooks(pack, _unpack), recompute.kept_tensors() as checkpointed:
             out = _call(chunk, x, targets)
         alive = [t for t in (ref() for ref in saved) if t is not None]
-        return out, storage_bytes([*alive, x, out], self.exclude)
+        return out, storage_bytes([*alive, *checkpointed.tensors(), x, out], self.exclude)
 
     def forward_no_grad(
         self, chunk: nn.Module, x: torch.Tensor, targets: torch.Tensor | None = None

@@ -79,6 +79,10 @@ class StepStats:
     spans: list = field(default_factory=list)
     # (op, group, seconds, bytes, calls) per pair: the job's CommMeter (transport/metered.py).
     comm: list = field(default_factory=list)
+    # A traced step's torch.profiler Chrome trace and CUDA memory snapshot, gzip-compressed
+    # (stageserver/profiling.py); empty unless trace.torch_profiler / memory_snapshot.
+    torch_profile: bytes = b""
+    memory_snapshot: bytes = b""
 
 
 @dataclass
@@ -314,16 +318,18 @@ class Executor:
     # -- point to point ----------------------------------------------------------
 
     def _outgoing(self, a: Action, state: _StepState) -> tuple[torch.Tensor, int]:
-        """What a send moves, and the bytes it holds on the communication account until
-        the network has it."""
+        """What a send moves (under scatter/gather this rank's piece of the tensor:
+        stageserver/pipeline_messages.py), and the bytes it holds on the communication
+        account until the network has it."""
+        messages = self.model.messages
         if a.kind is Kind.SEND_GRAD:
-            tensor = state.input_grads.pop((a.chunk, a.microbatch))
+            tensor = messages.outgoing(state.input_grads.pop((a.chunk, a.microbatch)), keep_whole=False)
             return tensor, nbytes(tensor)
         if self.recompute:
-            tensor = state.outputs.pop((a.chunk, a.microbatch))
+            tensor = messages.outgoing(state.outputs.pop((a.chunk, a.microbatch)), keep_whole=False)
             return tensor, nbytes(tensor)  # kept by nothing else once the forward is done
         # The output is counted among the chunk's activations.
-        return state.saved[(a.chunk, a.microbatch)][1].detach(), 0
+        return messages.outgoing(state.saved[(a.chunk, a.microbatch)][1].detach(), keep_whole=True), 0
 
     def _send(self, a: Action, state: _StepState) -> None:
         tensor, counted = self._outgoing(a, state)
@@ -368,8 +374,9 @@ class Executor:
 
     def _take(self, store: dict, key: tuple[int, int]) -> torch.Tensor:
         tensor, counted, posted = store.pop(key)
-        if posted is not None:
+        if posted is not None:  # received: a message, gathered into the whole under scatter/gather
             posted.wait()
+            tensor = self.model.messages.incoming(tensor)
         self.ledger.free("communication", counted)
         return tensor
 

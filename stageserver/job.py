@@ -23,11 +23,15 @@ from interleaf.stageserver.data import Sampler, resolve_source
 from interleaf.stageserver.data.vocab_check import data_too_big
 from interleaf.stageserver.background_writes import BackgroundWrites
 from interleaf.stageserver.setup_checks import SetupError, check_setup
+from interleaf.stageserver.data.holdout import open_eval
+from interleaf.stageserver.evaluation import EvalStats, Evaluator
 from interleaf.stageserver.executor import Executor, StepStats
 from interleaf.stageserver.init_weights import initial_values
 from interleaf.stageserver.model import ModelShape
+from interleaf.stageserver.model.recompute import MODES as RECOMPUTE
 from interleaf.stageserver.spool import Spool, default_root
 from interleaf.stageserver.model_state import DTYPES, ChunkPlan, ModelState, TrainPlan
+from interleaf.stageserver.profiling import ProfilingRejected, StepProfiler
 from interleaf.stageserver.transport.groups import TRANSPORTS, connect_group, make_group_id
 from interleaf.stageserver.transport.metered import CommMeter, metered
 
@@ -68,10 +72,14 @@ class StageJob:
             raise JobRejected(f"zero={request.zero} must be 0, 1, 2 or 3")
         if (t.precision or "fp32") not in DTYPES:
             raise JobRejected(f"train.precision={t.precision!r} must be one of {', '.join(DTYPES)}")
-        if (t.recompute or "none") not in ("none", "full"):
-            raise JobRejected(f"train.recompute={t.recompute!r} must be none or full")
+        if (t.recompute or "none") not in RECOMPUTE:
+            raise JobRejected(f"train.recompute={t.recompute!r} must be one of {', '.join(RECOMPUTE)}")
         self.transport = request.transport or "gloo"
         _check_transport(self.transport, device)
+        try:
+            self.profiler = StepProfiler(request.torch_profiler, request.memory_snapshot, device)
+        except ProfilingRejected as err:
+            raise JobRejected(str(err)) from None
         self.train = TrainPlan(
             microbatches=t.microbatches,
             rows=t.global_batch // (dp * t.microbatches),
@@ -83,6 +91,12 @@ class StageJob:
             seed=t.seed,
             precision=t.precision or "fp32",
             recompute=t.recompute or "none",
+            betas=(t.beta1, t.beta2),
+            eps=t.eps,
+            lr_decay=t.lr_decay,
+            min_lr_ratio=t.min_lr_ratio,
+            decay_fraction=t.decay_fraction,
+            recompute_layers=t.recompute_layers,
         )
         try:
             self.data = resolve_source(request.data_source)
@@ -99,8 +113,21 @@ class StageJob:
                 f"model.vocab_size={m.vocab_size} must exceed every token id in "
                 f"data.source={request.data_source!r}, which holds id {largest}"
             )
+        # [eval]: the held-out set, and what training reads of the data without it.
+        self.eval_program, self.eval_set, train_data = [], None, self.data
+        if request.eval_program:
+            try:
+                self.eval_program = [parse(a.text) for a in request.eval_program]
+                train_data, self.eval_set = open_eval(self.data, request.eval_source, request.eval_fraction,
+                                                      m.seq_len, request.eval_samples)
+            except (OSError, ValueError) as err:
+                raise JobRejected(f"eval: {err}") from None
+            largest = int(self.eval_set.windows.max())
+            if largest >= m.vocab_size:
+                raise JobRejected(f"model.vocab_size={m.vocab_size} must exceed every token id the evaluation "
+                                  f"scores; eval.source={request.eval_source!r} holds id {largest}")
         try:
-            self.sampler = Sampler(self.data, t.seed, m.seq_len, t.global_batch, t.microbatches,
+            self.sampler = Sampler(train_data, t.seed, m.seq_len, t.global_batch, t.microbatches,
                                    start_step=t.data_start_step, start_samples=t.data_start_samples)
         except ValueError as err:  # a file shorter than one sample
             raise JobRejected(str(err)) from None
@@ -110,6 +137,7 @@ class StageJob:
             raise JobRejected(f"init_from={request.init_from!r}: {err}") from None
         self.model: ModelState | None = None
         self.executor: Executor | None = None
+        self.evaluator: Evaluator | None = None
         # Every group's traffic, taken per step; None on a server with its metrics off
         # (--metrics-port -1): its groups are then used as they are, and StepReport.comm stays empty.
         self.comm = CommMeter() if metered else None
@@ -140,12 +168,16 @@ class StageJob:
                 groups[role] = joined if self.comm is None else metered(joined, role, self.comm)
             last_chunk = r.grid.pp * r.vpp - 1
             self.model = ModelState(self.config, self.chunks, groups, self.sampler, self.train, last_chunk,
-                                    zero=r.zero, device=self.device, initial=self.initial)
+                                    zero=r.zero, device=self.device, initial=self.initial,
+                                    sequence_parallel=r.sequence_parallel, scatter_gather=r.scatter_gather)
         except BaseException:
             for joined in groups.values():  # never left to the garbage collector
                 joined.close()
             raise
         self.executor = Executor(self.model, self.program, self.rank, self.cancelled)
+        if self.eval_program:
+            self.evaluator = Evaluator(self.model, self.eval_program, self.rank, self.eval_set,
+                                       r.eval_microbatches, self.cancelled)
 
     @property
     def reports_loss(self) -> bool:
@@ -163,10 +195,19 @@ class StageJob:
             for name, epoch, samples in self.sampler.epochs_begun(step):
                 log.info("job %s: step %d begins epoch %d of %s (%d samples an epoch)",
                          self.job_id, step, epoch, name, samples)
-        stats = executor.run_step(step, trace)
+        with self.profiler.over(trace) as profiles:
+            stats = executor.run_step(step, trace)
+        stats.torch_profile, stats.memory_snapshot = profiles.torch_profile, profiles.memory_snapshot
         if self.comm is not None:
             stats.comm = self.comm.take()
         return stats
+
+    def evaluate(self) -> EvalStats:
+        """Scores the held-out set with the current weights (stageserver/evaluation.py)."""
+        evaluator = self.evaluator  # read once, as run_step's executor
+        if evaluator is None:
+            raise RuntimeError(f"job {self.job_id} has no evaluation program ([eval] is off)")
+        return evaluator.evaluate()
 
     def _local(self, path: str) -> str:
         """A checkpoint path as this server reads it: in place, or (relative) in the spool."""
@@ -197,6 +238,7 @@ class StageJob:
             self.model.close()
             self.model = None
             self.executor = None
+            self.evaluator = None
 
 
 def model_shape(m: pb.ModelSpec) -> ModelShape:

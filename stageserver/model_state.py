@@ -15,13 +15,16 @@ import torch
 
 from interleaf.protos.actions import Action
 from interleaf.stageserver.data import Sampler
-from interleaf.stageserver.buckets import BucketLayout
-from interleaf.stageserver.memory import MemoryLedger
+from interleaf.stageserver.buckets import BucketLayout, clip_segments
+from interleaf.stageserver.memory import MemoryLedger, nbytes
 from interleaf.stageserver.model import ModelChunk, ModelShape
 from interleaf.stageserver.model.chunk import InitialValues
 from interleaf.stageserver.model.params import TIED
-from interleaf.stageserver.optim import Schedule, clip_coefficient, squared_norm
+from interleaf.stageserver.model.recompute import BlockRecompute
+from interleaf.stageserver.lr_schedule import DECAY_FRACTION, MIN_LR_RATIO, Schedule
+from interleaf.stageserver.optim import BETAS, EPS, clip_coefficient, squared_norm
 from interleaf.stageserver.sharded_bucket import Pending, ShardedBucket
+from interleaf.stageserver.pipeline_messages import PipelineMessages, message_mode
 from interleaf.stageserver.transport import Transport
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
@@ -48,6 +51,12 @@ class TrainPlan:
     seed: int
     precision: str = "fp32"
     recompute: str = "none"
+    betas: tuple[float, float] = BETAS
+    eps: float = EPS
+    lr_decay: str = "cosine"
+    min_lr_ratio: float = MIN_LR_RATIO
+    decay_fraction: float = DECAY_FRACTION
+    recompute_layers: int = 0
 
 
 class ModelState:
@@ -62,8 +71,13 @@ class ModelState:
         zero: int = 0,
         device: torch.device = torch.device("cpu"),
         initial: InitialValues | None = None,
+        sequence_parallel: bool = False,
+        scatter_gather: bool = False,
     ):
-        """`initial`: the weights to start from (checkpoint.init), else (seed, name)'s."""
+        """`initial`: the weights to start from (checkpoint.init), else (seed, name)'s.
+        `sequence_parallel`, `scatter_gather`: parallel.sequence_parallel and
+        parallel.scatter_gather (how hidden states sit on the tensor ranks and cross
+        between stages: pipeline_messages.py)."""
         self.config = config
         self.device = device
         self.groups = groups
@@ -73,15 +87,23 @@ class ModelState:
         self.zero = zero
         self.dtype = DTYPES[train.precision]
         self.microbatches = train.microbatches
-        self.schedule = Schedule(train.lr, train.warmup_steps, train.steps)
+        self.schedule = Schedule.of(train)
         self.last_chunk = last_chunk
         self.ledger = MemoryLedger()
         self.chunks: dict[int, ModelChunk] = {}
         self.buckets: dict[int, list[ShardedBucket]] = {}
         self.tied: dict[int, ShardedBucket] = {}  # chunk -> its tied-embedding bucket
         self.norm_segments: dict[tuple[int, int], list[tuple[int, int]]] = {}
+        self.sequence_parallel = sequence_parallel and self.tp.size > 1
+        # (chunk, bucket) -> where the parameters replicated over tp sit: under sequence
+        # parallelism each rank's gradient of them is a partial sum (its tokens only).
+        self.partial_segments: dict[tuple[int, int], list[tuple[int, int]]] = {}
+        self.messages = PipelineMessages(message_mode(self.tp.size, sequence_parallel, scatter_gather), self.tp,
+                                         train.rows, config.seq_len, config.d_model, self.dtype, device)
         for plan in chunks:
-            chunk = ModelChunk(config, plan.layers, plan.has_embedding, plan.has_head, self.tp, train.seed, initial)
+            chunk = ModelChunk(config, plan.layers, plan.has_embedding, plan.has_head, self.tp, train.seed, initial,
+                               sequence_parallel=self.sequence_parallel,
+                               recompute=BlockRecompute(train.recompute, train.recompute_layers))
             self.chunks[plan.index] = chunk
             self.buckets[plan.index] = self._bucketize(plan, chunk)
 
@@ -96,8 +118,12 @@ class ModelState:
             decayed = {n for n, _ in params if specs[n].weight_decay}
             self.norm_segments[(plan.index, len(buckets))] = layout.segments(
                 n for n, _ in params if self._counts_toward_norm(plan, specs[n]))
+            if self.sequence_parallel:
+                self.partial_segments[(plan.index, len(buckets))] = layout.segments(
+                    n for n, _ in params if specs[n].tp_dim is None)
             buckets.append(ShardedBucket(params, layout, self.zero, self.dtype, MASTER_DTYPES[self.dtype],
-                                         self.dp, self.ledger, decayed, self.train.weight_decay, self.device))
+                                         self.dp, self.ledger, decayed, self.train.weight_decay, self.device,
+                                         self.train.betas, self.train.eps))
             if specs[params[0][0]].tied:
                 self.tied[plan.index] = buckets[-1]
         return buckets
@@ -122,8 +148,8 @@ class ModelState:
         return inputs.to(self.device, non_blocking=True), targets.to(self.device, non_blocking=True)
 
     def activation_buffer(self) -> torch.Tensor:
-        return torch.empty(self.train.rows, self.config.seq_len, self.config.d_model, dtype=self.dtype,
-                           device=self.device)
+        """An empty pipeline message (an activation or its gradient), to receive into."""
+        return self.messages.buffer()
 
     def tag(self, action: Action) -> int:
         """A gloo tag unique to the tensor within a step: both ends derive the same one."""
@@ -166,6 +192,7 @@ class ModelState:
         """Averages data-parallel gradients, clips by the global norm, steps AdamW.
         Returns (global gradient norm before clipping, learning rate); on a GPU the norm
         stays a device tensor, read once at the step's end."""
+        self._sum_partial_grads()
         parts = [part for (index, b), segments in self.norm_segments.items()
                  for part in self.buckets[index][b].count_norm(segments)]
         if self.device.type == "cuda":
@@ -181,6 +208,27 @@ class ModelState:
             for bucket in buckets:
                 bucket.step(lr, coefficient / self.dp.size)
         return norm, lr
+
+    def _sum_partial_grads(self) -> None:
+        """Sequence parallel: sums over the tensor group the gradients of the parameters
+        replicated over it (norms, row-parallel biases, wpe), each rank's being over its
+        own tokens only. Once per step, on what the optimizer reads (the full gradient,
+        or this rank's ZeRO shard: the tp ranks of one dp rank hold equal layouts), in
+        one all-reduce, as Megatron's finalize_model_grads does, rather than an
+        all-reduce per parameter, layer and microbatch inside the backward."""
+        pieces = []
+        for (index, b), segments in self.partial_segments.items():
+            bucket = self.buckets[index][b]
+            grad = bucket.optimizer_grad()
+            pieces += [grad[s:e] for s, e in clip_segments(segments, bucket.window)]
+        if not pieces:
+            return
+        summed = torch.cat(pieces)
+        self.ledger.add("communication", nbytes(summed))
+        self.tp.all_reduce(summed)
+        for piece, part in zip(pieces, summed.split([p.numel() for p in pieces])):
+            piece.copy_(part)
+        self.ledger.free("communication", nbytes(summed))
 
     def _device_norm(self, parts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """The global norm and clipping factor as device tensors: no host round trip. Each

@@ -1,4 +1,4 @@
-"""AdamW over flat buffers, the learning-rate schedule and global-norm clipping.
+"""AdamW over flat buffers and global-norm clipping (the learning rate: lr_schedule.py).
 
 Elementwise, so any split of the parameters (pipeline chunks, tensor shards, ZeRO
 shards) updates each element exactly as the single-process reference does.
@@ -6,14 +6,11 @@ shards) updates each element exactly as the single-process reference does.
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-
 import torch
 
 BETAS = (0.9, 0.95)
+"""train.betas by default (GPT-3's, torchtitan's and Megatron's recipes)."""
 EPS = 1e-8
-MIN_LR_RATIO = 0.1
 SLICE = 1 << 16
 """Elements per slice of the flat buffers: every elementwise pass over a slice finds it
 in cache, where whole-buffer passes would stream it from memory once per operation."""
@@ -29,23 +26,6 @@ def squared_norm(tensor: torch.Tensor) -> float:
     return total
 
 
-@dataclass(frozen=True)
-class Schedule:
-    lr: float
-    warmup_steps: int
-    steps: int
-
-    def lr_at(self, step: int) -> float:
-        """Linear warmup to lr over warmup_steps, then cosine decay to lr/10 at the end
-        (GPT-3 / nanoGPT). `step` counts from 0."""
-        if step < self.warmup_steps:
-            return self.lr * (step + 1) / self.warmup_steps
-        span = max(1, self.steps - 1 - self.warmup_steps)
-        progress = min(1.0, (step - self.warmup_steps) / span)
-        floor = self.lr * MIN_LR_RATIO
-        return floor + 0.5 * (1.0 + math.cos(math.pi * progress)) * (self.lr - floor)
-
-
 def clip_coefficient(total_norm: float, max_norm: float) -> float:
     """torch.nn.utils.clip_grad_norm_'s factor; max_norm 0 disables clipping."""
     if max_norm <= 0:
@@ -59,10 +39,13 @@ class AdamW:
     `params` is a flat buffer (a whole bucket, or a ZeRO shard of one) and
     `decay_segments` the [start, end) ranges of it that are decayed."""
 
-    def __init__(self, params: torch.Tensor, decay_segments: list[tuple[int, int]], weight_decay: float):
+    def __init__(self, params: torch.Tensor, decay_segments: list[tuple[int, int]], weight_decay: float,
+                 betas: tuple[float, float] = BETAS, eps: float = EPS):
         self.params = params
         self.decay_segments = list(decay_segments)
         self.weight_decay = weight_decay
+        self.betas = tuple(betas)
+        self.eps = eps
         self.exp_avg = torch.zeros_like(params)
         self.exp_avg_sq = torch.zeros_like(params)
         self.steps = 0
@@ -94,7 +77,7 @@ class AdamW:
         for weight_decay, ranges in self._groups:
             views = [[t[a:b] for a, b in ranges] for t in (self.params, grad, self.exp_avg, self.exp_avg_sq)]
             torch._fused_adamw_(*views, [], [next(counts) for _ in ranges], amsgrad=False, lr=lr,
-                                beta1=BETAS[0], beta2=BETAS[1], weight_decay=weight_decay, eps=EPS,
+                                beta1=self.betas[0], beta2=self.betas[1], weight_decay=weight_decay, eps=self.eps,
                                 maximize=False, grad_scale=None, found_inf=None)
 
     def _segment_groups(self) -> list[tuple[float, list[tuple[int, int]]]]:

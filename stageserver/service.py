@@ -131,13 +131,15 @@ class StageServerService(rpc.StageServerServicer):
 
     def RunSteps(self, request: pb.RunStepsRequest, context):
         job = self._connected(request.job_id, context)
-        traced = set(request.trace_steps)
+        traced, evaluated = set(request.trace_steps), set(request.eval_after)
         for step in range(request.first_step, request.first_step + request.num_steps):
             if job.cancelled.is_set():
                 context.abort(grpc.StatusCode.CANCELLED, f"job {job.job_id} was torn down")
             self._use_device()  # each step: a streaming handler may resume on another thread
             try:
                 stats, stopped = job.run_step(step, trace=step in traced), ""
+                # The held-out set scored with the weights this step left (its report says so).
+                evaluation = job.evaluate() if step in evaluated else None
             except Exception as err:
                 if not job.cancelled.is_set():
                     context.abort(grpc.StatusCode.INTERNAL, str(err))
@@ -161,7 +163,10 @@ class StageServerService(rpc.StageServerServicer):
                 memory=pb.RankMemory(rank=job.rank, **stats.memory),
                 idle_seconds=stats.idle_seconds,
                 started_unix=stats.started_unix,
+                **_evaluation_fields(evaluation, job.reports_loss),
                 spans=[pb.ActionSpan(action=a, kind=k, start_seconds=b, end_seconds=e) for a, k, b, e in stats.spans],
+                torch_profile=stats.torch_profile,
+                memory_snapshot=stats.memory_snapshot,
                 comm=[pb.CommStat(op=op, group=group, seconds=seconds, bytes=size, calls=calls)
                       for op, group, seconds, size, calls in stats.comm],
             )
@@ -252,6 +257,15 @@ class StageServerService(rpc.StageServerServicer):
             self._use_device()
             job.close()
             _collect()
+
+
+def _evaluation_fields(evaluation, reports_loss: bool) -> dict:
+    """StepReport's eval_* fields: the ranks that report the loss report the evaluation's."""
+    if evaluation is None:
+        return {}
+    if not reports_loss or evaluation.loss is None:
+        return {"eval_seconds": evaluation.seconds}
+    return {"eval_loss": evaluation.loss, "eval_tokens": evaluation.tokens, "eval_seconds": evaluation.seconds}
 
 
 def _collect() -> None:

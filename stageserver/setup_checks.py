@@ -12,7 +12,8 @@ from __future__ import annotations
 import math
 
 from interleaf.protos import interleaf_pb2 as pb
-from interleaf.protos.limits import MAX_RANKS, MAX_TEXT_CHARS, MAXIMA, shown
+from interleaf.protos.limits import MAX_PIPELINE_SLOTS, MAX_RANKS, MAX_TEXT_CHARS, MAXIMA, shown
+from interleaf.stageserver.lr_schedule import DECAYS
 from interleaf.stageserver.model.architectures import ARCHITECTURES
 
 MAX_JOB_ID_CHARS = 128
@@ -29,6 +30,22 @@ def _within(name: str, value, low, high) -> None:
         raise SetupError(f"{name}={value} must be a finite number")
     if not low <= value <= high:
         raise SetupError(f"{name}={value} must be between {low} and {high}")
+
+
+def _check_optimizer(t: pb.TrainSpec) -> None:
+    """AdamW's and the schedule's settings, as TrainConfig checks them (an unset eps or
+    lr_decay is refused: the coordinator always sets them)."""
+    for name in ("beta1", "beta2"):
+        value = getattr(t, name)
+        if not 0 <= value < 1:  # NaN fails too
+            raise SetupError(f"train.{name}={value} must be at least 0 and less than 1")
+    if not (math.isfinite(t.eps) and 0 < t.eps <= MAXIMA["train.eps"]):
+        raise SetupError(f"train.eps={t.eps} must be more than 0 and at most {MAXIMA['train.eps']}")
+    if t.lr_decay not in DECAYS:
+        raise SetupError(f"train.lr_decay={shown(t.lr_decay)} must be one of {', '.join(DECAYS)}")
+    _within("train.min_lr_ratio", t.min_lr_ratio, 0.0, 1.0)
+    if not 0 < t.decay_fraction <= 1:
+        raise SetupError(f"train.decay_fraction={t.decay_fraction} must be more than 0 and at most 1")
 
 
 def check_setup(r: pb.SetupRequest) -> None:
@@ -63,6 +80,9 @@ def check_setup(r: pb.SetupRequest) -> None:
     if m.rope_scaling_factor and not (m.rope_scaling_factor >= 1 and high > low):  # ModelConfig's rules
         raise SetupError(f"model.rope_scaling_factor={m.rope_scaling_factor} must be at least 1, and "
                          f"model.rope_high_freq_factor={high} greater than model.rope_low_freq_factor={low}")
+    if r.sequence_parallel and (g.tp < 2 or m.seq_len % g.tp):
+        raise SetupError(f"sequence_parallel needs grid.tp>=2 dividing model.seq_len={m.seq_len} "
+                         f"(grid.tp={g.tp}): each tensor rank holds an equal slice of the sequence")
     _within("train.microbatches", t.microbatches, 1, MAXIMA["parallel.microbatches"])
     for name in ("steps", "global_batch"):
         _within(f"train.{name}", getattr(t, name), 1, MAXIMA[f"train.{name}"])
@@ -79,6 +99,11 @@ def check_setup(r: pb.SetupRequest) -> None:
         raise SetupError(f"train.lr={t.lr} must be a finite number greater than 0")
     for name in ("weight_decay", "grad_clip"):
         _within(f"train.{name}", getattr(t, name), 0.0, MAXIMA[f"train.{name}"])
+    _check_optimizer(t)
+    _within("train.recompute_layers", t.recompute_layers, 0, MAXIMA["train.recompute_layers"])
+    if t.recompute_layers and t.recompute != "selective":
+        raise SetupError(f"train.recompute_layers={t.recompute_layers} needs train.recompute='selective', "
+                         f"not {shown(t.recompute)}")
     last = g.pp * r.vpp
     for i, c in enumerate(r.chunks):
         _within(f"chunks[{i}].index", c.index, 0, last - 1)
@@ -88,9 +113,27 @@ def check_setup(r: pb.SetupRequest) -> None:
     for i, group in enumerate(r.groups):
         if len(group.name) > MAX_TEXT_CHARS or any(member >= world for member in group.members):
             raise SetupError(f"groups[{i}] ({shown(group.name)}) must name members below world_size={world}")
-    for name in ("data_source", "init_from", "store_host", "store_prefix"):
+    _check_eval(r)
+    for name in ("data_source", "init_from", "store_host", "store_prefix", "eval_source"):
         if len(getattr(r, name)) > MAX_TEXT_CHARS:
             raise SetupError(f"{name}={shown(getattr(r, name))} must be at most {MAX_TEXT_CHARS} characters")
     _within("store_port", r.store_port, 0, 65535)
     if not 0 < r.comm_timeout_s <= MAX_COMM_TIMEOUT_S:  # NaN fails too
         raise SetupError(f"comm_timeout_s={r.comm_timeout_s} must be more than 0 and at most {MAX_COMM_TIMEOUT_S}")
+
+
+def _check_eval(r: pb.SetupRequest) -> None:
+    """[eval], as EvalConfig and JobConfig check it: a job that evaluates has a program,
+    and its samples fill whole microbatches of the training microbatch's rows."""
+    if not r.eval_program:
+        return
+    t = r.train
+    _within("eval_samples", r.eval_samples, 1, MAXIMA["eval.samples"])
+    rows = t.global_batch // t.microbatches
+    if r.eval_samples != r.eval_microbatches * rows:
+        raise SetupError(f"eval_samples={r.eval_samples} must be eval_microbatches={r.eval_microbatches} "
+                         f"microbatches of train.global_batch/train.microbatches={rows} rows")
+    if r.grid.pp * r.vpp * r.eval_microbatches > MAX_PIPELINE_SLOTS:
+        raise SetupError(f"eval_microbatches={r.eval_microbatches} makes more than {MAX_PIPELINE_SLOTS} forwards")
+    if not r.eval_source and not 0 < r.eval_fraction < 1:  # NaN fails too
+        raise SetupError(f"eval_fraction={r.eval_fraction} must be between 0 and 1 (exclusive) with no eval_source")

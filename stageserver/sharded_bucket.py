@@ -30,7 +30,7 @@ from torch import nn
 
 from interleaf.stageserver.buckets import BucketLayout, clip_segments
 from interleaf.stageserver.memory import MemoryLedger, nbytes
-from interleaf.stageserver.optim import AdamW
+from interleaf.stageserver.optim import BETAS, EPS, AdamW
 from interleaf.stageserver.transport import Transport
 
 
@@ -59,7 +59,8 @@ class ShardedBucket:
     def __init__(self, params: list[tuple[str, nn.Parameter]], layout: BucketLayout, zero: int,
                  compute_dtype: torch.dtype, master_dtype: torch.dtype, dp: Transport,
                  ledger: MemoryLedger, decay_names: set[str], weight_decay: float,
-                 device: torch.device = torch.device("cpu")):
+                 device: torch.device = torch.device("cpu"), betas: tuple[float, float] = BETAS,
+                 eps: float = EPS):
         self.layout, self.zero, self.dp, self.ledger = layout, zero, dp, ledger
         self.cd, self.md, self.device = compute_dtype, master_dtype, device
         lo, hi = layout.shard
@@ -96,7 +97,7 @@ class ShardedBucket:
         else:
             self.grad_shard = torch.zeros(hi - lo, dtype=master_dtype, device=device) if zero else None
         self.optimizer = AdamW(self.master, clip_segments(layout.segments(decay_names), self.window),
-                               weight_decay)
+                               weight_decay, betas, eps)
         self.gathered = zero != 3
         self.grads_held = zero < 2
         self._optimizer_grad: torch.Tensor | None = None

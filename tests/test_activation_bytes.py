@@ -10,6 +10,7 @@ a term the formula gets wrong.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import weakref
 
@@ -18,12 +19,13 @@ import pytest
 import torch
 from gloo_world import run_world
 
-from interleaf.coordinator.activation_bytes import chunk_activation_bytes, chunk_input_bytes
+from interleaf.coordinator.activation_bytes import block_activation_bytes, chunk_activation_bytes, chunk_input_bytes
 from interleaf.stageserver.activation_meter import ActivationMeter, parameter_storages
 from interleaf.stageserver.data.corpus import resolve_source
 from interleaf.stageserver.data.sampler import Sampler
 from interleaf.stageserver.data.tokenfile import write_tokens
 from interleaf.stageserver.model import ModelChunk, ModelShape
+from interleaf.stageserver.model.recompute import BlockRecompute, block_modes
 from interleaf.stageserver.transport import SoloTransport
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
@@ -50,6 +52,9 @@ SHAPES = {
                                     tie_embeddings=True)),
     "llama-mha": (2, _shape(11, 48, 4, 128, arch="llama", ffn_hidden=64)),
 }
+# Sequence parallelism needs a sequence that splits over tp: grouped-query attention on one.
+SP_SHAPES = {"llama-gqa2-s12": (2, _shape(12, 64, 4, 100, arch="llama", n_kv_heads=2, ffn_hidden=80, pad_vocab_to=8))}
+ALL_SHAPES = {**SHAPES, **SP_SHAPES}
 # Per architecture, every precision and chunk kind with 1 and 2 layers, its shapes dealt
 # round-robin.
 CASES = [
@@ -67,17 +72,19 @@ def token_file(tmp_path_factory) -> str:
     return str(path)
 
 
-def _measure(tp, token_file: str, case: tuple) -> dict[str, int]:
+def _measure(tp, token_file: str, case: tuple, sequence_parallel: bool = False) -> dict[str, int]:
     """Bytes the meter reports for one case: the plain forward, the recompute forward,
     and the recompute's rerun in the backward (run through a real backward, as the
-    executor would)."""
+    executor would). Sequence parallel: hidden states in and out are this rank's
+    slice of the sequence."""
     precision, emb, head, layers, name = case
-    rows, config = SHAPES[name]
+    rows, config = ALL_SHAPES[name]
     dtype = DTYPES[precision]
-    chunk = ModelChunk(config, range(layers), emb, head, tp, seed=5).to(dtype)
+    chunk = ModelChunk(config, range(layers), emb, head, tp, seed=5, sequence_parallel=sequence_parallel).to(dtype)
     meter = ActivationMeter(parameter_storages(chunk))
     ids, targets = Sampler(resolve_source(token_file), 0, config.seq_len, rows).microbatch(0, 0)
-    hidden = torch.randn(rows, config.seq_len, config.d_model, generator=torch.Generator().manual_seed(1)).to(dtype)
+    tokens = config.seq_len // tp.size if sequence_parallel else config.seq_len
+    hidden = torch.randn(rows, tokens, config.d_model, generator=torch.Generator().manual_seed(1)).to(dtype)
     x = ids if emb else hidden.requires_grad_()
     targets = targets if head else None
 
@@ -89,11 +96,11 @@ def _measure(tp, token_file: str, case: tuple) -> dict[str, int]:
     return dict(plain=plain, recompute=kept, transient=transient)
 
 
-def _predict(case: tuple, tp: int) -> dict[str, int]:
+def _predict(case: tuple, tp: int, sequence_parallel: bool = False) -> dict[str, int]:
     precision, emb, head, layers, name = case
-    rows, config = SHAPES[name]
-    full = chunk_activation_bytes(config, layers, emb, head, rows, tp, precision)
-    kept = chunk_input_bytes(config, emb, rows, precision)
+    rows, config = ALL_SHAPES[name]
+    full = chunk_activation_bytes(config, layers, emb, head, rows, tp, precision, sequence_parallel)
+    kept = chunk_input_bytes(config, emb, rows, precision, tp, sequence_parallel)
     return dict(plain=full, recompute=kept, transient=full)
 
 
@@ -102,8 +109,8 @@ def test_prediction_equals_measurement(case, token_file):
     assert _measure(SoloTransport(), token_file, case) == _predict(case, 1)
 
 
-def _measure_all(rank: int, tp, token_file: str, cases: list) -> list[dict[str, int]]:
-    return [_measure(tp, token_file, case) for case in cases]
+def _measure_all(rank: int, tp, token_file: str, cases: list, sequence_parallel: bool = False) -> list[dict[str, int]]:
+    return [_measure(tp, token_file, case, sequence_parallel) for case in cases]
 
 
 def test_prediction_equals_measurement_tp2(token_file):
@@ -124,10 +131,38 @@ def test_prediction_equals_measurement_tp2(token_file):
             assert got == _predict(case, 2), f"rank {rank}, case {case}"
 
 
+def test_prediction_equals_measurement_sequence_parallel_tp2(token_file):
+    """Sequence parallelism at tp=2, every chunk kind and precision, sequences of even
+    length: grouped-query attention (two query heads per key/value head), untied and
+    padded heads, the positions of gpt2's second half."""
+    cases = [
+        ("fp32", True, True, 2, "gpt2-s8"),
+        ("bf16", False, False, 1, "gpt2-s16"),
+        ("fp64", True, False, 2, "gpt2-untied-padded"),
+        ("fp32", False, True, 1, "gpt2-untied-padded"),
+        ("bf16", True, True, 2, "llama-tied-padded"),
+        ("fp32", False, False, 2, "llama-gqa2-s12"),
+        ("fp64", True, False, 1, "llama-gqa2-s12"),
+        ("bf16", False, True, 1, "llama-gqa2-s12"),
+    ]
+    for rank, measured in enumerate(run_world(_measure_all, 2, token_file, cases, True)):
+        for case, got in zip(cases, measured):
+            assert got == _predict(case, 2, sequence_parallel=True), f"rank {rank}, case {case}"
+
+
+def test_sequence_parallel_divides_a_gpt2_block_by_tp():
+    rows, config = SHAPES["gpt2-s16"]
+    for precision in DTYPES:
+        whole = block_activation_bytes(config, rows, 1, precision)
+        assert block_activation_bytes(config, rows, 2, precision, sequence_parallel=True) == whole // 2
+        assert block_activation_bytes(config, rows, 4, precision, sequence_parallel=True) == whole // 4
+        assert block_activation_bytes(config, rows, 2, precision) > whole // 2  # what plain tp keeps whole
+
+
 @pytest.mark.parametrize("name", ["gpt2-s16", "llama-gqa4"])
 def test_tp_shards_the_activations(name):
     # Fails if the formula ignored tp: the sharded terms halve, the replicated ones stay.
-    rows, config = SHAPES[name]
+    rows, config = ALL_SHAPES[name]
     one = chunk_activation_bytes(config, 2, False, True, rows, 1, "fp32")
     two = chunk_activation_bytes(config, 2, False, True, rows, 2, "fp32")
     assert one > two > one // 2
@@ -159,3 +194,68 @@ def test_measuring_changes_nothing(precision):
     # The graph holds the leaf (its AccumulateGrad node) for as long as the graph lives.
     del leaf, out
     assert alive() is None, "an abandoned forward leaked its graph"
+
+
+# --- selective recompute (train.recompute=selective, stageserver/model/recompute.py) ------
+
+
+def _measure_selective(tp, token_file: str, case: tuple, recompute_layers: int,
+                       sequence_parallel: bool = False) -> tuple[int, bool]:
+    """(bytes the meter reports for a chunk whose blocks run under selective recompute,
+    whether its output and every gradient equal the plain chunk's bit for bit). The
+    chunk holds layers 1.. so that recompute_layers=2 recomputes its first block whole."""
+    precision, emb, head, layers, name = case
+    rows, config = ALL_SHAPES[name]
+    config = dataclasses.replace(config, n_layers=1 + layers)
+    dtype = DTYPES[precision]
+    ids, targets = Sampler(resolve_source(token_file), 0, config.seq_len, rows).microbatch(0, 0)
+    tokens = config.seq_len // tp.size if sequence_parallel else config.seq_len
+    hidden = torch.randn(rows, tokens, config.d_model, generator=torch.Generator().manual_seed(1)).to(dtype)
+    results = []
+    for recompute in (BlockRecompute(), BlockRecompute("selective", recompute_layers)):
+        chunk = ModelChunk(config, range(1, 1 + layers), emb, head, tp, seed=5, sequence_parallel=sequence_parallel,
+                           recompute=recompute).to(dtype)
+        x = ids if emb else hidden.clone().requires_grad_()
+        out, kept = ActivationMeter(parameter_storages(chunk)).forward(chunk, x, targets if head else None)
+        out.backward(None if head else torch.ones_like(out))
+        results.append((kept, [out.detach(), *([] if emb else [x.grad]), *(p.grad for p in chunk.parameters())]))
+    (_, plain), (kept, selective) = results
+    return kept, all(torch.equal(a, b) for a, b in zip(plain, selective))
+
+
+def _predict_selective(case: tuple, tp: int, recompute_layers: int, sequence_parallel: bool = False) -> int:
+    precision, emb, head, layers, name = case
+    rows, config = ALL_SHAPES[name]
+    modes = block_modes(range(1, 1 + layers), "selective", recompute_layers)
+    return chunk_activation_bytes(config, layers, emb, head, rows, tp, precision, sequence_parallel, modes)
+
+
+@pytest.mark.parametrize("recompute_layers", [0, 2])
+@pytest.mark.parametrize("case", CASES[::3], ids=lambda c: "-".join(map(str, c)))
+def test_selective_prediction_equals_measurement(case, recompute_layers, token_file):
+    kept, equal = _measure_selective(SoloTransport(), token_file, case, recompute_layers)
+    assert equal, "selective recompute changed an output or a gradient"
+    assert kept == _predict_selective(case, 1, recompute_layers)
+    if recompute_layers == 0:  # it keeps less than the plain forward, more than its input
+        plain = _predict(case, 1)
+        assert plain["recompute"] < kept < plain["plain"]
+
+
+def _measure_selective_all(rank: int, tp, token_file: str, cases: list, sequence_parallel: bool):
+    return [_measure_selective(tp, token_file, case, layers_k, sequence_parallel) for case, layers_k in cases]
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp2", "tp2-sp"])
+def test_selective_prediction_and_gradients_tp2(token_file, sequence_parallel):
+    """On gloo: the rerun in the backward issues the blocks' collectives again, in the
+    same order on both ranks (no deadlock), and every gradient is the plain chunk's."""
+    cases = [
+        (("fp32", True, True, 2, "gpt2-s8"), 0),
+        (("bf16", False, False, 2, "gpt2-s16"), 2),
+        (("fp64", True, False, 1, "llama-gqa2-s12"), 0),
+        (("fp32", False, True, 2, "llama-gqa2-s12"), 2),
+    ]
+    for rank, measured in enumerate(run_world(_measure_selective_all, 2, token_file, cases, sequence_parallel)):
+        for (case, layers_k), (kept, equal) in zip(cases, measured):
+            assert equal, f"rank {rank}, case {case}: selective recompute changed a gradient"
+            assert kept == _predict_selective(case, 2, layers_k, sequence_parallel), f"rank {rank}, case {case}"

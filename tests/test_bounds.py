@@ -95,7 +95,8 @@ LLAMA3 = ["model.arch=llama", "model.rope_scaling_factor=32", "model.rope_low_fr
 
 
 @pytest.mark.parametrize("layout", [["parallel.pp=2"], ["parallel.dp=2", "parallel.tp=2", "parallel.pp=2"],
-                                    ["parallel.pp=4", "parallel.zero=3"], ["parallel.pp=2", *LLAMA3]])
+                                    ["parallel.pp=4", "parallel.zero=3"], ["parallel.pp=2", *LLAMA3],
+                                    ["parallel.tp=2", "parallel.pp=2", "parallel.sequence_parallel=true"]])
 def test_stage_servers_accept_what_the_coordinator_plans(layout):
     """And build the very model the config describes from the request."""
     config = load_config("", TINY + layout)
@@ -120,6 +121,17 @@ def test_stage_servers_accept_what_the_coordinator_plans(layout):
      "model.rope_low_freq_factor=4.0"),
     (lambda r: r.model.__setattr__("rope_original_positions", 1 << 21),
      "model.rope_original_positions=2097152 must be between 0 and 1048576"),
+    (lambda r: r.train.__setattr__("beta2", 1.0), "train.beta2=1.0 must be at least 0 and less than 1"),
+    (lambda r: r.train.__setattr__("eps", 0.0), "train.eps=0.0 must be more than 0 and at most 1.0"),
+    (lambda r: r.train.__setattr__("lr_decay", ""), "train.lr_decay='' must be one of cosine, linear, wsd, constant"),
+    (lambda r: r.train.__setattr__("min_lr_ratio", -0.5), "train.min_lr_ratio=-0.5 must be between 0.0 and 1.0"),
+    (lambda r: r.train.__setattr__("decay_fraction", float("nan")),
+     "train.decay_fraction=nan must be more than 0 and at most 1"),
+    (lambda r: r.__setattr__("sequence_parallel", True),
+     "sequence_parallel needs grid.tp>=2 dividing model.seq_len=16 (grid.tp=1): each tensor rank holds an equal "
+     "slice of the sequence"),
+    (lambda r: r.train.__setattr__("recompute_layers", 2),
+     "train.recompute_layers=2 needs train.recompute='selective', not 'none'"),
 ])
 def test_stage_servers_refuse_setups_out_of_range(change, message):
     config = load_config("", TINY + ["parallel.pp=2", "parallel.vpp=1"])

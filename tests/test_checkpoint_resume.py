@@ -137,9 +137,11 @@ def test_interleaf_run_resume_continues_where_the_checkpoint_left_off(client, tm
     import subprocess
     import sys
 
-    final, whole = run_job(client, TINY + STEPS + [f"checkpoint.dir={tmp_path / 'ck'}", "checkpoint.every=4"])
+    # A WSD schedule whose decay straddles the resume: the lr is a function of the step.
+    wsd = ["train.lr_decay=wsd", "train.decay_fraction=0.75", "train.min_lr_ratio=0.2"]
+    final, whole = run_job(client, TINY + STEPS + wsd + [f"checkpoint.dir={tmp_path / 'ck'}", "checkpoint.every=4"])
     assert final.state == "SUCCEEDED"
-    sets = [a for s in TINY + STEPS for a in ("--set", s)]
+    sets = [a for s in TINY + STEPS + wsd for a in ("--set", s)]
     result = subprocess.run([sys.executable, "-m", "interleaf.clients.cli", "run", *sets, "--resume",
                              str(tmp_path / "ck" / "step-000004"), "--metrics-out", str(tmp_path / "m.jsonl")],
                             capture_output=True, text=True, timeout=300)
@@ -151,6 +153,8 @@ def test_interleaf_run_resume_continues_where_the_checkpoint_left_off(client, tm
     assert "resumed at step 4" in result.stderr
     assert [s["step"] for s in steps] == [4, 5, 6, 7]
     assert [s["loss"] for s in steps] == pytest.approx([s.loss for s in whole[4:]], rel=LOSS_RTOL)
+    assert [s["lr"] for s in steps] == [s.lr for s in whole[4:]]
+    assert len({s.lr for s in whole[3:]}) == 5  # decaying all along
 
 
 def test_a_checkpoint_dir_the_coordinator_cannot_write_fails_the_job_naming_it(client, tmp_path):

@@ -9,6 +9,14 @@ from interleaf.coordinator.config import ConfigError, JobConfig, load_config
 
 # (overrides, the exact message). Shared with the CLI and gRPC tests.
 BAD_CONFIGS = [
+    (["eval.every=-1"], "eval.every=-1 must be 0 (no evaluation) or more"),
+    (["eval.fraction=0"], "eval.fraction=0.0 must be between 0 and 1 (exclusive): the share of data.source's "
+                          "documents held out"),
+    (["eval.every=10", "eval.samples=6"], "eval.samples=6 must be a multiple of train.global_batch/"
+     "parallel.microbatches=4: evaluation runs microbatches of the training microbatch's rows"),
+    (["eval.every=10", "eval.samples=4"], "eval.samples=4 must be a multiple of train.global_batch/"
+     "parallel.microbatches*parallel.pp=8 for interleaved-1f1b: its 1 evaluation microbatches sweep the chunks "
+     "in groups of parallel.pp=2"),
     (["parallel.transport=infiniband"], "parallel.transport='infiniband' must be one of auto, gloo, nccl"),
     (["parallel.pp=4", "parallel.microbatches=6", "model.n_layers=8"],
      "parallel.microbatches=6 must be a multiple of parallel.pp=4 for interleaved-1f1b"),
@@ -42,12 +50,45 @@ BAD_CONFIGS = [
      "parallel.schedule='zigzag' must be one of gpipe, 1f1b, interleaved-1f1b"),
     (["parallel.schedule=gpipe"],
      "parallel.vpp=2 needs parallel.schedule='interleaved-1f1b' (gpipe runs one chunk per rank)"),
+    (["parallel.sequence_parallel=true"],
+     "parallel.sequence_parallel=true needs parallel.tp>=2, not parallel.tp=1: it splits the sequence over the "
+     "tensor-parallel ranks"),
+    (["parallel.tp=2", "parallel.sequence_parallel=true", "model.seq_len=15"],
+     "model.seq_len=15 must be divisible by parallel.tp=2 with parallel.sequence_parallel=true: each tensor rank "
+     "holds an equal slice of the sequence"),
+    (["parallel.sequence_parallel=yes"], "parallel.sequence_parallel='yes' must be true or false"),
     (["parallel.zero=4"], "parallel.zero=4 must be 0, 1, 2 or 3"),
     (["parallel.zero=-1"], "parallel.zero=-1 must be 0, 1, 2 or 3"),
     (["parallel.zero_prefetch=5"], "parallel.zero_prefetch=5 must be between 0 and 4"),
     (["parallel.zero_prefetch=-1"], "parallel.zero_prefetch=-1 must be between 0 and 4"),
     (["train.precision=fp16"], "train.precision='fp16' must be one of fp32, bf16, fp64"),
-    (["train.recompute=selective"], "train.recompute='selective' must be one of none, full"),
+    (["train.recompute=partial"], "train.recompute='partial' must be one of none, selective, full"),
+    (["train.recompute_layers=2"], "train.recompute_layers=2 needs train.recompute='selective' (it picks the "
+     "blocks selective recompute reruns in full), not 'none'"),
+    (["train.recompute=selective", "train.recompute_layers=-1"], "train.recompute_layers=-1 must be 0 (off) or more"),
+    (["train.recompute=selective", "train.recompute_layers=2000"], "train.recompute_layers=2000 must be at most 1024"),
+    (["train.betas=0.9"], "train.betas=[0.9] must be a pair of numbers, e.g. [0.9, 0.95]"),
+    (["train.betas=0.9,0.95,0.99"], "train.betas=[0.9, 0.95, 0.99] must be a pair of numbers, e.g. [0.9, 0.95]"),
+    (["train.betas=fast"], "train.betas='fast' must be a pair of numbers, e.g. [0.9, 0.95]"),
+    (["train.betas=[0.9, true]"], "train.betas=[0.9, True] must be a pair of numbers, e.g. [0.9, 0.95]"),
+    (["train.betas=0.9,1"], "train.betas=[0.9, 1.0] must each be at least 0 and less than 1"),
+    (["train.betas=-0.1,0.9"], "train.betas=[-0.1, 0.9] must each be at least 0 and less than 1"),
+    (["train.betas=nan,0.9"], "train.betas=[nan, 0.9] must each be at least 0 and less than 1"),
+    (["train.eps=0"], "train.eps=0.0 must be greater than 0"),
+    (["train.eps=-1e-8"], "train.eps=-1e-08 must be greater than 0"),
+    (["train.eps=2"], "train.eps=2.0 must be at most 1.0"),
+    (["train.eps=inf"], "train.eps=inf must be a finite number"),
+    (["train.lr_decay=step"], "train.lr_decay='step' must be one of cosine, linear, wsd, constant"),
+    (["train.min_lr_ratio=1.5"], "train.min_lr_ratio=1.5 must be between 0 and 1 (a fraction of train.lr)"),
+    (["train.min_lr_ratio=-0.1"], "train.min_lr_ratio=-0.1 must be between 0 and 1 (a fraction of train.lr)"),
+    (["train.lr_decay=constant", "train.min_lr_ratio=0"],
+     "train.min_lr_ratio=0.0 must be left out for train.lr_decay='constant': the rate never decays to a floor"),
+    (["train.lr_decay=wsd", "train.decay_fraction=0"],
+     "train.decay_fraction=0.0 must be more than 0 and at most 1 (a fraction of train.steps)"),
+    (["train.lr_decay=wsd", "train.decay_fraction=1.5"],
+     "train.decay_fraction=1.5 must be more than 0 and at most 1 (a fraction of train.steps)"),
+    (["train.decay_fraction=0.5"], "train.decay_fraction=0.5 must be left out unless train.lr_decay='wsd' (it "
+     "sizes wsd's decay phase), not 'cosine'"),
     (["model.n_layers=0"], "model.n_layers=0 must be at least 1"),
     (["train.steps=-1"], "train.steps=-1 must be at least 1"),
     (["train.lr=0"], "train.lr=0.0 must be greater than 0"),
@@ -57,7 +98,7 @@ BAD_CONFIGS = [
     (["model.n_layer=4"], "unknown key model.n_layer (known: arch, n_layers, d_model, n_heads, n_kv_heads, ffn_hidden, seq_len, "
      "vocab_size, pad_vocab_to, norm_eps, rope_theta, rope_scaling_factor, rope_low_freq_factor, "
      "rope_high_freq_factor, rope_original_positions, tie_embeddings)"),
-    (["optim.lr=1"], "--set 'optim.lr=1': unknown section [optim] (known: model, parallel, train, data, checkpoint, recovery, trace)"),
+    (["optim.lr=1"], "--set 'optim.lr=1': unknown section [optim] (known: model, parallel, train, data, checkpoint, recovery, trace, eval, metrics)"),
     (["train.lr"], "--set 'train.lr' must look like SECTION.KEY=VALUE"),
     (["data.source= "], "data.source='' must be 'builtin' or a token file path"),
 ]
@@ -93,3 +134,30 @@ def test_toml_errors_are_config_errors():
         load_config("[model]\nn_layers = true\n")
     with pytest.raises(ConfigError, match=r"model=3 must be a table \[model\]"):
         load_config("model = 3\n")
+
+
+def test_optimizer_and_schedule_settings_from_toml_and_the_command_line():
+    toml = ('[train]\nbetas = [0.8, 0.99]\neps = 1e-6\nlr_decay = "wsd"\nmin_lr_ratio = 0\n'
+            'decay_fraction = 0.25\n')
+    t = load_config(toml).train
+    assert (t.betas, t.eps, t.lr_decay, t.min_lr_ratio, t.decay_fraction) == ((0.8, 0.99), 1e-6, "wsd", 0.0, 0.25)
+    # Either list form on the command line; whole numbers become floats.
+    assert load_config("", ["train.betas=0,0.5"]).train.betas == (0.0, 0.5)
+    assert load_config("", ["train.betas=[0.85, 0.9]"]).train.betas == (0.85, 0.9)
+    # The defaults are today's AdamW and cosine-to-a-tenth, and AdamW's own.
+    from interleaf.stageserver.optim import BETAS, EPS
+
+    t = JobConfig().train
+    assert (t.betas, t.eps, t.lr_decay, t.min_lr_ratio) == (BETAS, EPS, "cosine", 0.1)
+
+
+def test_a_typed_config_round_trips_through_its_toml():
+    """The Python client submits a JobConfig as TOML (clients/api.py): the float pair and
+    every new field survive the trip."""
+    from interleaf.clients.api import config_text
+    from interleaf.coordinator.config import TrainConfig
+
+    config = JobConfig(train=TrainConfig(betas=[0.5, 0.75], lr_decay="wsd", decay_fraction=0.5,
+                                         recompute="selective", recompute_layers=2))
+    assert config.train.betas == (0.5, 0.75)  # a list given is kept as the pair
+    assert load_config(config_text(config)) == config

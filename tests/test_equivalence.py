@@ -15,11 +15,14 @@ ZeRO layouts are in test_zero_equivalence.py; both use `check_equivalent`."""
 from __future__ import annotations
 
 import functools
+import math
 
 import pytest
 import torch
 
+from interleaf.clients.reference import train
 from interleaf.coordinator.config import load_config
+from interleaf.stageserver.lr_schedule import Schedule
 from interleaf.stageserver.model import full_model, shape_of
 from tests.conftest import TINY, arch_setup, layout_free, load_parameters, reference, run_job
 
@@ -52,6 +55,13 @@ PTD_LAYOUTS = {
     "tp2-pp2-v2": layout(tp=2, pp=2, vpp=2),
     "dp2-pp2-v2": layout(dp=2, pp=2, vpp=2),
     "dp2-tp2-pp2-v2": layout(dp=2, tp=2, pp=2, vpp=2),
+    # Pipeline sends with tp=2 carry half of each message by default (scatter/gather);
+    # whole, as before it, here. Sequence parallelism over tp 2 and 4, with and without a
+    # pipeline (its sends: each rank's slice of the sequence).
+    "nosg-dp2-tp2-pp2-v2": layout(dp=2, tp=2, pp=2, vpp=2) + ["parallel.scatter_gather=false"],
+    "sp-tp2-pp2-v2": layout(tp=2, pp=2, vpp=2) + ["parallel.sequence_parallel=true"],
+    "sp-tp4": layout(tp=4, schedule="1f1b") + ["parallel.sequence_parallel=true"],
+    "sp-dp2-tp2-pp2-1f1b": layout(dp=2, tp=2, pp=2, schedule="1f1b") + ["parallel.sequence_parallel=true"],
 }
 
 
@@ -117,3 +127,69 @@ TYINGS = {
 @pytest.mark.parametrize("tying", TYINGS)
 def test_either_tying_over_pipeline_and_tensor_ranks_matches_reference(client, tmp_path, tying):
     check_equivalent(client, layout(tp=2, pp=2, vpp=2), tmp_path, TYINGS[tying])
+
+
+# The acceptance run's schedule (warm to the peak, hold it, decay to 0.2*lr at the last
+# step), with AdamW's betas and eps away from their defaults.
+WSD = ["train.steps=8", "train.lr_decay=wsd", "train.decay_fraction=0.5", "train.warmup_steps=2",
+       "train.min_lr_ratio=0.2", "train.lr=0.001", "train.betas=0.8,0.99", "train.eps=1e-6"]
+
+
+def test_optimizer_settings_and_wsd_match_reference_with_the_schedules_lr_each_step(client, tmp_path):
+    steps = check_equivalent(client, layout(tp=2, pp=2, schedule="1f1b"), tmp_path, WSD)
+    history, _ = reference(layout_free(TINY + WSD))
+    schedule = Schedule.of(load_config("", TINY + WSD).train)
+    # Exactly, not within a tolerance: every rank and the reference evaluate one function of the step.
+    assert [s.lr for s in steps] == [h.lr for h in history] == [schedule.lr_at(k) for k in range(8)]
+    assert [round(s.lr, 12) for s in steps] == [5e-4, 1e-3, 1e-3, 1e-3, 8e-4, 6e-4, 4e-4, 2e-4]
+
+
+# Held-out validation ([eval], docs/validation.md): scored after steps 2 and 3 through each
+# layout's own forward-only programs, on the reference's very samples.
+EVAL = ["eval.every=2", "eval.samples=8", "eval.fraction=0.05"]
+EVAL_LAYOUTS = {
+    "tp2-pp2-1f1b": layout(tp=2, pp=2, schedule="1f1b"),
+    "gpipe-pp4": layout(pp=4, schedule="gpipe"),
+    "interleaved-pp1-v2": layout(pp=1, vpp=2),
+    "dp2-tp2-pp2-v2": layout(dp=2, tp=2, pp=2, vpp=2),
+    "zero3-dp2-pp2-v2": layout(dp=2, pp=2, vpp=2) + ["parallel.zero=3"],
+    "sp-tp2-pp2-1f1b": layout(tp=2, pp=2, schedule="1f1b") + ["parallel.sequence_parallel=true"],
+}
+
+
+@functools.lru_cache(maxsize=None)
+def reference_with_evals(overrides: tuple[str, ...]):
+    evaluations = []
+    history, _ = train(load_config("", list(overrides)), on_eval=evaluations.append)
+    return history, evaluations
+
+
+def run_with_evals(client, overrides: list[str]):
+    """(final status, step events, eval events) of a job followed to its end."""
+    status = client.submit("", overrides)
+    steps, evaluations = [], []
+    for event in client.watch(status.job_id, timeout_s=300):
+        if event.HasField("step"):
+            steps.append(event.step)
+        elif event.HasField("eval"):
+            evaluations.append(event.eval)
+    return client.status(status.job_id), steps, evaluations
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+@pytest.mark.parametrize("name", EVAL_LAYOUTS)
+def test_eval_loss_matches_reference(client, name, arch):
+    setup = arch_setup(arch, EVAL_LAYOUTS[name]) + EVAL
+    final, steps, evaluations = run_with_evals(client, TINY + setup + EVAL_LAYOUTS[name])
+    assert final.state == "SUCCEEDED", final.error
+    history, expected = reference_with_evals(layout_free(TINY + setup))
+    # Training on what the split leaves still equals the reference, step by step.
+    assert [s.step for s in steps] == list(range(len(history)))
+    for got, want in zip(steps, history):
+        assert abs(got.loss - want.loss) <= LOSS_RTOL * abs(want.loss), (got.step, got.loss, want.loss)
+    assert [e.step for e in evaluations] == [e.step for e in expected] == [2, 3]
+    for got, want in zip(evaluations, expected):
+        assert abs(got.loss - want.loss) <= LOSS_RTOL * abs(want.loss), (got.step, got.loss, want.loss)
+        assert (got.samples, got.tokens) == (want.samples, want.tokens) == (8, 8 * 16)
+        assert got.perplexity == pytest.approx(math.exp(got.loss), rel=1e-12)
+    assert expected[1].loss != expected[0].loss  # scored with the weights of its step

@@ -18,7 +18,7 @@ import pytest
 
 from interleaf.coordinator.config import load_config
 from interleaf.coordinator.grid import RankGrid
-from interleaf.coordinator.memory_model import bucket_sizes, predict
+from interleaf.coordinator.memory_model import bucket_sizes, message_bytes, predict, sent_bytes_per_step
 from interleaf.coordinator.partition import chunks_of, partition
 from interleaf.coordinator.plan import plan_programs
 from tests.conftest import TINY, run_job
@@ -47,6 +47,22 @@ LAYOUTS = {
     "llama-tied-fp64-zero2-dp2-pp2": ["model.arch=llama", "model.tie_embeddings=true", "parallel.dp=2",
                                       "parallel.pp=2", "parallel.vpp=1", "parallel.schedule=1f1b",
                                       "parallel.zero=2", "train.precision=fp64"],
+    # Sequence parallelism: activations and messages of s/tp tokens, replicated gradients
+    # summed over tp at the step; scatter/gather: messages of 1/tp, gathered on receipt.
+    "sp-zero1-dp2-tp2-pp2-v2": ["parallel.dp=2", "parallel.tp=2", "parallel.pp=2", "parallel.vpp=2",
+                                "parallel.zero=1", "parallel.sequence_parallel=true"],
+    "llama-sp-bf16-tp2-pp2-recompute": ["model.arch=llama", "model.n_kv_heads=2", "model.vocab_size=300",
+                                        "parallel.tp=2", "parallel.pp=2", "parallel.vpp=1",
+                                        "parallel.schedule=1f1b", "parallel.sequence_parallel=true",
+                                        "train.precision=bf16", "train.recompute=full"],
+    "sg-tp2-pp2-v2-recompute": ["parallel.tp=2", "parallel.pp=2", "parallel.vpp=2", "train.recompute=full"],
+    # Selective recompute: each block keeps its input, matmul and attention outputs;
+    # recompute_layers=2 keeps only the input of every second block (layers 1, 3, ...).
+    "selective-zero2-dp2-pp2": ["parallel.dp=2", "parallel.pp=2", "parallel.vpp=1", "parallel.schedule=1f1b",
+                                "parallel.zero=2", "train.recompute=selective"],
+    "llama-selective-k2-tp2-pp2-v2": ["model.arch=llama", "model.n_kv_heads=2", "model.vocab_size=300",
+                                      "parallel.tp=2", "parallel.pp=2", "parallel.vpp=2",
+                                      "train.recompute=selective", "train.recompute_layers=2"],
 }
 
 
@@ -138,6 +154,36 @@ def test_recompute_lowers_the_activation_peak_by_the_predicted_amount(client):
         saved = m0.activations_peak_bytes - m1.activations_peak_bytes
         assert saved == p0["activations_peak_bytes"] - p1["activations_peak_bytes"]
         assert saved > 0.5 * m0.activations_peak_bytes
+
+
+def _pipeline_traffic(client, sets) -> tuple[list[float], dict[tuple[str, str], int]]:
+    """(losses, {(op, group): bytes} of tensor rank 0 of pipeline rank 0 in traced step 1)."""
+    final, steps = run_job(client, TINY + sets)
+    assert final.state == "SUCCEEDED", final.error
+    report = next(r for r in client.trace(final.job_id, 1).reports if r.rank == 0)
+    return [s.loss for s in steps], {(c.op, c.group): c.bytes for c in report.comm}
+
+
+def test_scatter_gather_and_sequence_parallel_send_a_tpth_of_each_message(client):
+    """tp=2, pp=2: every pipeline send carries half the hidden states with scatter/gather
+    (gathered within the receiving stage's tensor group) and with sequence parallelism
+    (each rank's half of the sequence, no gather): the bytes the transport counted are the
+    memory model's, and half of what plain sends move. Scatter/gather moves the same
+    values: the losses are bit for bit plain's."""
+    base = ["parallel.tp=2", "parallel.pp=2", "parallel.vpp=1", "parallel.schedule=1f1b"]
+    layouts = {"plain": ["parallel.scatter_gather=false"], "sg": [], "sp": ["parallel.sequence_parallel=true"]}
+    losses, sent = {}, {}
+    for name, extra in layouts.items():
+        config = load_config("", TINY + base + extra)
+        losses[name], traffic = _pipeline_traffic(client, base + extra)
+        programs, _ = plan_programs(config)
+        sent[name] = traffic[("send", "pp")]
+        assert sent[name] == sent_bytes_per_step(config, programs[0]), name
+        gathered = traffic.get(("all_gather", "tp"), 0)
+        if name == "sg":  # each received gradient gathered: one message of the whole per microbatch
+            assert gathered >= config.parallel.microbatches * 2 * message_bytes(config)
+    assert sent["sg"] == sent["sp"] == sent["plain"] // 2
+    assert losses["sg"] == losses["plain"]
 
 
 TOO_BIG = ["model.n_layers=48", "model.d_model=4096", "model.n_heads=32", "train.steps=1"]

@@ -17,7 +17,15 @@ import torch
 
 from interleaf.coordinator.admission import AdmissionError, check_fits, needed_bytes
 from interleaf.coordinator.config import load_config
-from interleaf.coordinator.memory_model import bucket_sizes, memory_table, predict, predict_rank
+from interleaf.coordinator.memory_model import (
+    bucket_sizes,
+    memory_table,
+    message_bytes,
+    partial_grad_elements,
+    predict,
+    predict_rank,
+    sent_bytes_per_step,
+)
 from interleaf.coordinator.partition import chunks_of, partition
 from interleaf.coordinator.plan import plan_programs
 from interleaf.stageserver.buckets import BucketLayout
@@ -287,3 +295,42 @@ def test_llama_2_7b_is_admitted_where_it_fits():
             with pytest.raises(AdmissionError, match=rf"^rank 0 needs {max(needs)} bytes .* offers 80000000000 bytes"):
                 check_fits(needs, offers)
         assert (max(needs) < 80 * 10**9) == fits
+
+
+def test_sequence_parallelism_admits_a_llama_plain_tensor_parallelism_cannot():
+    """Llama-2 7B at tp=8 with two samples of 4096 tokens per microbatch: plain tensor
+    parallelism keeps the norms' and residual stream's activations whole on every rank
+    (21.6 GB predicted), sequence parallelism an eighth of them (6.4 GB): on 24 GB
+    servers the one is refused and the other admitted."""
+    offers = [(f"gpu-{i}", 24 * 10**9) for i in range(8)]
+    tp8 = LLAMA_2_7B + ["parallel.dp=1", "parallel.tp=8", "train.global_batch=8"]
+    peaks = {}
+    for sp, fits in ((False, False), (True, True)):
+        config = load_config("", tp8 + [f"parallel.sequence_parallel={str(sp).lower()}"])
+        programs, _ = plan_programs(config)
+        peaks[sp] = predict(config, programs)[0]["activations_peak_bytes"]
+        needs = needed_bytes(config, programs)
+        if fits:
+            check_fits(needs, offers)
+        else:
+            with pytest.raises(AdmissionError, match=r"^rank \d+ needs \d+ bytes"):
+                check_fits(needs, offers)
+    assert 3 * peaks[True] < peaks[False]
+
+
+def test_pipeline_messages_and_the_replicated_gradients_of_sequence_parallelism():
+    """tp=2, pp=2, rows 2 of 16 tokens of d=32 in fp32: a message is 4096 bytes whole,
+    2048 with scatter/gather or sequence parallelism; sequence parallelism sums over tp
+    the gradients of a gpt2 stage's replicated parameters: on pipeline rank 0 (layers
+    0-3, the embedding) 4 blocks' ln_1, ln_2, proj.bias and down.bias (6·32 each) and wpe
+    (16·32), 1,280 elements."""
+    base = ["model.n_layers=8", "model.d_model=32", "model.n_heads=4", "model.seq_len=16", "model.vocab_size=256",
+            "parallel.tp=2", "parallel.pp=2", "parallel.vpp=1", "parallel.schedule=1f1b",
+                          "parallel.microbatches=4", "train.global_batch=8"]
+    plain = load_config("", base + ["parallel.scatter_gather=false"])
+    gathered = load_config("", base)
+    split = load_config("", base + ["parallel.sequence_parallel=true"])
+    assert message_bytes(plain) == 4096 and message_bytes(gathered) == message_bytes(split) == 2048
+    assert partial_grad_elements(split, 0) == 4 * 6 * 32 + 16 * 32
+    programs, _ = plan_programs(plain)
+    assert sent_bytes_per_step(gathered, programs[0]) == sent_bytes_per_step(plain, programs[0]) // 2 == 4 * 2048

@@ -14,7 +14,8 @@ import math
 import pytest
 import torch
 
-from interleaf.stageserver.optim import SLICE, AdamW, Schedule, clip_coefficient, squared_norm
+from interleaf.stageserver.lr_schedule import Schedule
+from interleaf.stageserver.optim import SLICE, AdamW, clip_coefficient, squared_norm
 
 STATE_TOL = dict(atol=1e-7, rtol=2.4e-7)
 """Against torch's for-loop and foreach AdamW: the same formula, evaluated by another
@@ -153,6 +154,96 @@ def test_schedule_without_warmup():
     assert all(x > y for x, y in zip(values, values[1:]))
     # One step, no warmup: the single step trains at the peak.
     assert math.isclose(Schedule(lr=0.01, warmup_steps=0, steps=1).lr_at(0), 0.01, rel_tol=1e-12)
+
+
+def test_the_default_schedule_is_the_cosine_it_always_was():
+    """Bit for bit: the pre-lr_decay formula, evaluated here as it was written."""
+    lr, warmup, steps = 3e-3, 20, 200
+    s = Schedule.of(type("T", (), dict(lr=lr, warmup_steps=warmup, steps=steps, lr_decay="cosine",
+                                       min_lr_ratio=0.1, decay_fraction=0.2)))
+    assert s == Schedule(lr, warmup, steps)
+    for step in range(steps + 3):
+        if step < warmup:
+            old = lr * (step + 1) / warmup
+        else:
+            progress = min(1.0, (step - warmup) / max(1, steps - 1 - warmup))
+            old = lr * 0.1 + 0.5 * (1.0 + math.cos(math.pi * progress)) * (lr - lr * 0.1)
+        assert s.lr_at(step) == old
+
+
+def test_wsd_worked_example():
+    """stageserver/lr_schedule.py's docstring, and the acceptance run's schedule."""
+    s = Schedule(lr=1e-3, warmup_steps=2, steps=8, decay="wsd", min_lr_ratio=0.2, decay_fraction=0.5)
+    expected = [5e-4, 1e-3, 1e-3, 1e-3, 8e-4, 6e-4, 4e-4, 2e-4]
+    for step, want in enumerate(expected):
+        assert math.isclose(s.lr_at(step), want, rel_tol=1e-12), step
+    assert s.lr_at(7) == 1e-3 * 0.2  # exactly the floor
+
+
+@pytest.mark.parametrize("decay", ["cosine", "linear", "wsd"])
+@pytest.mark.parametrize("warmup,steps,ratio,fraction", [(0, 10, 0.0, 0.3), (4, 25, 0.1, 0.2), (3, 7, 0.5, 1.0),
+                                                         (2, 50, 1.0, 0.05), (0, 2, 0.2, 0.01)])
+def test_every_decay_warms_up_then_falls_monotonically_to_exactly_the_floor(decay, warmup, steps, ratio, fraction):
+    lr = 2e-3
+    s = Schedule(lr, warmup, steps, decay, ratio, fraction)
+    values = [s.lr_at(step) for step in range(steps)]
+    assert values[:warmup] == [lr * (k + 1) / warmup for k in range(warmup)]
+    assert max(values) == lr
+    peak = values.index(lr)
+    assert all(b <= a for a, b in zip(values[peak:], values[peak + 1:]))
+    assert values[-1] == lr * ratio  # the last step is at the floor, exactly
+    assert s.lr_at(steps + 5) == lr * ratio  # and past the end stays there (a longer resumed job)
+
+
+def test_linear_decay_falls_by_equal_steps():
+    s = Schedule(1.0, 2, 12, "linear", 0.0)
+    decay = [s.lr_at(step) for step in range(2, 12)]  # from the peak at step 2 to 0 at step 11
+    assert [round(a - b, 12) for a, b in zip(decay, decay[1:])] == [round(1 / 9, 12)] * 9
+
+
+def test_wsd_holds_the_peak_until_its_decay_fraction():
+    lr, steps, warmup = 1.0, 100, 10
+    s = Schedule(lr, warmup, steps, "wsd", 0.1, 0.2)
+    values = [s.lr_at(step) for step in range(steps)]
+    # The last 20 steps (80..99) are below the peak; 9..79 hold it.
+    assert values[9:80] == [lr] * 71
+    assert all(v < lr for v in values[80:])
+    assert math.isclose(values[80], 0.1 + 0.9 * 19 / 20, rel_tol=1e-12)
+    # A decay phase longer than what follows the warmup starts at the warmup's end:
+    # decay_fraction 1 is linear decay.
+    assert Schedule(lr, warmup, steps, "wsd", 0.1, 1.0).lr_at(50) == Schedule(lr, warmup, steps, "linear", 0.1).lr_at(50)
+
+
+def test_constant_holds_the_peak_after_warmup():
+    s = Schedule(0.5, 3, 10, "constant")
+    assert [s.lr_at(step) for step in range(12)] == [0.5 / 3, 1 / 3, 0.5] + [0.5] * 9
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(decay="step"), "decay='step' must be one of cosine, linear, wsd, constant"),
+    (dict(min_lr_ratio=1.5), "min_lr_ratio=1.5 must be between 0 and 1"),
+    (dict(decay_fraction=0.0), "decay_fraction=0.0 must be more than 0 and at most 1"),
+])
+def test_a_schedule_refuses_what_no_config_allows(kwargs, message):
+    with pytest.raises(ValueError) as caught:
+        Schedule(1.0, 0, 10, **kwargs)
+    assert str(caught.value) == message
+
+
+def test_adamw_uses_its_betas_and_eps():
+    g = torch.Generator().manual_seed(5)
+    start = torch.randn(300, generator=g)
+    ours = AdamW(start.clone(), [(0, 100)], 0.1, betas=(0.5, 0.8), eps=1e-3)
+    a, b = start[:100].clone().requires_grad_(), start[100:].clone().requires_grad_()
+    ref = torch.optim.AdamW([{"params": [a], "weight_decay": 0.1}, {"params": [b], "weight_decay": 0.0}],
+                            lr=1e-2, betas=(0.5, 0.8), eps=1e-3)
+    for _ in range(4):
+        grad = torch.randn(300, generator=g) * 1e-3  # small: eps=1e-3 shows in every update
+        ours.step(grad, 1e-2)
+        a.grad, b.grad = grad[:100].clone(), grad[100:].clone()
+        ref.step()
+    # torch's defaults (0.9, 0.999, 1e-8) would move these elements differently by far more.
+    torch.testing.assert_close(ours.params, torch.cat([a.detach(), b.detach()]), **STATE_TOL)
 
 
 # --- clipping -------------------------------------------------------------------------------

@@ -5,6 +5,7 @@ its figures drawn once for what they show."""
 from __future__ import annotations
 
 import json
+import math
 import re
 import shutil
 import subprocess
@@ -107,3 +108,20 @@ def test_figures_are_drawn_once_for_what_they_show(monkeypatch):
     trace(0, 200.0)
     reload()
     assert drawn == {"curve": 2, "timeline": 2}
+
+
+def test_the_loss_chart_and_status_json_carry_the_held_out_evaluations():
+    """[eval]: the held-out loss is drawn over the training curve at the points it was
+    scored, and /status.json lists it per job (an evaluation run again after a recovery
+    replaces the first)."""
+    record = JobRecord("job-1-00001", load_config("", TINY))
+    routes = status_page.routes(Registry(), lambda: [record], "127.0.0.1:1")
+    for step, loss in enumerate([5.0, 4.0, 3.5, 3.0]):
+        record.add_step(pb.StepEvent(step=step, loss=loss))
+        if step % 2:
+            record.add_eval(pb.EvalEvent(step=step + 1, loss=loss + 0.5, perplexity=math.exp(loss + 0.5)))
+    record.add_eval(pb.EvalEvent(step=4, loss=3.25))  # step 4 scored again after a recovery
+    data = json.loads(routes["/status.json"](Request("/status.json", {}, {})).body)
+    assert data["eval_losses"] == {"job-1-00001": [[2, 4.5], [4, 3.25]]}
+    page = routes["/"](Request("/", {}, {})).body.decode()
+    assert "held-out loss" in page and "training loss" in page

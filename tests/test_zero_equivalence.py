@@ -28,6 +28,24 @@ COMPOSED = {
     "zero1-dp2-tp2-pp2": (layout(dp=2, tp=2, pp=2, schedule="1f1b") + ["parallel.zero=1"], []),
     "zero3-dp2-pp2-v2-recompute": (layout(dp=2, pp=2, vpp=2) + ["parallel.zero=3"], ["train.recompute=full"]),
     "zero3-pp1-v2": (layout(pp=1, vpp=2) + ["parallel.zero=3"], []),
+    # Sequence parallelism: the replicated parameters' gradients summed over tp on the
+    # ZeRO shards; with recompute, the rerun forward gathers and scatters again.
+    "zero3-dp2-tp2-sp": (layout(dp=2, tp=2, schedule="1f1b") + ["parallel.zero=3", "parallel.sequence_parallel=true"],
+                         []),
+    "zero2-dp2-tp2-pp2-sp-recompute": (layout(dp=2, tp=2, pp=2, schedule="1f1b")
+                                       + ["parallel.zero=2", "parallel.sequence_parallel=true"],
+                                       ["train.recompute=full"]),
+    # Selective recompute: the blocks rerun their cheap operations, and their collectives,
+    # in the backward; with recompute_layers=2, every second block whole and the others plainly.
+    "zero2-dp2-pp2-selective": (layout(dp=2, pp=2, schedule="1f1b") + ["parallel.zero=2"],
+                                ["train.recompute=selective"]),
+    "zero3-dp2-tp2-selective": (layout(dp=2, tp=2, schedule="1f1b") + ["parallel.zero=3"],
+                                ["train.recompute=selective"]),
+    "zero1-tp2-pp2-v2-selective-k2": (layout(tp=2, pp=2, vpp=2) + ["parallel.zero=1"],
+                                      ["train.recompute=selective", "train.recompute_layers=2"]),
+    "zero3-dp2-tp2-sp-selective": (layout(dp=2, tp=2, schedule="1f1b")
+                                   + ["parallel.zero=3", "parallel.sequence_parallel=true"],
+                                   ["train.recompute=selective"]),
 }
 
 
@@ -58,6 +76,15 @@ def test_fp64_long_run_of_ptd_zero3_matches_reference_to_1e9(client, tmp_path, a
     tensor-wise on the final parameters)."""
     check_equivalent(client, layout(dp=2, tp=2, pp=2, vpp=2) + ["parallel.zero=3"], tmp_path, ARCHS[arch] + LONG,
                      loss_rtol=1e-9, param_rtol=1e-9)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_fp64_long_run_with_sequence_parallelism_matches_reference_to_1e9(client, tmp_path, arch):
+    """The same 50 steps with sequence parallelism over dp2·tp2·pp2·vpp2 at ZeRO-1: the
+    norms and residual adds on half the sequence each, the replicated parameters'
+    gradients summed over tp before the optimizer, held to 1e-9 in fp64."""
+    check_equivalent(client, layout(dp=2, tp=2, pp=2, vpp=2) + ["parallel.zero=1", "parallel.sequence_parallel=true"],
+                     tmp_path, ARCHS[arch] + LONG, loss_rtol=1e-9, param_rtol=1e-9)
 
 
 BF16 = ["train.steps=50", "train.warmup_steps=5", "train.lr=0.003"]

@@ -49,7 +49,8 @@ from interleaf_run import run_job  # noqa: E402
 from interleaf.stageserver.data import Sampler, resolve_source  # noqa: E402
 from interleaf.stageserver.model import ModelShape  # noqa: E402
 from interleaf.stageserver.model import full_model  # noqa: E402
-from interleaf.stageserver.optim import BETAS, EPS, Schedule  # noqa: E402
+from interleaf.stageserver.lr_schedule import Schedule  # noqa: E402
+from interleaf.stageserver.optim import BETAS, EPS  # noqa: E402
 from torch_training import param_groups  # noqa: E402
 
 MODEL = ModelShape(n_layers=20, d_model=2048, n_heads=16, seq_len=2048, vocab_size=50304)

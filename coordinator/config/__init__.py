@@ -11,6 +11,8 @@ parses and overrides; this package re-exports what callers use.
 
 from interleaf.coordinator.config.job import JobConfig
 from interleaf.coordinator.config.loading import build_config, load_config
+from interleaf.coordinator.config.eval import EvalConfig, eval_points
+from interleaf.coordinator.config.metrics import MetricsConfig
 from interleaf.coordinator.config.model import ARCHS, ROPE_SCALING, ModelConfig
 from interleaf.coordinator.config.parallel import (
     MAX_ZERO_PREFETCH,
@@ -38,6 +40,6 @@ from interleaf.coordinator.config.train import (
 __all__ = [
     "ARCHS", "DEFAULT_TRACED", "MASTER_BYTES", "MAX_TRACED_STEPS", "MAX_ZERO_PREFETCH", "PRECISIONS",
     "PRECISION_BYTES", "RECOMPUTE", "ROPE_SCALING", "SCHEDULES", "TRANSPORTS", "CheckpointConfig",
-    "ConfigError", "DataConfig", "InitNotFound", "JobConfig", "ModelConfig", "ParallelConfig",
-    "RecoveryConfig", "TraceConfig", "TrainConfig", "build_config", "load_config",
+    "ConfigError", "DataConfig", "EvalConfig", "InitNotFound", "JobConfig", "MetricsConfig", "ModelConfig", "ParallelConfig",
+    "RecoveryConfig", "TraceConfig", "TrainConfig", "build_config", "eval_points", "load_config",
 ]

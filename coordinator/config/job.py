@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from interleaf.coordinator.config.metrics import MetricsConfig
+from interleaf.coordinator.config.eval import EvalConfig, eval_microbatches
 from interleaf.coordinator.config.model import ModelConfig
 from interleaf.coordinator.config.parallel import ParallelConfig
 from interleaf.coordinator.config.rules import ConfigError
@@ -15,6 +17,7 @@ from interleaf.coordinator.config.sections import (
     TraceConfig,
 )
 from interleaf.coordinator.config.train import TrainConfig
+from interleaf.protos import limits
 
 
 @dataclass(frozen=True)
@@ -26,6 +29,8 @@ class JobConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
     trace: TraceConfig = field(default_factory=TraceConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
 
     def __post_init__(self):
         m, p, t = self.model, self.parallel, self.train
@@ -47,8 +52,33 @@ class JobConfig:
                               f"key/value heads are split across tensor ranks")
         if m.ffn_hidden % p.tp:
             raise ConfigError(f"model.ffn_hidden={m.ffn_hidden} must be divisible by parallel.tp={p.tp}")
+        if p.sequence_parallel and m.seq_len % p.tp:
+            raise ConfigError(f"model.seq_len={m.seq_len} must be divisible by parallel.tp={p.tp} with "
+                              f"parallel.sequence_parallel=true: each tensor rank holds an equal slice of the "
+                              f"sequence")
         if t.global_batch % (p.dp * p.microbatches):
             raise ConfigError(
                 f"train.global_batch={t.global_batch} must be divisible by "
                 f"parallel.dp*parallel.microbatches={p.dp * p.microbatches}"
             )
+        if self.eval.enabled:
+            self._check_eval()
+
+    def _check_eval(self) -> None:
+        """An evaluation runs microbatches of the training microbatch's shape through the
+        job's own pipeline (coordinator/schedule/forward_only.py)."""
+        p, t, e = self.parallel, self.train, self.eval
+        rows = t.global_batch // p.microbatches
+        if e.samples % rows:
+            raise ConfigError(f"eval.samples={e.samples} must be a multiple of train.global_batch/"
+                              f"parallel.microbatches={rows}: evaluation runs microbatches of the training "
+                              f"microbatch's rows")
+        count = eval_microbatches(e.samples, t.global_batch, p.microbatches)
+        if p.schedule == "interleaved-1f1b" and p.vpp > 1 and count % p.pp:
+            raise ConfigError(f"eval.samples={e.samples} must be a multiple of train.global_batch/"
+                              f"parallel.microbatches*parallel.pp={rows * p.pp} for interleaved-1f1b: its "
+                              f"{count} evaluation microbatches sweep the chunks in groups of parallel.pp={p.pp}")
+        if p.pp * p.vpp * count > limits.MAX_PIPELINE_SLOTS:
+            raise ConfigError(f"eval.samples={e.samples} makes parallel.pp*parallel.vpp*{count} evaluation "
+                              f"microbatches={p.pp * p.vpp * count} forwards, more than "
+                              f"{limits.MAX_PIPELINE_SLOTS}: the coordinator plans every one")

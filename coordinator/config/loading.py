@@ -5,7 +5,9 @@ from __future__ import annotations
 import dataclasses
 import tomllib
 
+from interleaf.coordinator.config.eval import EvalConfig
 from interleaf.coordinator.config.job import JobConfig
+from interleaf.coordinator.config.metrics import MetricsConfig
 from interleaf.coordinator.config.model import ModelConfig
 from interleaf.coordinator.config.parallel import ParallelConfig
 from interleaf.coordinator.config.rules import ConfigError
@@ -27,12 +29,24 @@ _SECTION_TYPES = {
     "checkpoint": CheckpointConfig,
     "recovery": RecoveryConfig,
     "trace": TraceConfig,
+    "eval": EvalConfig,
+    "metrics": MetricsConfig,
 }
+
+
+class _FloatPair:
+    """The type of a field of two numbers, e.g. train.betas = [0.9, 0.95]."""
 
 
 def _convert(section: str, key: str, kind: type, value):
     """Coerces a TOML or command-line value to the field's type, or says why not."""
     where = f"{section}.{key}={shown(value)}"
+    if kind is _FloatPair:  # a TOML array, or on the command line [0.9, 0.95] or 0.9,0.95
+        items = value if isinstance(value, list) else None
+        if items is None or len(items) != 2 or not all(
+                isinstance(i, (int, float)) and not isinstance(i, bool) for i in items):
+            raise ConfigError(f"{where} must be a pair of numbers, e.g. [0.9, 0.95]")
+        return (float(items[0]), float(items[1]))
     if kind is bool:
         if not isinstance(value, bool):
             raise ConfigError(f"{where} must be true or false")
@@ -67,7 +81,8 @@ def _convert(section: str, key: str, kind: type, value):
 
 
 def _field_types(cls) -> dict[str, type]:
-    hints = {"int": int, "float": float, "str": str, "bool": bool, "bool | None": bool, "tuple[int, ...]": tuple}
+    hints = {"int": int, "float": float, "str": str, "bool": bool, "bool | None": bool, "tuple[int, ...]": tuple,
+             "tuple[float, float]": _FloatPair}
     return {f.name: hints[f.type] for f in dataclasses.fields(cls)}
 
 
@@ -115,7 +130,7 @@ def _typed(section: str, cls, values: dict[str, tuple]) -> dict:
             )
         if from_text and types[key] is bool:
             value = {"true": True, "false": False}.get(value.lower(), value)
-        elif from_text and types[key] is tuple:
+        elif from_text and types[key] in (tuple, _FloatPair):
             value = _list_from_text(value)
         elif from_text and types[key] is not str:
             value = _number_from_text(section, key, value)

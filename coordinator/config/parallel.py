@@ -49,8 +49,23 @@ class ParallelConfig:
     depend on the layout) instead of waiting for replacements. Needs dp >= 2 and such a
     smaller layout within every rule (refused at submit otherwise)."""
 
+    sequence_parallel: bool = False
+    """Megatron-LM's sequence parallelism (Korthikanti et al. 2022) over the tensor
+    group: norms and residual adds run on this rank's 1/tp of the sequence, column-
+    parallel inputs are all-gathered along it and row-parallel outputs reduce-scattered
+    (no all-reduce left in a block), so activations are divided by tp. Needs tp >= 2 and
+    model.seq_len divisible by tp. Pipeline sends then carry each rank's own slice."""
+    scatter_gather: bool = True
+    """The PTD-P paper's scatter/gather (Narayanan et al. 2021, section 4.1): with tp >= 2
+    and pp >= 2, each tensor rank sends only its 1/tp slice of an activation or gradient
+    to the next stage, whose ranks all-gather it within their tensor group. Moves the
+    same values (false: every rank sends the whole tensor, to compare)."""
+
     def __post_init__(self):
         _positive("parallel", self, "dp", "tp", "pp", "vpp", "microbatches")
+        if self.sequence_parallel and self.tp < 2:
+            raise ConfigError(f"parallel.sequence_parallel=true needs parallel.tp>=2, not parallel.tp={self.tp}: it "
+                              f"splits the sequence over the tensor-parallel ranks")
         _bounded("parallel", self)
         if self.world_size > limits.MAX_RANKS:
             raise ConfigError(f"parallel.dp*parallel.tp*parallel.pp={self.world_size} must be at most "

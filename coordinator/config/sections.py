@@ -101,8 +101,21 @@ class TraceConfig:
     a trace early on and a finished one its final step. An empty list (`trace.steps =
     []`) traces nothing. Untraced steps cost nothing; a traced one two clock reads per
     action (bench/observability_cost.py measures it)."""
+    torch_profiler: bool = False
+    """Also run torch's profiler (torch.profiler: operators, and CUDA kernels on a GPU)
+    over each traced step on every server; `interleaf trace --out T.json` writes each
+    rank's Chrome trace beside the action timeline. It slows the traced step itself
+    (its action timeline too), never the others."""
+    memory_snapshot: bool = False
+    """On CUDA servers: record CUDA memory history (torch.cuda.memory._record_memory_history)
+    over each traced step and keep each rank's snapshot, which `interleaf trace --out
+    T.json` writes beside it as a pickle for pytorch.org/memory_viz. Refused for a job on
+    CPU servers, which have no CUDA allocator to record."""
 
     def __post_init__(self):
+        if (self.torch_profiler or self.memory_snapshot) and not self.steps:
+            which = "torch_profiler" if self.torch_profiler else "memory_snapshot"
+            raise ConfigError(f"trace.{which}=true profiles the traced steps, and trace.steps=[] traces none")
         if len(self.steps) > MAX_TRACED_STEPS:
             raise ConfigError(f"trace.steps holds {len(self.steps)} steps: at most {MAX_TRACED_STEPS} are traced")
 

@@ -5,13 +5,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from interleaf.coordinator.config.rules import ConfigError, _bounded, _positive
+from interleaf.protos.limits import shown
+from interleaf.stageserver.lr_schedule import DECAY_FRACTION, DECAYS, MIN_LR_RATIO
+from interleaf.stageserver.model.recompute import MODES
 
 PRECISION_BYTES = {"fp32": 4, "bf16": 2, "fp64": 8}
 """Bytes per element of the compute dtype of each train.precision."""
 MASTER_BYTES = {"fp32": 4, "bf16": 4, "fp64": 8}
 """Bytes per element of the master weights, Adam moments and gradient reductions."""
 PRECISIONS = tuple(PRECISION_BYTES)
-RECOMPUTE = ("none", "full")
+RECOMPUTE = MODES
 
 
 @dataclass(frozen=True)
@@ -21,9 +24,24 @@ class TrainConfig:
     global_batch: int = 16
     """Samples per step over all replicas; divisible by parallel.dp * parallel.microbatches."""
     lr: float = 3e-3
-    """Peak learning rate (AdamW, betas 0.9/0.95)."""
+    """Peak learning rate (AdamW)."""
     warmup_steps: int = 20
-    """Linear warmup steps; then cosine decay to lr/10 at the last step."""
+    """Linear warmup steps; then lr_decay's decay to lr*min_lr_ratio at the last step."""
+    betas: tuple[float, float] = (0.9, 0.95)
+    """AdamW's (beta1, beta2): the decay rates of the gradient's running mean and of its
+    square's; each at least 0 and less than 1."""
+    eps: float = 1e-8
+    """AdamW's epsilon, added to the root of the squared-gradient average; more than 0."""
+    lr_decay: str = "cosine"
+    """After the warmup: cosine (to the floor at the last step), linear (likewise), wsd
+    (warmup-stable-decay: the peak held, then the last decay_fraction of the steps fall
+    linearly to the floor) or constant (the peak to the end). See stageserver/lr_schedule.py."""
+    min_lr_ratio: float = MIN_LR_RATIO
+    """The floor the decay reaches at the last step, as a fraction of lr (0 to 1); not
+    for constant."""
+    decay_fraction: float = DECAY_FRACTION
+    """wsd only: the fraction of all steps, at the end, over which the rate decays (more
+    than 0, at most 1; 1 is linear decay right after the warmup)."""
     weight_decay: float = 0.1
     """Decoupled weight decay on weights and embeddings (not biases or norms)."""
     grad_clip: float = 1.0
@@ -35,18 +53,57 @@ class TrainConfig:
     weights, Adam moments and gradient reductions, softmax and loss in fp32); or fp64
     (everything float64: the verification mode, with no rounding noise to hide a bug)."""
     recompute: str = "none"
-    """none, or full: a chunk keeps only its input after a forward and recomputes its
-    activations in the backward (less activation memory for a second forward)."""
+    """none; selective: each block keeps the outputs of its matrix multiplications,
+    attention and collectives, and recomputes norms, activation functions, rotary
+    embeddings and elementwise operations in the backward (torch's selective activation
+    checkpointing); or full: a chunk keeps only its input after a forward and recomputes
+    its activations in the backward (less activation memory for a second forward)."""
+    recompute_layers: int = 0
+    """selective only: K > 0 recomputes every K-th block in full (blocks whose global
+    index i has (i + 1) % K == 0, torchtitan's layer-wise selective checkpointing) and
+    keeps everything of the others; 0 (the default) is op-level selective in every block."""
 
     def __post_init__(self):
         _positive("train", self, "steps", "global_batch")
+        self._check_optimizer()
         _bounded("train", self)
         if self.precision not in PRECISIONS:
             raise ConfigError(f"train.precision={self.precision!r} must be one of {', '.join(PRECISIONS)}")
         if self.recompute not in RECOMPUTE:
             raise ConfigError(f"train.recompute={self.recompute!r} must be one of {', '.join(RECOMPUTE)}")
+        if self.recompute_layers < 0:
+            raise ConfigError(f"train.recompute_layers={self.recompute_layers} must be 0 (off) or more")
+        if self.recompute_layers and self.recompute != "selective":
+            raise ConfigError(f"train.recompute_layers={self.recompute_layers} needs train.recompute='selective' "
+                              f"(it picks the blocks selective recompute reruns in full), "
+                              f"not {self.recompute!r}")
         if not self.lr > 0:
             raise ConfigError(f"train.lr={self.lr} must be greater than 0")
         for name in ("warmup_steps", "weight_decay", "grad_clip", "seed"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"train.{name}={getattr(self, name)} must not be negative")
+
+    def _check_optimizer(self) -> None:
+        betas = self.betas
+        if not (isinstance(betas, (tuple, list)) and len(betas) == 2
+                and all(isinstance(b, (int, float)) and not isinstance(b, bool) for b in betas)):
+            raise ConfigError(f"train.betas={shown(betas)} must be a pair of numbers, e.g. [0.9, 0.95]")
+        object.__setattr__(self, "betas", (float(betas[0]), float(betas[1])))  # frozen; a list given
+        if not all(0 <= b < 1 for b in self.betas):  # NaN fails too
+            raise ConfigError(f"train.betas={list(self.betas)} must each be at least 0 and less than 1")
+        if not self.eps > 0:
+            raise ConfigError(f"train.eps={self.eps} must be greater than 0")
+        if self.lr_decay not in DECAYS:
+            raise ConfigError(f"train.lr_decay={shown(self.lr_decay)} must be one of {', '.join(DECAYS)}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ConfigError(f"train.min_lr_ratio={self.min_lr_ratio} must be between 0 and 1 "
+                              f"(a fraction of train.lr)")
+        if self.lr_decay == "constant" and self.min_lr_ratio != MIN_LR_RATIO:
+            raise ConfigError(f"train.min_lr_ratio={self.min_lr_ratio} must be left out for "
+                              f"train.lr_decay='constant': the rate never decays to a floor")
+        if not 0 < self.decay_fraction <= 1:
+            raise ConfigError(f"train.decay_fraction={self.decay_fraction} must be more than 0 and at most 1 "
+                              f"(a fraction of train.steps)")
+        if self.lr_decay != "wsd" and self.decay_fraction != DECAY_FRACTION:
+            raise ConfigError(f"train.decay_fraction={self.decay_fraction} must be left out unless "
+                              f"train.lr_decay='wsd' (it sizes wsd's decay phase), not {self.lr_decay!r}")

@@ -17,7 +17,7 @@ from .zero_rules import check_zero
 
 
 def validate_programs(programs: list[list[Action]], pp: int, vpp: int,
-                      microbatches: int, zero: int = 0) -> None:
+                      microbatches: int, zero: int = 0, forward_only: bool = False) -> None:
     """Raises ProgramError on the first rule a program breaks:
 
     - every action's chunk lives on its rank, and every send/receive names the rank
@@ -37,20 +37,38 @@ def validate_programs(programs: list[list[Action]], pp: int, vpp: int,
       send completes only when its peer reaches the matching receive, an exchange
       when all of its members' partners are posted (raises `DeadlockError`, naming
       every blocked rank, its action and the operations it waits for).
+
+    `forward_only` (an evaluation program, forward_only.py): each (chunk, microbatch)
+    has exactly one forward and nothing else computes; no gradient moves or is reduced,
+    no optimizer step runs, and only ZeRO-3's gathers and releases are allowed.
     """
     if len(programs) != pp:
         raise ValueError(f"got {len(programs)} programs for pp={pp}")
     for rank, program in enumerate(programs):
-        _check_placement(program, rank, pp, vpp)
-        _check_compute(program, rank, pp, vpp, microbatches)
+        if forward_only:
+            _check_forward_only(program, rank)
+        _check_placement(program, rank, pp, vpp, optimizer_steps=0 if forward_only else 1)
+        _check_compute(program, rank, pp, vpp, microbatches,
+                       (Kind.FORWARD,) if forward_only else (Kind.FORWARD, Kind.BACKWARD))
         _check_ordering(program, rank, pp, vpp)
-        check_zero(program, rank, pp, vpp, zero)
+        check_zero(program, rank, pp, vpp, zero, forward_only)
     _check_matching(programs)
     _check_pair_order(programs)
     simulate(programs, CostModel(), links="rendezvous")
 
 
-def _check_placement(program: list[Action], rank: int, pp: int, vpp: int) -> None:
+_FORWARD_ONLY = frozenset({Kind.FORWARD, Kind.SEND_ACT, Kind.RECV_ACT, Kind.EXCHANGE, Kind.GATHER_PARAMS,
+                           Kind.RELEASE_PARAMS})
+
+
+def _check_forward_only(program: list[Action], rank: int) -> None:
+    for i, a in enumerate(program):
+        for b in (a.p2p_ops() or (a,)):
+            if b.kind not in _FORWARD_ONLY:
+                raise ProgramError(rank, i, a, f"{_member(b, a)}a forward-only program has no {b.kind.name}")
+
+
+def _check_placement(program: list[Action], rank: int, pp: int, vpp: int, optimizer_steps: int = 1) -> None:
     for i, a in enumerate(program):
         for b in (a.p2p_ops() or (a,)):
             _check_chunk_and_peer(b, rank, pp, vpp, i, a)
@@ -61,8 +79,8 @@ def _check_placement(program: list[Action], rank: int, pp: int, vpp: int) -> Non
                                                  for b in program[i + 1:]):
             raise ProgramError(rank, i, a, "the optimizer step must be the last action "
                                            "(but for the gathers of the updated parameters)")
-    if sum(a.kind is Kind.OPTIMIZER_STEP for a in program) != 1:
-        raise ProgramError(rank, None, None, "program must have exactly one OPT")
+    if sum(a.kind is Kind.OPTIMIZER_STEP for a in program) != optimizer_steps:
+        raise ProgramError(rank, None, None, f"program must have exactly {optimizer_steps} OPT")
 
 
 def _check_chunk_and_peer(b: Action, rank: int, pp: int, vpp: int, i: int, a: Action) -> None:
@@ -86,7 +104,7 @@ def _source_chunk(recv: Action) -> int:
 
 
 def _check_compute(program: list[Action], rank: int, pp: int, vpp: int,
-                   microbatches: int) -> None:
+                   microbatches: int, kinds: tuple[Kind, ...] = (Kind.FORWARD, Kind.BACKWARD)) -> None:
     seen: dict[tuple[Kind, int, int], int] = {}
     for i, a in enumerate(program):
         if a.kind not in COMPUTE:
@@ -101,7 +119,7 @@ def _check_compute(program: list[Action], rank: int, pp: int, vpp: int,
         seen[key] = i
     for chunk in range(rank, pp * vpp, pp):
         for m in range(microbatches):
-            for kind in (Kind.FORWARD, Kind.BACKWARD):
+            for kind in kinds:
                 if (kind, chunk, m) not in seen:
                     missing = Action(kind, chunk, m)
                     raise ProgramError(rank, None, None, f"program lacks {missing}")

@@ -16,7 +16,9 @@ from interleaf.protos.actions import COMPUTE, Action, Kind
 from .errors import ProgramError
 
 
-def check_zero(program: list[Action], rank: int, pp: int, vpp: int, zero: int) -> None:
+def check_zero(program: list[Action], rank: int, pp: int, vpp: int, zero: int, forward_only: bool = False) -> None:
+    """`forward_only` (an evaluation program): no reductions at any stage, and gathers
+    only under ZeRO-3, around the forwards (stages 1/2 hold whole parameters then)."""
     if zero not in (0, 1, 2, 3):
         raise ValueError(f"zero={zero} must be 0, 1, 2 or 3")
     def fail(i: int | None, reason: str):
@@ -25,6 +27,8 @@ def check_zero(program: list[Action], rank: int, pp: int, vpp: int, zero: int) -
     allowed = {0: {Kind.REDUCE_GRADS}, 1: {Kind.REDUCE_SCATTER_GRADS, Kind.GATHER_PARAMS},
                2: {Kind.REDUCE_SCATTER_GRADS, Kind.GATHER_PARAMS},
                3: {Kind.REDUCE_SCATTER_GRADS, Kind.GATHER_PARAMS, Kind.RELEASE_PARAMS}}[zero]
+    if forward_only:
+        allowed = {Kind.GATHER_PARAMS, Kind.RELEASE_PARAMS} if zero == 3 else set()
     zero_kinds = {Kind.REDUCE_GRADS, Kind.REDUCE_SCATTER_GRADS, Kind.GATHER_PARAMS,
                   Kind.RELEASE_PARAMS}
     owned = set(range(rank, pp * vpp, pp))
@@ -61,7 +65,7 @@ def check_zero(program: list[Action], rank: int, pp: int, vpp: int, zero: int) -
             scattered[a.chunk] = scattered.get(a.chunk, 0) + 1
     if zero == 3 and gathered:
         fail(None, f"chunks {sorted(gathered)} are still gathered at the end")
-    if zero:
+    if zero and not forward_only:
         for chunk, i in sorted(unreduced.items()):
             fail(i, f"chunk {chunk}'s gradient is never reduce-scattered after this backward")
         for chunk in sorted(owned):

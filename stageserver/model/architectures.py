@@ -1,5 +1,5 @@
 """The model architectures, by `model.arch`. Each is a module of its own exposing
-`Block(config, tp)`, `final_norm(config)`, `LEARNED_POSITIONS`, and the parameters of a
+`Block(config, tp, sequence_parallel)`, `final_norm(config)`, `LEARNED_POSITIONS`, and the parameters of a
 block and of a norm as shapes, `block_parameters(config)` and `norm_parameters(config)`;
 everything they share (tensor-parallel layers, vocab-parallel embedding, head and loss,
 attention and its cache, initialisation) lives beside them in stageserver/model/."""

@@ -19,6 +19,7 @@ from interleaf.stageserver.model.architectures import architecture
 from interleaf.stageserver.model.attention import LayerCache
 from interleaf.stageserver.model.config import ModelShape
 from interleaf.stageserver.model.params import HEAD, TIED, ParamSpec, init_full, shard
+from interleaf.stageserver.model.recompute import BlockRecompute
 from interleaf.stageserver.model.tensor_parallel import (
     VocabParallelEmbedding,
     VocabParallelHead,
@@ -56,7 +57,14 @@ class ModelChunk(nn.Module):
 
     Tied embeddings: a head-only chunk holds its own copy of `wte`, initialised
     identically, whose gradient the pipeline sums with the first chunk's. Untied: the
-    last chunk holds `lm_head` and the first `wte`, each once."""
+    last chunk holds `lm_head` and the first `wte`, each once.
+
+    `sequence_parallel` (stageserver/model/sequence_parallel.py): the hidden states a
+    chunk takes and gives are this tp rank's slice of the sequence, [b, s/tp, d]; the
+    embedding's lookup is reduce-scattered to it, and the head gathers the final norm's
+    output back to the whole sequence. The parameters replicated over tp (norms,
+    row-parallel biases, wpe) then see only this rank's tokens: their gradients are
+    partial sums, which ModelState sums over the tensor group before the optimizer."""
 
     def __init__(
         self,
@@ -67,20 +75,27 @@ class ModelChunk(nn.Module):
         tp: Transport,
         seed: int,
         initial: InitialValues | None = None,
+        sequence_parallel: bool = False,
+        recompute: BlockRecompute = BlockRecompute(),
     ):
         super().__init__()
         _check_layout(config, layers, tp)
+        if sequence_parallel and config.seq_len % tp.size:
+            raise ValueError(f"seq_len={config.seq_len} must be divisible by the tensor-parallel size {tp.size} "
+                             f"for sequence parallelism")
         arch = architecture(config.arch)
         self.config = config
         self.has_embedding = has_embedding
         self.has_head = has_head
         self.tp = tp
+        self.recompute = recompute  # which blocks keep what for the backward (recompute.py)
+        self.sequence_parallel = sequence_parallel and tp.size > 1
         self.rows = config.padded_vocab(tp.size)
         if has_embedding or (has_head and config.tie_embeddings):
-            self.wte = VocabParallelEmbedding(self.rows, config.d_model, tp)
+            self.wte = VocabParallelEmbedding(self.rows, config.d_model, tp, self.sequence_parallel)
         if has_embedding and arch.LEARNED_POSITIONS:
             self.wpe = nn.Embedding(config.seq_len, config.d_model)
-        self.h = nn.ModuleDict({str(i): arch.Block(config, tp) for i in layers})
+        self.h = nn.ModuleDict({str(i): arch.Block(config, tp, self.sequence_parallel) for i in layers})
         if has_head:
             self.ln_f = arch.final_norm(config)
             if not config.tie_embeddings:
@@ -120,14 +135,16 @@ class ModelChunk(nn.Module):
                 for name, p in self.named_parameters()}
 
     def embed(self, tokens: torch.Tensor, start: int = 0) -> torch.Tensor:
-        """Hidden states of token ids [b, s] at positions start, start+1, ..."""
+        """Hidden states of token ids [b, s] at positions start, start+1, ... (sequence
+        parallel: of this rank's slice of them)."""
         x = self.wte(tokens)
         if hasattr(self, "wpe"):
             end = start + tokens.size(1)
             if end > self.config.seq_len:
                 raise ValueError(f"position {end - 1} is beyond the {self.config.seq_len} learned "
                                  f"positions (model.seq_len)")
-            x = x + self.wpe(torch.arange(start, end, device=tokens.device))
+            first = start + self.tp.rank * x.size(1) if self.sequence_parallel else start
+            x = x + self.wpe(torch.arange(first, first + x.size(1), device=tokens.device))
         return x
 
     def head_weight(self) -> torch.Tensor:
@@ -138,13 +155,13 @@ class ModelChunk(nn.Module):
         or on the last chunk the mean cross-entropy over all b*s tokens of `targets`."""
         if self.has_embedding:
             x = self.embed(x)
-        for block in self.h.values():
-            x = block(x)
+        for index, block in self.h.items():
+            x = self.recompute(int(index), block, x)
         if not self.has_head:
             return x
         if targets is None:
             raise ValueError("the chunk holding the head needs targets to compute the loss")
-        logits_shard = vocab_parallel_logits(self.ln_f(x), self.head_weight(), self.tp)
+        logits_shard = vocab_parallel_logits(self.ln_f(x), self.head_weight(), self.tp, self.sequence_parallel)
         return vocab_parallel_cross_entropy(logits_shard, targets, self.tp, self.config.vocab_size)
 
 

@@ -10,6 +10,10 @@ The two conjugate operators of the paper's figure 3:
   f = copy_to_tp:    identity forward, all-reduce backward (enters a parallel region);
   g = reduce_from_tp: all-reduce forward, identity backward (leaves it).
 With a group of one both are the identity, so every layer reduces to the plain op.
+Under sequence parallelism (`sequence_parallel=True`, sequence_parallel.py) the layers
+take and give the residual stream split along the sequence instead: a column-parallel
+layer's input is gathered (by `column_parallel`, once for every layer reading it) and a
+row-parallel layer's output reduce-scattered.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from interleaf.stageserver.model import sequence_parallel as sp
 from interleaf.stageserver.transport import Transport
 
 
@@ -75,19 +80,31 @@ def reduce_from_tp(x: torch.Tensor, tp: Transport) -> torch.Tensor:
 
 class ColumnParallelLinear(nn.Module):
     """y = x A^T + b with A split by output rows: rank t computes output features
-    [t*out/tp, (t+1)*out/tp). The output stays sharded for a RowParallelLinear to consume."""
+    [t*out/tp, (t+1)*out/tp). The output stays sharded for a RowParallelLinear to consume.
+    Sequence parallel: x is this rank's slice of the sequence, y covers all of it."""
 
     TP_DIMS: ClassVar[dict[str, int | None]] = {"weight": 0, "bias": 0}
 
-    def __init__(self, in_features: int, out_features: int, tp: Transport, bias: bool = True):
+    def __init__(self, in_features: int, out_features: int, tp: Transport, bias: bool = True,
+                 sequence_parallel: bool = False):
         super().__init__()
         local = _divide(out_features, tp, "ColumnParallelLinear out_features")
-        self.tp = tp
+        self.tp, self.sequence_parallel = tp, sequence_parallel
         self.weight = nn.Parameter(torch.empty(local, in_features))
         self.bias = nn.Parameter(torch.empty(local)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(copy_to_tp(x, self.tp), self.weight, self.bias)
+        return column_parallel(x, self)[0]
+
+
+def column_parallel(x: torch.Tensor, *layers: ColumnParallelLinear) -> tuple[torch.Tensor, ...]:
+    """Each layer applied to x, which they all read. Sequence parallel: x gathered once
+    for all of them (and its gradient reduce-scattered once); otherwise each layer's own
+    copy_to_tp, as before sequence parallelism existed, so those layouts compute the
+    same bits."""
+    if layers[0].sequence_parallel and layers[0].tp.size > 1:
+        return sp.gathered_linears(x, [(layer.weight, layer.bias) for layer in layers], layers[0].tp)
+    return tuple(F.linear(copy_to_tp(x, layer.tp), layer.weight, layer.bias) for layer in layers)
 
 
 class RowParallelLinear(nn.Module):
@@ -97,29 +114,34 @@ class RowParallelLinear(nn.Module):
 
     TP_DIMS: ClassVar[dict[str, int | None]] = {"weight": 1, "bias": None}
 
-    def __init__(self, in_features: int, out_features: int, tp: Transport, bias: bool = True):
+    def __init__(self, in_features: int, out_features: int, tp: Transport, bias: bool = True,
+                 sequence_parallel: bool = False):
         super().__init__()
         local = _divide(in_features, tp, "RowParallelLinear in_features")
-        self.tp = tp
+        self.tp, self.sequence_parallel = tp, sequence_parallel
         self.weight = nn.Parameter(torch.empty(out_features, local))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = reduce_from_tp(F.linear(x, self.weight), self.tp)
+        """Sequence parallel: the sum is reduce-scattered, this rank's tokens out (the
+        bias then sees only them: its gradient is a partial sum, see ModelState)."""
+        partial = F.linear(x, self.weight)
+        y = sp.reduce_scatter(partial, self.tp) if self.sequence_parallel and self.tp.size > 1 \
+            else reduce_from_tp(partial, self.tp)
         return y if self.bias is None else y + self.bias
 
 
 class VocabParallelEmbedding(nn.Module):
     """Rank t holds rows [t*V/tp, (t+1)*V/tp) of the (padded) embedding table of V rows.
     Each rank looks up the ids it owns, contributes zeros for the rest, and the sum over
-    ranks is the lookup."""
+    ranks is the lookup (sequence parallel: reduce-scattered, this rank's tokens out)."""
 
     TP_DIMS: ClassVar[dict[str, int | None]] = {"weight": 0}
 
-    def __init__(self, rows: int, dim: int, tp: Transport):
+    def __init__(self, rows: int, dim: int, tp: Transport, sequence_parallel: bool = False):
         super().__init__()
         local = _divide(rows, tp, "VocabParallelEmbedding rows")
-        self.tp = tp
+        self.tp, self.sequence_parallel = tp, sequence_parallel
         self.start = tp.rank * local
         self.weight = nn.Parameter(torch.empty(local, dim))
 
@@ -127,6 +149,8 @@ class VocabParallelEmbedding(nn.Module):
         outside = (ids < self.start) | (ids >= self.start + self.weight.size(0))
         local_ids = (ids - self.start).masked_fill(outside, 0)
         rows = F.embedding(local_ids, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        if self.sequence_parallel and self.tp.size > 1:
+            return sp.reduce_scatter(rows, self.tp)
         return reduce_from_tp(rows, self.tp)
 
 
@@ -141,9 +165,13 @@ class VocabParallelHead(nn.Module):
         self.weight = nn.Parameter(torch.empty(_divide(rows, tp, "VocabParallelHead rows"), dim))
 
 
-def vocab_parallel_logits(x: torch.Tensor, head_weight: torch.Tensor, tp: Transport) -> torch.Tensor:
+def vocab_parallel_logits(x: torch.Tensor, head_weight: torch.Tensor, tp: Transport,
+                          sequence_parallel: bool = False) -> torch.Tensor:
     """This rank's vocabulary slice of the logits. copy_to_tp: every rank multiplies the
-    same hidden states by its slice, so their input gradients are partial sums."""
+    same hidden states by its slice, so their input gradients are partial sums. Sequence
+    parallel: x is this rank's tokens, gathered first (the gradient reduce-scattered)."""
+    if sequence_parallel and tp.size > 1:
+        return sp.gathered_linears(x, [(head_weight, None)], tp)[0]
     return F.linear(copy_to_tp(x, tp), head_weight)
 
 

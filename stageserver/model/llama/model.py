@@ -12,7 +12,7 @@ from interleaf.stageserver.model.attention import LayerCache, causal_attention
 from interleaf.stageserver.model.config import ModelShape
 from interleaf.stageserver.model.llama.rope import apply_rotary, rotary_tables
 from interleaf.stageserver.model.params import Shapes
-from interleaf.stageserver.model.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from interleaf.stageserver.model.tensor_parallel import ColumnParallelLinear, RowParallelLinear, column_parallel
 from interleaf.stageserver.transport import Transport
 
 LEARNED_POSITIONS = False
@@ -36,24 +36,28 @@ class RMSNorm(nn.Module):
 class Attention(nn.Module):
     """Grouped-query attention with rotary positions. Query heads and key/value heads
     are both split across tp ranks (q, k and v column-parallel, each head-major), so
-    rank t's query heads read exactly its own key/value heads."""
+    rank t's query heads read exactly its own key/value heads. Sequence parallel: x is
+    this rank's slice of the sequence, gathered once for q, k and v; the rotary angles
+    are then those of the whole sequence's positions."""
 
-    def __init__(self, config: ModelShape, tp: Transport):
+    def __init__(self, config: ModelShape, tp: Transport, sequence_parallel: bool = False):
         super().__init__()
         d, hd = config.d_model, config.head_dim
         self.local_heads = config.n_heads // tp.size
         self.local_kv_heads = config.n_kv_heads // tp.size
         self.head_dim, self.config = hd, config
-        self.q = ColumnParallelLinear(d, config.n_heads * hd, tp, bias=False)
-        self.k = ColumnParallelLinear(d, config.n_kv_heads * hd, tp, bias=False)
-        self.v = ColumnParallelLinear(d, config.n_kv_heads * hd, tp, bias=False)
-        self.proj = RowParallelLinear(config.n_heads * hd, d, tp, bias=False)
+        split = dict(bias=False, sequence_parallel=sequence_parallel)
+        self.q = ColumnParallelLinear(d, config.n_heads * hd, tp, **split)
+        self.k = ColumnParallelLinear(d, config.n_kv_heads * hd, tp, **split)
+        self.v = ColumnParallelLinear(d, config.n_kv_heads * hd, tp, **split)
+        self.proj = RowParallelLinear(config.n_heads * hd, d, tp, **split)
 
     def forward(self, x: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
-        b, s, _ = x.shape
-        q = self.q(x).view(b, s, self.local_heads, self.head_dim).transpose(1, 2)
-        k = self.k(x).view(b, s, self.local_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v(x).view(b, s, self.local_kv_heads, self.head_dim).transpose(1, 2)
+        q, k, v = column_parallel(x, self.q, self.k, self.v)
+        b, s = q.shape[:2]  # the whole sequence, also where x holds a slice of it
+        q = q.view(b, s, self.local_heads, self.head_dim).transpose(1, 2)
+        k = k.view(b, s, self.local_kv_heads, self.head_dim).transpose(1, 2)
+        v = v.view(b, s, self.local_kv_heads, self.head_dim).transpose(1, 2)
         start = 0 if cache is None else cache.length
         positions = torch.arange(start, start + s, device=x.device)
         cos, sin = rotary_tables(positions, self.config, q.dtype)
@@ -66,27 +70,31 @@ class Attention(nn.Module):
 
 class MLP(nn.Module):
     """SwiGLU (Shazeer 2020): down(silu(gate(x)) · up(x)); gate and up column-parallel,
-    elementwise per shard, down row-parallel."""
+    elementwise per shard, down row-parallel (sequence parallel: gate and up share one
+    gather)."""
 
-    def __init__(self, config: ModelShape, tp: Transport):
+    def __init__(self, config: ModelShape, tp: Transport, sequence_parallel: bool = False):
         super().__init__()
-        self.gate = ColumnParallelLinear(config.d_model, config.ffn_hidden, tp, bias=False)
-        self.up = ColumnParallelLinear(config.d_model, config.ffn_hidden, tp, bias=False)
-        self.down = RowParallelLinear(config.ffn_hidden, config.d_model, tp, bias=False)
+        split = dict(bias=False, sequence_parallel=sequence_parallel)
+        self.gate = ColumnParallelLinear(config.d_model, config.ffn_hidden, tp, **split)
+        self.up = ColumnParallelLinear(config.d_model, config.ffn_hidden, tp, **split)
+        self.down = RowParallelLinear(config.ffn_hidden, config.d_model, tp, **split)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(F.silu(self.gate(x)) * self.up(x))
+        gate, up = column_parallel(x, self.gate, self.up)
+        return self.down(F.silu(gate) * up)
 
 
 class Block(nn.Module):
-    """Pre-norm block: x + attn(ln_1(x)), then + mlp(ln_2(.)), with RMSNorms."""
+    """Pre-norm block: x + attn(ln_1(x)), then + mlp(ln_2(.)), with RMSNorms. Sequence
+    parallel: x, the norms and the residual adds are this rank's slice of the sequence."""
 
-    def __init__(self, config: ModelShape, tp: Transport):
+    def __init__(self, config: ModelShape, tp: Transport, sequence_parallel: bool = False):
         super().__init__()
         self.ln_1 = RMSNorm(config.d_model, config.norm_eps)
-        self.attn = Attention(config, tp)
+        self.attn = Attention(config, tp, sequence_parallel)
         self.ln_2 = RMSNorm(config.d_model, config.norm_eps)
-        self.mlp = MLP(config, tp)
+        self.mlp = MLP(config, tp, sequence_parallel)
 
     def forward(self, x: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x), cache)

@@ -1,0 +1,130 @@
+"""Held-out validation data: which documents training never reads, and the fixed set of
+samples every evaluation scores (coordinator/config/eval.py).
+
+The split, per file of data.source: the last `fraction` of its tokens, cut at the first
+document start at or after token floor((1 - fraction) * N), so that whole documents
+(the file's last ones, as Megatron's `--split` takes contiguous document ranges) are
+held out and train and validation never share one. A document starts after the file's
+end-of-document id, or where its sidecar's `document_starts` says (the builtin corpus,
+tokenized by bytes, has no such id); a file with neither is refused (use eval.source).
+Training then samples only tokens [0, cut) of each file (`TokenSpan`, handed to the
+Sampler in place of the file: its epochs are those of the shorter file); with no split
+(eval off, or eval.source) it reads the files whole, exactly as before.
+
+The set: the first `samples` windows of seq_len+1 tokens packed (overlapping by one, as
+sampler.py packs) from the held-out tokens of each file in turn, or from eval.source.
+Fixed and unshuffled: every evaluation, layout, resume and the reference score the very
+same tokens.
+
+Worked example, a file of 100 tokens whose documents start at 0, 40, 90, 96, fraction
+0.1: the cut goes to the first start at or after token 90, so tokens [90, 100) are held
+out and training reads [0, 90); at seq_len=4 they pack two windows, [90, 95) and [94, 99).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from interleaf.stageserver.data.tokenfile import TokenFile
+
+_SCAN = 1 << 20  # tokens read at once while looking for an end-of-document id
+
+
+class TokenSpan:
+    """The first `end` tokens of a token file: what training reads of it under a split."""
+
+    def __init__(self, data: TokenFile, end: int):
+        self.path, self.meta, self.sha256, self.vocab_size = data.path, data.meta, data.sha256, data.vocab_size
+        self.tokens = data.tokens[:end]
+
+    def __len__(self) -> int:
+        return int(self.tokens.size)
+
+
+class TrainSource:
+    """data.source less its held-out tokens: what the Sampler draws from (corpus.Source's
+    `files` and `weights`)."""
+
+    def __init__(self, files: list, weights: list[float]):
+        self.files, self.weights = files, weights
+
+
+def document_cut(data: TokenFile, fraction: float) -> int:
+    """The token where `data`'s held-out documents begin (module docstring)."""
+    target = int(len(data) * (1.0 - fraction))
+    starts = data.meta.get("document_starts")
+    eos = data.meta.get("eos_id")
+    if starts is not None:
+        starts = np.asarray(starts, dtype=np.int64)
+        later = starts[(starts >= target) & (starts > 0)]
+        cut = int(later[0]) if later.size else None
+    elif eos is not None:
+        cut = _next_document(data.tokens, target, eos)
+    else:
+        raise ValueError(f"data.source={str(data.path)!r} records no document boundaries (no end-of-document id "
+                         f"and no document_starts in its sidecar), so eval.fraction cannot hold out whole "
+                         f"documents: prepare it with a tokenizer that has one, or set eval.source")
+    if cut is None or cut >= len(data):
+        raise ValueError(f"eval.fraction={fraction}: data.source={str(data.path)!r} has no document starting in "
+                         f"its last {fraction:.3g} of tokens (its last document is longer): raise eval.fraction "
+                         f"or set eval.source")
+    return cut
+
+
+def _next_document(tokens: np.ndarray, target: int, eos: int) -> int | None:
+    """The first position at or after `target` (and after 0) that follows an eos token."""
+    position = max(target - 1, 0)  # a document starting at `target` follows an eos at target-1
+    while position < tokens.size:
+        block = np.asarray(tokens[position:position + _SCAN])
+        found = np.flatnonzero(block == eos)
+        if found.size:
+            return position + int(found[0]) + 1
+        position += _SCAN
+    return None
+
+
+def split_source(source, fraction: float) -> tuple[TrainSource, list[np.ndarray]]:
+    """(what training reads of `source`, each file's held-out tokens)."""
+    cuts = [document_cut(f, fraction) for f in source.files]
+    train = TrainSource([TokenSpan(f, cut) for f, cut in zip(source.files, cuts)], list(source.weights))
+    return train, [f.tokens[cut:] for f, cut in zip(source.files, cuts)]
+
+
+class EvalSet:
+    """The fixed samples every evaluation scores, int64 [samples, seq_len+1]."""
+
+    def __init__(self, held_out: list[np.ndarray], seq_len: int, samples: int, where: str):
+        windows, span = [], np.arange(seq_len + 1)
+        for tokens in held_out:
+            count = min((tokens.size - 1) // seq_len, samples - sum(len(w) for w in windows))
+            if count > 0:
+                starts = np.arange(count, dtype=np.int64) * seq_len
+                windows.append(np.asarray(tokens)[starts[:, None] + span].astype(np.int64))
+        found = sum(len(w) for w in windows)
+        if found < samples:
+            raise ValueError(f"eval.samples={samples} needs {samples} windows of model.seq_len+1={seq_len + 1} "
+                             f"tokens, and {where} holds only {found}: lower eval.samples"
+                             f"{' or raise eval.fraction' if 'held-out' in where else ''}")
+        self.windows = torch.from_numpy(np.concatenate(windows))
+        self.samples = samples
+
+    def microbatch(self, index: int, rows: int, replica: int = 0, replicas: int = 1):
+        """(inputs, targets) of evaluation microbatch `index` of `rows` samples, this
+        replica's contiguous slice of it (as sampler.py cuts a training microbatch)."""
+        per = rows // replicas
+        first = index * rows + replica * per
+        windows = self.windows[first:first + per]
+        return windows[:, :-1], windows[:, 1:]
+
+
+def open_eval(source, eval_source: str, fraction: float, seq_len: int, samples: int):
+    """(what training reads of `source`, the evaluation set): eval.source scored whole and
+    `source` unchanged, or `fraction` of `source` held out."""
+    if eval_source:
+        try:
+            tokens = TokenFile(eval_source).tokens
+        except (OSError, ValueError) as err:
+            raise ValueError(f"eval.source: {err}") from None
+        return source, EvalSet([tokens], seq_len, samples, f"eval.source={eval_source!r}")
+    train, held = split_source(source, fraction)
+    return train, EvalSet(held, seq_len, samples, f"the held-out {fraction:.3g} of data.source")

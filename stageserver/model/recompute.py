@@ -1,0 +1,120 @@
+"""Activation recompute inside a chunk's blocks (train.recompute=selective and
+train.recompute_layers); train.recompute=full is chunk-level, in the executor.
+
+selective: each block runs under torch's selective activation checkpointing
+(torch.utils.checkpoint with a policy, as torchtitan's SAC does): the outputs of the
+matrix multiplications and of attention are saved in the forward, everything else -
+norms, activation functions, rotary embeddings, elementwise operations, the copies
+between them - is kept by nothing and rerun from the block's input in the backward.
+That drops the activations that are cheap to compute and large to hold (Korthikanti et
+al. 2022, section 5) for a rerun of the block's cheap operations.
+
+The tensor-parallel collectives inside a block (tensor_parallel.py, sequence_parallel.py)
+go through gloo and NCCL groups that torch's dispatcher does not see, so no policy can
+save their outputs: the rerun issues them again, in the backward, in the same order on
+every rank of the tensor group (each runs the same graph), and they sum the same saved
+partial products, so the results are unchanged; the cost is those collectives twice.
+
+recompute_layers = K (with selective): torchtitan's layer-wise option instead of the
+operator-level one. The blocks whose global index i has (i + 1) % K == 0 keep only their
+input and rerun whole in the backward; the others keep everything, as without recompute.
+
+Worked example, 6 layers: selective recomputes part of every block; selective with
+recompute_layers=2 reruns blocks 1, 3 and 5 whole and none of 0, 2 and 4; with
+recompute_layers=1 every block whole (full recompute, block by block).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import weakref
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+from torch.utils._pytree import tree_leaves
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+MODES = ("none", "selective", "full")
+
+_aten = torch.ops.aten
+SAVED_OPS = frozenset({
+    _aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten.baddbmm.default,
+    _aten._scaled_dot_product_flash_attention_for_cpu.default,
+    _aten._scaled_dot_product_flash_attention.default,
+    _aten._scaled_dot_product_efficient_attention.default,
+    _aten._scaled_dot_product_cudnn_attention.default,
+})
+"""What selective recompute keeps: every matrix product (linears, attention's math path)
+and the fused attention kernels (their output and softmax statistics)."""
+
+
+def _policy(ctx, func, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if func in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def block_modes(layers: range, recompute: str, recompute_layers: int = 0) -> list[str]:
+    """How each block of `layers` (global indices) is run: "none", "selective" or
+    "full" (kept input only). train.recompute=full reruns the whole chunk instead, so its
+    blocks run plainly inside that rerun."""
+    if recompute != "selective":
+        return ["none"] * len(layers)
+    if not recompute_layers:
+        return ["selective"] * len(layers)
+    return ["full" if (i + 1) % recompute_layers == 0 else "none" for i in layers]
+
+
+class Kept:
+    """What the checkpointed blocks of one forward keep for their backward: each one's
+    input (held by torch's checkpoint until the backward reruns the block) and what the
+    policy saved (held by torch's selective-checkpoint cache)."""
+
+    def __init__(self):
+        self.inputs: list[weakref.ref] = []
+        self.caches: list[dict] = []
+
+    def tensors(self) -> list[torch.Tensor]:
+        inputs = [t for t in (ref() for ref in self.inputs) if t is not None]
+        # torch 2.13's cache: {(op, ...): {call index: the output with each tensor in a
+        # _VersionWrapper, or a marker where the policy recomputes}}.
+        cached = [getattr(leaf, "val", None) for cache in self.caches for calls in cache.values()
+                  for output in calls.values() for leaf in tree_leaves(output)]
+        return inputs + [t for t in cached if isinstance(t, torch.Tensor)]
+
+
+_listening: contextvars.ContextVar[Kept | None] = contextvars.ContextVar("recompute_kept", default=None)
+
+
+@contextlib.contextmanager
+def kept_tensors() -> Iterator[Kept]:
+    """Reports what the checkpointed blocks run inside keep (the activation meter's view:
+    autograd's saved-tensor hooks see none of it)."""
+    kept = Kept()
+    token = _listening.set(kept)
+    try:
+        yield kept
+    finally:
+        _listening.reset(token)
+
+
+@dataclass(frozen=True)
+class BlockRecompute:
+    """Runs a chunk's blocks as `block_modes` says."""
+
+    recompute: str = "none"
+    recompute_layers: int = 0
+
+    def __call__(self, index: int, block: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        mode = block_modes(range(index, index + 1), self.recompute, self.recompute_layers)[0]
+        if mode == "none" or not torch.is_grad_enabled():  # no graph, nothing to keep
+            return block(x)
+        kept = _listening.get()
+        if kept is not None:
+            kept.inputs.append(weakref.ref(x))
+        if mode == "full":
+            return checkpoint(block, x, use_reentrant=False)
+        contexts = create_selective_checkpoint_contexts(_policy)
+        if kept is not None:
+            kept.caches.append(contexts[0].storage)
+        return checkpoint(block, x, use_reentrant=False, context_fn=lambda: contexts)

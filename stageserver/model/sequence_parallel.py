@@ -1,0 +1,104 @@
+"""Megatron-LM's sequence parallelism (Korthikanti et al. 2022, section 4.2.2), over a
+Transport: between tensor-parallel regions the residual stream is split along the
+sequence, [b, s/t, d] on tensor rank r holding positions [r*s/t, (r+1)*s/t).
+
+The paper's two conjugate operators replace tensor_parallel.py's f and g:
+  g  = gather (into a column-parallel region): all-gather along the sequence forward,
+       reduce-scatter backward (each rank's input gradient is a partial sum over the
+       ranks' column slices, and it needs only its own positions of the sum);
+  g' = reduce-scatter (out of a row-parallel region): reduce-scatter forward (the
+       partial products summed, each rank keeping its positions), all-gather backward.
+An all-reduce is a reduce-scatter followed by an all-gather, so a block moves as many
+bytes as with plain tensor parallelism, and every norm and residual add between the
+regions works on 1/t of the tokens and keeps 1/t of the activations.
+
+The column-parallel linears keep only their local input for the backward and gather it
+again there (as Megatron's LinearWithGradAccumulationAndAsyncCommunication does): the
+gathered [b, s, d] input is the one activation that would otherwise not shrink with t.
+Linears that read one input (llama's q, k and v; gate and up) share one gather each way.
+
+The collectives concatenate along dim 0, and the sequence is dim 1 of [b, s, d], so the
+slices are moved sequence-major ([s, b, d], transposed around each collective).
+
+Worked example, t=2, b=1, s=4: rank 0 holds tokens 0-1, rank 1 tokens 2-3 of the
+residual stream; `gather` gives both ranks tokens 0-3 for their column slices of q, k, v;
+the attention's output projection gives each rank a [1, 4, d] partial sum, and
+`reduce_scatter` leaves rank 0 the sum at tokens 0-1 and rank 1 at tokens 2-3.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from interleaf.stageserver.transport import Transport
+
+
+def gather(x: torch.Tensor, tp: Transport) -> torch.Tensor:
+    """[b, s/t, ...] on every rank -> [b, s, ...], the ranks' slices in rank order (a
+    sequence-major tensor seen batch-major: a view, not contiguous)."""
+    local = x.transpose(0, 1).contiguous()
+    whole = local.new_empty((tp.size * local.size(0), *local.shape[1:]))
+    tp.all_gather(whole, local)
+    return whole.transpose(0, 1)
+
+
+def scatter_sum(y: torch.Tensor, tp: Transport) -> torch.Tensor:
+    """[b, s, ...] partial sums on every rank -> this rank's [b, s/t, ...] of their sum,
+    contiguous (it is the residual stream, and what a pipeline send moves)."""
+    seq_major = y.transpose(0, 1).contiguous()
+    if seq_major.size(0) % tp.size:
+        raise ValueError(f"a sequence of {seq_major.size(0)} tokens does not split over {tp.size} tensor ranks")
+    mine = seq_major.new_empty((seq_major.size(0) // tp.size, *seq_major.shape[1:]))
+    tp.reduce_scatter(mine, seq_major)
+    return mine.transpose(0, 1).contiguous()
+
+
+class _ReduceScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y: torch.Tensor, tp: Transport) -> torch.Tensor:
+        ctx.tp = tp
+        return scatter_sum(y, tp)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return gather(grad, ctx.tp), None
+
+
+def reduce_scatter(y: torch.Tensor, tp: Transport) -> torch.Tensor:
+    """g': partial sums over the whole sequence in, this rank's slice of their sum out."""
+    return _ReduceScatter.apply(y, tp)
+
+
+class _GatheredLinears(torch.autograd.Function):
+    """F.linear(gather(x), w_i, b_i) for each (w_i, b_i), keeping only x (local) for the
+    backward, where x is gathered again. Parameters are flat (w0, b0, w1, b1, ...),
+    None for a missing bias."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, tp: Transport, *params):
+        whole = gather(x, tp)
+        weights, biases = params[0::2], params[1::2]
+        ctx.tp, ctx.has_bias = tp, [b is not None for b in biases]
+        ctx.save_for_backward(x, *weights)
+        return tuple(F.linear(whole, w, b) for w, b in zip(weights, biases))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        x, *weights = ctx.saved_tensors
+        whole = gather(x, ctx.tp)
+        flat_input = whole.reshape(-1, whole.size(-1))
+        grad_whole, param_grads = None, []
+        for grad, w, has_bias in zip(grads, weights, ctx.has_bias):
+            part = grad.matmul(w)
+            grad_whole = part if grad_whole is None else grad_whole + part
+            flat_grad = grad.reshape(-1, grad.size(-1))
+            param_grads += [flat_grad.t().matmul(flat_input), flat_grad.sum(0) if has_bias else None]
+        return (scatter_sum(grad_whole, ctx.tp), None, *param_grads)
+
+
+def gathered_linears(x: torch.Tensor, params: list[tuple[torch.Tensor, torch.Tensor | None]],
+                     tp: Transport) -> tuple[torch.Tensor, ...]:
+    """g then the column-parallel matmuls: x [b, s/t, d] (this rank's tokens) in, one
+    [b, s, out_i] per (weight, bias) out, every token of this rank's output columns."""
+    return _GatheredLinears.apply(x, tp, *[t for pair in params for t in pair])

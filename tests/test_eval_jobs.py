@@ -1,0 +1,87 @@
+"""Held-out validation end to end, on the shared local cluster: a resume keeps the split
+and the evaluation set (and one that would change the training data is refused), and
+the evaluations reach --metrics-out, the Python client and Prometheus.
+The eval loss against the reference per layout is in test_equivalence.py."""
+
+from __future__ import annotations
+
+import json
+import math
+import urllib.request
+
+import pytest
+from interleaf.clients.follow import MetricsOut, follow
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.conftest import TINY
+from tests.test_equivalence import LOSS_RTOL, layout, run_with_evals
+
+EVAL = ["eval.every=2", "eval.samples=8", "eval.fraction=0.05", "train.steps=4"]
+
+
+@pytest.fixture(scope="module")
+def evaluated(client, tmp_path_factory):
+    """A job scored after steps 2 and 4, with a checkpoint after each."""
+    folder = tmp_path_factory.mktemp("evaluated")
+    overrides = TINY + EVAL + layout(tp=2, pp=2, schedule="1f1b") + [f"checkpoint.dir={folder}", "checkpoint.every=2"]
+    final, steps, evaluations = run_with_evals(client, overrides)
+    assert final.state == "SUCCEEDED", final.error
+    assert [e.step for e in evaluations] == [2, 4]
+    return final, steps, evaluations, folder
+
+
+def test_a_resume_keeps_the_split_and_scores_the_same_set(client, evaluated, tmp_path):
+    _, steps, evaluations, folder = evaluated
+    # Resumed from step 2 under another layout: the same training samples and the same
+    # evaluation at step 4 (within the equivalence tolerance: another layout).
+    resumed = TINY + EVAL + layout(dp=2, pp=2, vpp=2) + [f"checkpoint.resume={folder / 'step-000002'}",
+                                                        f"checkpoint.dir={tmp_path}"]
+    final, again, evaluated_again = run_with_evals(client, resumed)
+    assert final.state == "SUCCEEDED", final.error
+    assert [s.step for s in again] == [2, 3]
+    for got, want in zip(again, steps[2:]):
+        assert abs(got.loss - want.loss) <= LOSS_RTOL * abs(want.loss), (got.step, got.loss, want.loss)
+    assert [e.step for e in evaluated_again] == [4]
+    assert abs(evaluated_again[0].loss - evaluations[1].loss) <= LOSS_RTOL * evaluations[1].loss
+    manifest = json.loads((folder / "step-000004" / "manifest.json").read_text())
+    assert manifest["data_split"] == {"held_out_fraction": 0.05, "eval_source": "", "eval_samples": 8}
+
+
+@pytest.mark.parametrize("change", [["eval.every=0"], ["eval.fraction=0.1"]])
+def test_a_resume_that_would_change_the_training_data_is_refused(client, evaluated, tmp_path, change):
+    folder = evaluated[3]
+    overrides = TINY + EVAL + change + [f"checkpoint.resume={folder / 'step-000002'}", f"checkpoint.dir={tmp_path}"]
+    final, steps, _ = run_with_evals(client, overrides)
+    assert final.state == "FAILED" and not steps
+    assert "eval.fraction=0.05 of data.source held out for validation" in final.error, final.error
+    assert "its training data would change" in final.error
+
+
+def test_evaluations_reach_metrics_out_the_python_client_and_prometheus(
+        cluster, client, evaluated, tmp_path):
+    final, _, evaluations, _ = evaluated
+    path = tmp_path / "metrics.jsonl"
+    metrics = MetricsOut(str(path))
+    assert follow(client, final.job_id, 4, metrics) == 0  # the job's kept events, replayed
+    metrics.close()
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [r["step"] for r in rows if r.get("kind") == "step"] == [0, 1, 2, 3]
+    evals = [r for r in rows if r.get("kind") == "eval"]
+    assert [(r["step"], r["loss"], r["samples"], r["tokens"]) for r in evals] == [
+        (e.step, e.loss, 8, 8 * 16) for e in evaluations]
+    assert set(evals[0]) == {"kind", "step", "loss", "perplexity", "samples", "tokens", "seconds"}
+    assert all(r["perplexity"] == pytest.approx(math.exp(r["loss"])) and r["seconds"] > 0 for r in evals)
+
+    api = cluster.connect()
+    try:
+        got = list(api.job(final.job_id).evaluations(timeout_s=60))
+    finally:
+        api.close()
+    assert [(e.step, e.loss, e.perplexity) for e in got] == [(e.step, e.loss, e.perplexity) for e in evaluations]
+
+    with urllib.request.urlopen(f"http://{cluster.http_address}/metrics", timeout=10) as reply:
+        text = reply.read().decode()
+    samples = {(s.name, s.labels.get("job")): s.value for family in text_string_to_metric_families(text)
+               for s in family.samples}
+    assert samples[("interleaf_eval_loss", final.job_id)] == evaluations[-1].loss
+    assert samples[("interleaf_eval_step", final.job_id)] == 4
