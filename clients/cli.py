@@ -232,10 +232,10 @@ def cmd_reference(args) -> int:
 
     try:
         train(config, on_step, on_eval)
-    finally:
+    finally:  # what was written stays readable, whatever stopped the run
         logs.close()
-    progress.close()
-    metrics.close()
+        progress.close()
+        metrics.close()
     return 0
 
 
@@ -341,14 +341,19 @@ def cmd_watch(args) -> int:
 def cmd_trace(args) -> int:
     from interleaf.coordinator import executed_step as trace
 
-    step = _client(args).trace(args.job, args.step)
+    client = _client(args)
+    step = client.trace(args.job, args.step)
     print(trace.summary(step))
+    for note in step.profile_notes:
+        print(f"note: {note}", file=sys.stderr)
     if args.out:
         from interleaf.coordinator.step_profiles import write_profiles
 
         trace.write_chrome_trace(args.out, step)
         print(f"trace written to {args.out} (open it in https://ui.perfetto.dev or chrome://tracing)")
-        for path in write_profiles(args.out, step):  # trace.torch_profiler, trace.memory_snapshot
+        # trace.torch_profiler, trace.memory_snapshot: a rank's at a time, each its own reply
+        profiled = (client.trace_profile(args.job, step.step, rank) for rank in step.profiled_ranks)
+        for path in write_profiles(args.out, profiled):
             viewer = "https://pytorch.org/memory_viz" if path.suffix == ".pickle" else "https://ui.perfetto.dev"
             print(f"{path} written (open it in {viewer})")
     if args.png:

@@ -33,6 +33,12 @@ class Client:
         request = pb.TraceRequest(job_id=job_id) if step is None else pb.TraceRequest(job_id=job_id, step=step)
         return self._stub.GetTrace(request, timeout=RPC_TIMEOUT_S)
 
+    def trace_profile(self, job_id: str, step: int, rank: int) -> pb.StepReport:
+        """One rank's report of a traced step with its torch profile and memory snapshot,
+        which `trace` leaves out (its profiled_ranks names the ranks that have them)."""
+        request = pb.TraceRequest(job_id=job_id, step=step, profile_rank=rank)
+        return self._stub.GetTrace(request, timeout=RPC_TIMEOUT_S).reports[0]
+
     def servers(self) -> list[pb.ServerInfo]:
         return list(self._stub.ListServers(pb.Empty(), timeout=RPC_TIMEOUT_S).servers)
 

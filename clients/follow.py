@@ -75,7 +75,7 @@ def follow(client, job_id: str, steps: int, metrics: MetricsOut, logs: RunLogs |
             progress.note(eval_line(event.eval))
         elif event.HasField("checkpoint"):
             c = event.checkpoint
-            metrics.write(checkpoint=c.kind, step=c.step, manifest=c.manifest, bytes=c.bytes,
+            metrics.write(kind="checkpoint", checkpoint=c.kind, step=c.step, manifest=c.manifest, bytes=c.bytes,
                           **({"stall_seconds": c.stall_seconds, "write_seconds": c.write_seconds}
                              if c.kind == "saved" else {"load_seconds": c.load_seconds}))
             progress.note(checkpoint_line(c))

@@ -16,7 +16,7 @@ import torch
 from interleaf.coordinator.config import JobConfig, eval_points
 from interleaf.coordinator.evaluations import perplexity
 from interleaf.stageserver.data import Sampler, resolve_source
-from interleaf.stageserver.data.holdout import EvalSet, open_eval
+from interleaf.stageserver.data.holdout import EvalSet, open_eval_set, training_data
 from interleaf.stageserver.buckets import BucketLayout
 from interleaf.stageserver.init_weights import initial_values
 from interleaf.stageserver.memory import MemoryLedger
@@ -80,10 +80,11 @@ def train(config: JobConfig, on_step=None, on_eval=None) -> tuple[list[Reference
                          {n for n in specs if specs[n].weight_decay}, t.weight_decay,
                          betas=t.betas, eps=t.eps)
     schedule = Schedule.of(t)
-    data, eval_set = resolve_source(config.data.source), None
-    if config.eval.enabled:  # the servers' split and set (stageserver/data/holdout.py)
-        e = config.eval
-        data, eval_set = open_eval(data, e.source, e.fraction, m.seq_len, e.samples)
+    # The servers' split and set (stageserver/data/holdout.py).
+    source, e, eval_set = resolve_source(config.data.source), config.eval, None
+    data = training_data(source, e.held_out)
+    if e.enabled:
+        eval_set = open_eval_set(source, e.source, e.held_out, m.seq_len, e.samples)
     scored = set(eval_points(config.eval.every, t.steps))
     sampler = Sampler(data, t.seed, m.seq_len, t.global_batch, microbatches)
     history = []

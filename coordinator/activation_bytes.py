@@ -114,7 +114,8 @@ def selective_block_bytes(model, rows: int, tp: int, precision: str, sequence_pa
                                                    partial sums; up
       llama   b*s*a*(d/t + 2*kv*hd/t + d/t + 2*d)   q, k, v, attention output, proj and
             + 2*b*s*F*a/t                          down; gate and up
-      both  + b*(h/t)*s*f + b*s_local*d*a          the logsumexp, the block's input."""
+      both  + b*(h/t)*s*f + b*s_local*d*a          the logsumexp, the block's input
+            + replayed_collective_bytes             its forward collectives' outputs."""
     a, f = _dtype_bytes(precision)
     s, d = model.seq_len, model.d_model
     bs = rows * s
@@ -126,7 +127,24 @@ def selective_block_bytes(model, rows: int, tp: int, precision: str, sequence_pa
         kv = model.n_kv_heads * model.head_dim // tp
         products = bs * a * (d // tp + 2 * kv + 2 * d) + 2 * bs * ffn * a
     attention = bs * d // tp * a + rows * (model.n_heads // tp) * s * f
-    return local * d * a + products + attention
+    return local * d * a + products + attention + replayed_collective_bytes(model, rows, tp, precision, sequence_parallel)
+
+
+def replayed_collective_bytes(model, rows: int, tp: int, precision: str, sequence_parallel: bool = False) -> int:
+    """What one selectively recomputed block's forward collectives leave recorded for
+    its rerun to replay (stageserver/model/collective_replay.py), on one tp rank: with
+    tp > 1, the attention's and the MLP's row-parallel outputs summed over the tensor
+    group, b*s*d*a each (sequence parallel: reduce-scattered, b*s*d*a/t each, and besides
+    them the two column-parallel inputs gathered along the sequence, b*s*d*a each: q, k
+    and v read one, llama's gate and up another); nothing at tp=1, which communicates
+    nothing."""
+    if tp == 1:
+        return 0
+    a, _ = _dtype_bytes(precision)
+    s, d = model.seq_len, model.d_model
+    local = _local_tokens(rows, s, tp, sequence_parallel)
+    gathered = 2 * rows * s * d * a if sequence_parallel else 0
+    return 2 * local * d * a + gathered
 
 
 def _blocks_bytes(model, modes: list[str], rows: int, tp: int, precision: str, sequence_parallel: bool) -> int:

@@ -36,6 +36,7 @@ from typing import Callable
 import grpc
 
 from interleaf.coordinator.checkpoints import Checkpoint, CheckpointError, find, prune, write_manifest
+from interleaf.coordinator.data_split import SplitChanged, job_split, resumed_split
 from interleaf.coordinator.jobs import JobRecord
 from interleaf.protos import interleaf_pb2 as pb
 from interleaf.protos import interleaf_pb2_grpc as rpc
@@ -63,6 +64,9 @@ class Checkpointing:
         # The attempt's data position, (step, samples consumed before it): the resumed
         # checkpoint's, else the job's start. A save records the samples consumed since.
         self.data_start: tuple[int, int] = (0, 0)
+        # The train/validation split the attempt runs under (coordinator/data_split.py):
+        # the job's, or the resumed checkpoint's, which its manifests then record.
+        self.split: dict = job_split(job.config)
         self._save: _Save | None = None  # the save under way
         self._lock = threading.Lock()  # a save's end (manifest, prune, events) against its abandonment
 
@@ -83,6 +87,7 @@ class Checkpointing:
                 raise CheckpointError(f"checkpoint.dir={job.config.checkpoint.dir!r} cannot be written by the "
                                       f"coordinator: {err.strerror}") from None
             probes.append(pb.FileRef(path=str(self.probe), sha256=hashlib.sha256(token).hexdigest()))
+        self.split = job_split(job.config)  # a resumed checkpoint's replaces it (_check_resume)
         self.resume_from = resumed = self._check_resume(self.restart_from) if self.restart_from else None
         self.data_start = (resumed.step, resumed.consumed_samples(job.config.train.global_batch)) if resumed else (0, 0)
         if self.resume_from is not None:
@@ -98,14 +103,10 @@ class Checkpointing:
         if saved_model is None or ModelShape(**saved_model) != shape_of(config.model):
             raise CheckpointError(f"checkpoint.resume={where!r} holds a model of shape {saved_model}, "
                                   f"this job's is {dataclasses.asdict(config.model)}")
-        saved_split = checkpoint.manifest.get("data_split", {"held_out_fraction": 0.0})  # older: no split
-        if saved_split["held_out_fraction"] != config.eval.held_out:
-            raise CheckpointError(
-                f"checkpoint.resume={where!r} trained with {_held_out(saved_split['held_out_fraction'])} of "
-                f"data.source held out for validation; this job holds out {_held_out(config.eval.held_out)} "
-                f"(eval.every={config.eval.every}, eval.fraction={config.eval.fraction}, "
-                f"eval.source={config.eval.source!r}): its training data would change; resume with the split "
-                f"it was trained with")
+        try:
+            self.split = resumed_split(checkpoint.manifest.get("data_split"), config, where)
+        except SplitChanged as err:
+            raise CheckpointError(str(err)) from None
         if checkpoint.step >= config.train.steps:
             raise CheckpointError(f"checkpoint.resume={where!r} is at step {checkpoint.step}: nothing is "
                                   f"left of train.steps={config.train.steps}")
@@ -202,9 +203,8 @@ class Checkpointing:
             "tokenizer": _tokenizer(job.config.data.tokenizer),  # what `export --format hf` writes beside it
             "precision": job.config.train.precision,
             "stall_seconds": stall,  # training waited this long
-            # The train/validation split ([eval]): the fraction of data.source's documents
-            # training never reads (0: all of them), which a resume must keep.
-            "data_split": data_split(job.config),
+            # The train/validation split and validation set, which a resume keeps.
+            "data_split": dict(self.split),
         }
         save = self._save = _Save()
         save.thread = threading.Thread(target=self._complete, args=(save, stubs, folder, names, manifest),
@@ -280,17 +280,6 @@ class _Save:
     step: int = 0
     failure: Exception | None = None
     abandoned: bool = False
-
-
-def data_split(config) -> dict:
-    """The manifest's record of the train/validation split (stageserver/data/holdout.py)."""
-    e = config.eval
-    return {"held_out_fraction": e.held_out, "eval_source": e.source if e.enabled else "",
-            "eval_samples": e.samples if e.enabled else 0}
-
-
-def _held_out(fraction: float) -> str:
-    return f"eval.fraction={fraction}" if fraction else "nothing"
 
 
 def _tokenizer(spec: str) -> str:

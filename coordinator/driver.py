@@ -24,7 +24,7 @@ from interleaf.coordinator.jobs import JobRecord
 from interleaf.coordinator.admission import needed_bytes
 from interleaf.coordinator.checkpointing import Checkpointing
 from interleaf.coordinator.elastic import describe_change, smaller_layouts
-from interleaf.coordinator.evaluations import eval_event, evaluated_in_block
+from interleaf.coordinator.evaluations import eval_allowance, eval_event, evaluated_in_block
 from interleaf.coordinator.plan import JobPlan, place_servers, plan_job, plan_programs, setup_requests
 from interleaf.coordinator.registry import DEAD_AFTER_S, HEARTBEAT_INTERVAL_S, Registry
 from interleaf.coordinator.traces import trace_plan, traced_in_block
@@ -73,6 +73,7 @@ class JobDriver(threading.Thread):
         self.channels: list = []
         self.silent: dict[int, str] = {}  # rank -> why its server was declared dead by heartbeat
         self.slowest_step_s = 0.0  # the longest any rank took for a step so far (warm-ups aside)
+        self.slowest_eval_s = 0.0  # the longest any rank took for an evaluation so far
         self.first_step = 0  # of the current attempt: its warm-up
         self.addresses: list[str] = []
         self.checkpoints = Checkpointing(job, _fan_out, self._rpc_error)
@@ -290,6 +291,7 @@ class JobDriver(threading.Thread):
         prefix = f"{job.job_id}/{time.monotonic_ns()}"
         requests = setup_requests(job.job_id, self.config, plan, (*self.store, prefix), COMM_TIMEOUT_S,
                                   data_start=self.checkpoints.data_start,
+                                  held_out=self.checkpoints.split["held_out_fraction"],
                                   # A resumed checkpoint replaces every weight: nothing to read before it.
                                   init_from="" if self.checkpoints.resume_from else self.config.checkpoint.init)
         for request in requests:
@@ -340,7 +342,8 @@ class JobDriver(threading.Thread):
         """One RunSteps call per server; step events are published as soon as every
         rank has reported that step, the last one with the block's control time: the
         wall time from issuing the calls until every stream ended, beyond the slowest
-        rank's total time inside its steps."""
+        rank's total time inside its steps and evaluations. An evaluation comes as each
+        rank's second report of its step, and its event follows the step's."""
         job, world = self.job, plan.grid.world_size
         reports: queue.Queue = queue.Queue()
         traced = traced_in_block(self.config, first, count)
@@ -364,13 +367,22 @@ class JobDriver(threading.Thread):
         for t in threads:
             t.start()
         pending: dict[int, list[pb.StepReport]] = {}
-        inside = [0.0] * world  # per rank, seconds inside its steps
-        finished, last_time, held, next_step = 0, started, None, first
+        scoring: dict[int, list[pb.StepReport]] = {}  # per step: its evaluation's reports so far
+        inside = [0.0] * world  # per rank, seconds inside its steps and evaluations
+        finished, last_time, held, next_step, longest = 0, started, None, first, 0.0
         while finished < world:
-            patience = self._progress_deadline()
+            # An evaluation sends nothing until it ends, and may take many steps' time:
+            # while one is under way on some rank, it has its own allowance.
+            due = sorted(s for s in scoring if len(scoring[s]) < world)
+            patience = (eval_allowance(self.config, max(self.slowest_step_s, longest), self.slowest_eval_s)
+                        if due else self._progress_deadline())
             try:
                 item = reports.get(timeout=patience)
             except queue.Empty:
+                if due:
+                    silent = sorted(set(range(world)) - {r.rank for r in scoring[due[0]]})
+                    raise JobFailed(f"no progress: the evaluation after step {due[0]} did not end within "
+                                    f"{patience:.1f} s on ranks {silent}") from None
                 stuck = min(pending, default=next_step)
                 silent = sorted(set(range(world)) - {r.rank for r in pending.get(stuck, [])})
                 raise JobFailed(f"no progress: no rank finished a step within {patience:.1f} s (step "
@@ -382,9 +394,20 @@ class JobDriver(threading.Thread):
                 if held is not None:  # a step every rank finished is reported all the same
                     self._publish_step(*held)
                 raise item
+            if item.HasField("evaluation"):  # sent after the step's own report
+                inside[item.rank] += item.evaluation.seconds
+                self.slowest_eval_s = max(self.slowest_eval_s, item.evaluation.seconds)
+                scoring.setdefault(item.step, []).append(item)
+                if len(scoring[item.step]) == world:
+                    held = (held[0], eval_event(self.config, scoring.pop(item.step)))
+                    last_time = time.perf_counter()  # the next step's wall time starts after it
+                continue
             inside[item.rank] += item.step_seconds
+            longest = max(longest, item.step_seconds)
             if item.step != self.first_step:
                 self.slowest_step_s = max(self.slowest_step_s, item.step_seconds)
+            if item.step in evaluated:
+                scoring.setdefault(item.step, [])  # this rank evaluates next
             pending.setdefault(item.step, []).append(item)
             if len(pending[item.step]) == world:
                 now = time.perf_counter()
@@ -392,12 +415,11 @@ class JobDriver(threading.Thread):
                     job.traces.add(traced_plan, pending[item.step])
                 done = pending.pop(item.step)
                 event = self._step_event(done, now - last_time)
-                evaluation = eval_event(self.config, done) if item.step in evaluated else None
                 next_step = item.step + 1
                 last_time = now
                 if held is not None:
                     self._publish_step(*held)
-                held = (event, evaluation)  # the block's last event waits for the streams to end
+                held = (event, None)  # the block's last event waits for the streams to end
         for t in threads:
             t.join()
         held[0].block_control_seconds = (time.perf_counter() - started) - max(inside)

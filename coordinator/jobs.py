@@ -41,12 +41,16 @@ class JobRecord:
     cancel_requested: threading.Event = field(default_factory=threading.Event)
     store: JobStore | None = field(default=None, repr=False)
     traces: Traces = field(init=False, repr=False)  # written through to the store, read back from it
+    # Told every event as it is published, before any watcher sees it (job_logs.JobLogs):
+    # each has event(pb.JobEvent) and close().
+    listeners: list = field(default_factory=list, repr=False)
 
     def __post_init__(self):
         self._changed = threading.Condition()
         stored = self.store is not None
         self.traces = Traces(self.store.load_traces(self.job_id) if stored else (),
-                             persist=self._store_trace if stored else None)
+                             persist=self._store_trace if stored else None,
+                             profiled=(self.config.trace.torch_profiler, self.config.trace.memory_snapshot))
 
     def _store_trace(self, trace: pb.StepTrace) -> None:
         """A trace the store refuses (a full disk) is still served, until a restart."""
@@ -115,7 +119,27 @@ class JobRecord:
             except JobStoreError as err:  # the state in memory is right: watchers and the job go on
                 log.error("job %s: %s", self.job_id, err)
             finally:
+                for listener in self.listeners:  # under the lock: in the order published
+                    try:
+                        listener.event(event)
+                    except Exception:  # a listener's failure is its own: the job goes on
+                        log.exception("job %s: a listener failed on an event", self.job_id)
                 self._changed.notify_all()
+
+    def listen(self, listener) -> None:
+        """`listener.event` is called with every event published from now on."""
+        with self._changed:
+            self.listeners.append(listener)
+
+    def close_listeners(self) -> None:
+        """The coordinator is stopping: each listener writes out what it holds."""
+        with self._changed:
+            listeners, self.listeners = self.listeners, []
+        for listener in listeners:
+            try:
+                listener.close()
+            except Exception:
+                log.exception("job %s: closing a listener failed", self.job_id)
 
     def published(self) -> int:
         """Events ever published, dropped ones included: a `follow(start=...)` from here

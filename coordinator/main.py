@@ -62,4 +62,7 @@ def serve(host: str, port: int, bind: str, store_port: int, steps_per_call: int 
 
     signal.signal(signal.SIGTERM, shutdown)
     signal.signal(signal.SIGINT, shutdown)
-    server.wait_for_termination()
+    try:
+        server.wait_for_termination()
+    finally:
+        service.close_job_logs()

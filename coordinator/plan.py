@@ -141,13 +141,16 @@ def tensor_parallel_mode(p) -> str:
 
 def setup_requests(
     job_id: str, config: JobConfig, plan: JobPlan, store: tuple[str, int, str], comm_timeout_s: float,
-    data_start: tuple[int, int] = (0, 0), init_from: str = "",
+    data_start: tuple[int, int] = (0, 0), init_from: str = "", held_out: float | None = None,
 ) -> list[pb.SetupRequest]:
     """`data_start`: the data position (step, samples consumed before it) the job goes on
     from: a resumed checkpoint's (stageserver/data/sampler.py); (0, 0) for a new job.
     `init_from`: the weights each server reads its parameters from (checkpoint.init,
-    resolved); "" starts from the seed, or from a checkpoint loaded after setup."""
+    resolved); "" starts from the seed, or from a checkpoint loaded after setup.
+    `held_out`: the fraction of data.source training never reads, when a resumed
+    checkpoint's split sets it (coordinator/data_split.py); else the job's."""
     m, p, t, e = config.model, config.parallel, config.train, config.eval
+    held_out = e.held_out if held_out is None else held_out
     host, port, prefix = store
     requests = []
     for rank in range(plan.grid.world_size):
@@ -205,6 +208,7 @@ def setup_requests(
                 eval_samples=e.samples if e.enabled else 0,
                 eval_source=e.source if e.enabled else "",
                 eval_fraction=e.fraction if e.enabled else 0.0,
+                held_out_fraction=held_out,
             )
         )
     return requests

@@ -65,6 +65,10 @@ class TensorBoardSink:
         for tag, value in scalars.items():
             self.writer.add_scalar(tag, value, global_step=step)
 
+    def flush(self) -> None:
+        """What was logged, on disk now (the coordinator's job logs, after each step)."""
+        self.writer.flush()
+
     def close(self) -> None:
         self.writer.close()
 
@@ -88,6 +92,9 @@ class WandbSink:
         # W&B keeps one row per step and drops rows for steps below its newest: steps
         # run again after a recovery are not logged twice.
         self.run.log(scalars, step=step)
+
+    def flush(self) -> None:
+        """W&B's own process writes each row as it is logged."""
 
     def close(self) -> None:
         self.run.finish()
@@ -150,6 +157,10 @@ class RunLogs:
         elif kind == "eval":
             e = event.eval
             self.log(e.step, eval_scalars(e.loss, e.perplexity, e.seconds))
+
+    def flush(self) -> None:
+        for sink in self.sinks:
+            sink.flush()
 
     def close(self) -> None:
         for sink in self.sinks:

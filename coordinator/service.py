@@ -44,6 +44,12 @@ class CoordinatorService(rpc.CoordinatorServicer):
         self.drivers: dict[str, JobDriver] = {}
         self.store_address = store_address
 
+    def close_job_logs(self) -> None:
+        """The coordinator is stopping: every job's TensorBoard files (metrics.
+        tensorboard_dir) are closed, as its drivers' daemon threads end without a word."""
+        for driver in list(self.drivers.values()):
+            driver.job.close_listeners()
+
     def RegisterServer(self, request: pb.RegisterRequest, context):
         if not request.address:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "address='' must be host:port")
@@ -174,6 +180,13 @@ class CoordinatorService(rpc.CoordinatorServicer):
             context.abort(grpc.StatusCode.NOT_FOUND,
                           f"job {request.job_id} has no trace of {'any step' if step is None else f'step {step}'} "
                           f"(traced so far: {traced or 'none'}; trace.steps asks for steps {wanted})")
+        if request.HasField("profile_rank"):  # one rank's profiles, each its own reply
+            profile = record.traces.profile(trace.step, request.profile_rank)
+            if profile is None:
+                context.abort(grpc.StatusCode.NOT_FOUND,
+                              f"job {request.job_id}'s trace of step {trace.step} keeps no profile of rank "
+                              f"{request.profile_rank} (profiled ranks: {list(trace.profiled_ranks) or 'none'})")
+            return profile
         return trace
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gzip
 import pathlib
+from collections.abc import Iterable
 
 from interleaf.protos import interleaf_pb2 as pb
 
@@ -21,10 +22,11 @@ def profile_paths(out: str, rank: int) -> tuple[pathlib.Path, pathlib.Path]:
             base.with_name(f"{stem}.rank{rank}.memory_snapshot.pickle"))
 
 
-def write_profiles(out: str, step: pb.StepTrace) -> list[pathlib.Path]:
-    """Writes every rank's profile and snapshot the step carries; the paths written."""
+def write_profiles(out: str, reports: Iterable[pb.StepReport]) -> list[pathlib.Path]:
+    """Writes the profile and snapshot each report carries (`interleaf trace` passes the
+    profiled ranks' reports as it fetches them, one at a time); the paths written."""
     written = []
-    for report in step.reports:
+    for report in reports:
         trace_path, snapshot_path = profile_paths(out, report.rank)
         for data, path in ((report.torch_profile, trace_path), (report.memory_snapshot, snapshot_path)):
             if data:

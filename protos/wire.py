@@ -38,6 +38,12 @@ MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 MAX_CONFIG_BYTES = 1 << 20
 """SubmitJob: at most this many bytes of config text, and as many of overrides in all."""
 COORDINATOR_RECEIVE_BYTES = 4 * MAX_CONFIG_BYTES
+MAX_PROFILE_BYTES = 64 << 20
+"""One rank's torch profile or memory snapshot of a traced step, gzip-compressed, at
+most (about 640 MiB of Chrome trace JSON): a stage server drops a larger one, and the
+coordinator keeps none larger, each with a note naming its size (StepTrace.profile_notes),
+so a step report carrying both, and GetTrace's reply of one rank's, stay under
+MAX_MESSAGE_BYTES."""
 STAGE_SERVER_RECEIVE_BYTES = 64 << 20
 OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),

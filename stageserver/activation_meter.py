@@ -24,8 +24,10 @@ saved-tensor hooks autograd no longer detects in-place writes to saved tensors.
 
 Selective recompute (`train.recompute=selective`, stageserver/model/recompute.py): inside
 a checkpointed block autograd saves nothing (torch's checkpoint hooks take the place of
-the pack hook here); what the block keeps is its input and the outputs its policy saves,
-which recompute.kept_tensors reports and are counted with the rest.
+the pack hook here); what the block keeps is its input, the outputs its policy saves and
+those of its forward collectives, recorded for the rerun to replay
+(model/collective_replay.py), which recompute.kept_tensors reports and are counted with
+the rest.
 
 Recompute (`train.recompute=full`): the forward runs under no_grad and the executor keeps
 only x, so that is all `forward_no_grad` counts; for the chunk with the head the targets

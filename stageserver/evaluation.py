@@ -39,8 +39,10 @@ class EvalStats:
 
 
 class Evaluator(Executor):
-    def __init__(self, model, program: list[Action], rank: int, eval_set: EvalSet, microbatches: int,
+    def __init__(self, model, program: list[Action], rank: int, eval_set: EvalSet | None, microbatches: int,
                  cancelled=None):
+        """`eval_set`: None on a rank with neither the embedding nor the loss, which reads
+        no tokens (its chunks take and send activations only)."""
         super().__init__(model, program, rank, cancelled)
         unknown = sorted({a.kind.name for a in program if a.kind not in _EVAL_KINDS})
         if unknown:

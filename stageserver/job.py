@@ -23,7 +23,8 @@ from interleaf.stageserver.data import Sampler, resolve_source
 from interleaf.stageserver.data.vocab_check import data_too_big
 from interleaf.stageserver.background_writes import BackgroundWrites
 from interleaf.stageserver.setup_checks import SetupError, check_setup
-from interleaf.stageserver.data.holdout import open_eval
+from interleaf.stageserver.data.holdout import open_eval_set, training_data
+from interleaf.stageserver.data.tokenfile import TokenFile
 from interleaf.stageserver.evaluation import EvalStats, Evaluator
 from interleaf.stageserver.executor import Executor, StepStats
 from interleaf.stageserver.init_weights import initial_values
@@ -113,19 +114,26 @@ class StageJob:
                 f"model.vocab_size={m.vocab_size} must exceed every token id in "
                 f"data.source={request.data_source!r}, which holds id {largest}"
             )
-        # [eval]: the held-out set, and what training reads of the data without it.
-        self.eval_program, self.eval_set, train_data = [], None, self.data
-        if request.eval_program:
-            try:
+        # [eval]: what training reads of the data (the split is kept whether or not this
+        # job evaluates), and the held-out set, on the ranks that read tokens: those with
+        # the embedding (inputs) or the loss (targets); the others never read a sample.
+        self.eval_program, self.eval_set = [], None
+        try:
+            train_data = training_data(self.data, request.held_out_fraction)
+            if request.eval_program:
                 self.eval_program = [parse(a.text) for a in request.eval_program]
-                train_data, self.eval_set = open_eval(self.data, request.eval_source, request.eval_fraction,
-                                                      m.seq_len, request.eval_samples)
-            except (OSError, ValueError) as err:
-                raise JobRejected(f"eval: {err}") from None
-            largest = int(self.eval_set.windows.max())
+                if any(c.has_embedding or c.has_head for c in self.chunks):
+                    self.eval_set = open_eval_set(self.data, request.eval_source, request.held_out_fraction,
+                                                  m.seq_len, request.eval_samples)
+        except (OSError, ValueError) as err:
+            raise JobRejected(f"eval: {err}") from None
+        if self.eval_set is not None and request.eval_source:  # data.source's own ids were checked above
+            recorded = TokenFile(request.eval_source).vocab_size
+            largest = self.eval_set.largest() if recorded is None else recorded - 1
             if largest >= m.vocab_size:
                 raise JobRejected(f"model.vocab_size={m.vocab_size} must exceed every token id the evaluation "
-                                  f"scores; eval.source={request.eval_source!r} holds id {largest}")
+                                  f"scores; eval.source={request.eval_source!r} holds "
+                                  f"{'id' if recorded is None else 'ids up to'} {largest}")
         try:
             self.sampler = Sampler(train_data, t.seed, m.seq_len, t.global_batch, t.microbatches,
                                    start_step=t.data_start_step, start_samples=t.data_start_samples)
@@ -169,7 +177,8 @@ class StageJob:
             last_chunk = r.grid.pp * r.vpp - 1
             self.model = ModelState(self.config, self.chunks, groups, self.sampler, self.train, last_chunk,
                                     zero=r.zero, device=self.device, initial=self.initial,
-                                    sequence_parallel=r.sequence_parallel, scatter_gather=r.scatter_gather)
+                                    sequence_parallel=r.sequence_parallel, scatter_gather=r.scatter_gather,
+                                    eval_microbatches=r.eval_microbatches if r.eval_program else 0)
         except BaseException:
             for joined in groups.values():  # never left to the garbage collector
                 joined.close()

@@ -25,11 +25,24 @@ class Schedule:
     step the decay starts from and the last step:
       cosine    floor + (lr - floor) * (1 + cos(pi*p))/2, from the end of warmup (GPT-3);
       linear    floor + (lr - floor) * (1 - p), from the end of warmup;
-      wsd       the peak held until the last round(decay_fraction*steps) steps, which
-                fall linearly to the floor (warmup-stable-decay, torchtitan's WSD);
+      wsd       the peak held, then the last D steps fall linearly to the floor
+                (warmup-stable-decay, torchtitan's WSD), where D is decay_fraction*steps
+                rounded half up, at least 1 and at most steps-1-warmup_steps: the decay
+                starts from a step at the peak, never inside the warmup, so
+                decay_fraction=1 is the linear decay;
       constant  the peak to the end.
-    cosine, linear and wsd reach exactly the floor at the last step, provided the warmup
-    ends before it.
+    Past the last step (a longer resumed job) the rate stays where it ended.
+
+    The edges, exactly (no config rule forbids them; tests run steps=3 under the default
+    warmup_steps=20):
+    - warmup_steps <= steps - 2: cosine, linear and wsd reach exactly the floor at the
+      last step. With a warmup the peak is reached twice: at the warmup's last step
+      (lr*warmup_steps/warmup_steps) and at step warmup_steps, where progress is 0.
+    - warmup_steps = steps - 1 (steps = 1 with no warmup among them): step
+      warmup_steps, where the decay would start, is the last step; it trains at the
+      peak and no step decays, whatever the decay.
+    - warmup_steps >= steps: every step warms up, lr*(step+1)/warmup_steps; the peak
+      is reached only when warmup_steps = steps (at the last step), never when more.
 
     Worked example, lr=1e-3, steps=8, warmup_steps=2, min_lr_ratio=0.2, wsd with
     decay_fraction=0.5 (the last 4 steps decay, so the decay starts from step 3):
@@ -79,5 +92,10 @@ class Schedule:
         covers at least the last step and never reaches into the warmup."""
         if self.decay != "wsd":
             return self.warmup_steps
-        decaying = max(1, round(self.decay_fraction * self.steps))
-        return max(self.warmup_steps, self.steps - 1 - decaying)
+        return max(self.warmup_steps, self.steps - 1 - self.wsd_decay_steps())
+
+    def wsd_decay_steps(self) -> int:
+        """WSD's D before the warmup caps it: decay_fraction*steps rounded half up (not
+        Python's round, which rounds 2.5 to 2), at least 1. The 1e-9 absorbs the binary
+        error of a product meant to be a half (0.7*45 = 31.499999999999996: D = 32)."""
+        return max(1, math.floor(self.decay_fraction * self.steps + 0.5 + 1e-9))

@@ -59,6 +59,12 @@ class TrainPlan:
     recompute_layers: int = 0
 
 
+def message_tag(kind: str, chunk: int, microbatch: int, microbatches: int) -> int:
+    """The gloo tag of a pipeline message (Action.message_key), `microbatches` being the
+    most a program runs: unique to the tensor within a step or an evaluation."""
+    return (chunk * microbatches + microbatch) * 2 + (kind == "grad")
+
+
 class ModelState:
     def __init__(
         self,
@@ -73,8 +79,11 @@ class ModelState:
         initial: InitialValues | None = None,
         sequence_parallel: bool = False,
         scatter_gather: bool = False,
+        eval_microbatches: int = 0,
     ):
         """`initial`: the weights to start from (checkpoint.init), else (seed, name)'s.
+        `eval_microbatches`: how many microbatches an evaluation runs ([eval]; 0: none),
+        which its messages' tags must number as a step's do.
         `sequence_parallel`, `scatter_gather`: parallel.sequence_parallel and
         parallel.scatter_gather (how hidden states sit on the tensor ranks and cross
         between stages: pipeline_messages.py)."""
@@ -87,6 +96,9 @@ class ModelState:
         self.zero = zero
         self.dtype = DTYPES[train.precision]
         self.microbatches = train.microbatches
+        # Tags number (chunk, microbatch) pairs: as many microbatches as the longer of a
+        # step and an evaluation, so that no two messages of either share a tag.
+        self.tag_microbatches = max(train.microbatches, eval_microbatches)
         self.schedule = Schedule.of(train)
         self.last_chunk = last_chunk
         self.ledger = MemoryLedger()
@@ -152,9 +164,11 @@ class ModelState:
         return self.messages.buffer()
 
     def tag(self, action: Action) -> int:
-        """A gloo tag unique to the tensor within a step: both ends derive the same one."""
-        kind, chunk, microbatch = action.message_key()
-        return (chunk * self.microbatches + microbatch) * 2 + (kind == "grad")
+        """A gloo tag unique to the tensor within a step or an evaluation: both ends
+        derive the same one. Worked example, 4 training and 12 evaluation microbatches:
+        chunk 1's activation of evaluation microbatch 5 is (1*12 + 5)*2 = 34, which with
+        4 per chunk would have been chunk 4's microbatch 1's, (4*4 + 1)*2 = 34."""
+        return message_tag(*action.message_key(), self.tag_microbatches)
 
     def zero_grad(self) -> None:
         for buckets in self.buckets.values():

@@ -9,7 +9,8 @@ ComputeClock); with these settings the server also runs, over that same step,
 Both travel gzip-compressed in the step's report (StepReport.torch_profile,
 .memory_snapshot) and are kept with the job's traced step: they outlive the job, as
 `interleaf trace` is usually run after it, where a file in the server's spool would go
-with the job's teardown. Chrome trace JSON compresses about tenfold.
+with the job's teardown. Chrome trace JSON compresses about tenfold. One over
+wire.MAX_PROFILE_BYTES compressed is dropped (logged), so a report fits one message.
 
 Only traced steps pay: the others run no profiler and record no history.
 """
@@ -18,12 +19,17 @@ from __future__ import annotations
 
 import contextlib
 import gzip
+import logging
 import os
 import pickle
 import tempfile
 from dataclasses import dataclass
 
 import torch
+
+from interleaf.protos.wire import MAX_PROFILE_BYTES
+
+log = logging.getLogger("interleaf.stageserver")
 
 MAX_HISTORY_ENTRIES = 100_000
 """Allocator events kept for a snapshot (torch's own default): a step of a large model
@@ -68,6 +74,8 @@ class StepProfiler:
                 torch.cuda.memory._record_memory_history(enabled=None, device=self.device)
         if profiler is not None:
             profiles.torch_profile = _chrome_trace(profiler)
+        profiles.torch_profile = within_bound(profiles.torch_profile, "torch profile")
+        profiles.memory_snapshot = within_bound(profiles.memory_snapshot, "memory snapshot")
 
     def _profiler(self):
         if not self.torch_profiler:
@@ -76,6 +84,17 @@ class StepProfiler:
         if self.device.type == "cuda":
             activities.append(torch.profiler.ProfilerActivity.CUDA)
         return torch.profiler.profile(activities=activities, record_shapes=True)
+
+
+def within_bound(data: bytes, what: str, most: int = MAX_PROFILE_BYTES) -> bytes:
+    """`data`, or nothing when over `most`: a report must fit one gRPC message, and the
+    step's trace is worth more than one rank's profile (the coordinator notes its absence
+    in the trace, StepTrace.profile_notes)."""
+    if len(data) <= most:
+        return data
+    log.warning("the traced step's %s is %d bytes gzip-compressed, over the %d a trace keeps: dropped (trace "
+                "fewer steps' actions, or profile a smaller run)", what, len(data), most)
+    return b""
 
 
 def _chrome_trace(profiler) -> bytes:

@@ -10,6 +10,7 @@ secret to any holder of the shared token."""
 
 from __future__ import annotations
 
+import functools
 import gc
 import itertools
 import logging
@@ -136,14 +137,7 @@ class StageServerService(rpc.StageServerServicer):
             if job.cancelled.is_set():
                 context.abort(grpc.StatusCode.CANCELLED, f"job {job.job_id} was torn down")
             self._use_device()  # each step: a streaming handler may resume on another thread
-            try:
-                stats, stopped = job.run_step(step, trace=step in traced), ""
-                # The held-out set scored with the weights this step left (its report says so).
-                evaluation = job.evaluate() if step in evaluated else None
-            except Exception as err:
-                if not job.cancelled.is_set():
-                    context.abort(grpc.StatusCode.INTERNAL, str(err))
-                stopped = str(err)
+            stats, stopped = self._attempt(job, context, functools.partial(job.run_step, step, trace=step in traced))
             if stopped:  # closed mid-step: torn down, dropped, or the server stopping
                 log.info("job %s stopped in step %d: %s", job.job_id, step, stopped)
                 _collect()  # out of the except block: the step's frames are no longer held
@@ -163,7 +157,6 @@ class StageServerService(rpc.StageServerServicer):
                 memory=pb.RankMemory(rank=job.rank, **stats.memory),
                 idle_seconds=stats.idle_seconds,
                 started_unix=stats.started_unix,
-                **_evaluation_fields(evaluation, job.reports_loss),
                 spans=[pb.ActionSpan(action=a, kind=k, start_seconds=b, end_seconds=e) for a, k, b, e in stats.spans],
                 torch_profile=stats.torch_profile,
                 memory_snapshot=stats.memory_snapshot,
@@ -173,6 +166,29 @@ class StageServerService(rpc.StageServerServicer):
             if self.metrics is not None:
                 self.metrics.observe(report, job.request.coordinates.pp)
             yield report
+            if step in evaluated:
+                # The held-out set scored with the weights this step left, after the step's
+                # report has gone: the driver sees the step's progress and timings alone,
+                # and this report as the evaluation's own progress (coordinator/driver.py).
+                self._use_device()
+                evaluation, stopped = self._attempt(job, context, job.evaluate)
+                if stopped:
+                    log.info("job %s stopped evaluating after step %d: %s", job.job_id, step, stopped)
+                    _collect()
+                    context.abort(grpc.StatusCode.CANCELLED, stopped)
+                yield pb.StepReport(job_id=job.job_id, step=step, rank=job.rank,
+                                    evaluation=_evaluation_report(evaluation, job.reports_loss))
+
+    @staticmethod
+    def _attempt(job: StageJob, context, work):
+        """(work's result, "") or, when the job was closed under it (torn down, dropped,
+        or the server stopping), (None, why); any other failure aborts the call."""
+        try:
+            return work(), ""
+        except Exception as err:
+            if not job.cancelled.is_set():
+                context.abort(grpc.StatusCode.INTERNAL, str(err))
+            return None, str(err)
 
     def SaveState(self, request: pb.SaveRequest, context):
         job = self._connected(request.job_id, context)
@@ -259,13 +275,11 @@ class StageServerService(rpc.StageServerServicer):
             _collect()
 
 
-def _evaluation_fields(evaluation, reports_loss: bool) -> dict:
-    """StepReport's eval_* fields: the ranks that report the loss report the evaluation's."""
-    if evaluation is None:
-        return {}
+def _evaluation_report(evaluation, reports_loss: bool) -> pb.EvalReport:
+    """A rank's part of an evaluation: the ranks that report the loss report its loss."""
     if not reports_loss or evaluation.loss is None:
-        return {"eval_seconds": evaluation.seconds}
-    return {"eval_loss": evaluation.loss, "eval_tokens": evaluation.tokens, "eval_seconds": evaluation.seconds}
+        return pb.EvalReport(seconds=evaluation.seconds)
+    return pb.EvalReport(loss=evaluation.loss, tokens=evaluation.tokens, seconds=evaluation.seconds)
 
 
 def _collect() -> None:

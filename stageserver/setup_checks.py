@@ -124,7 +124,11 @@ def check_setup(r: pb.SetupRequest) -> None:
 
 def _check_eval(r: pb.SetupRequest) -> None:
     """[eval], as EvalConfig and JobConfig check it: a job that evaluates has a program,
-    and its samples fill whole microbatches of the training microbatch's rows."""
+    and its samples fill whole microbatches of the training microbatch's rows; the
+    held-out documents, which training skips whether or not the job evaluates, are the
+    evaluated ones when there is no eval_source."""
+    if not 0 <= r.held_out_fraction < 1:  # NaN fails too
+        raise SetupError(f"held_out_fraction={r.held_out_fraction} must be at least 0 and below 1")
     if not r.eval_program:
         return
     t = r.train
@@ -137,3 +141,6 @@ def _check_eval(r: pb.SetupRequest) -> None:
         raise SetupError(f"eval_microbatches={r.eval_microbatches} makes more than {MAX_PIPELINE_SLOTS} forwards")
     if not r.eval_source and not 0 < r.eval_fraction < 1:  # NaN fails too
         raise SetupError(f"eval_fraction={r.eval_fraction} must be between 0 and 1 (exclusive) with no eval_source")
+    if not r.eval_source and r.held_out_fraction != r.eval_fraction:
+        raise SetupError(f"held_out_fraction={r.held_out_fraction} must equal eval_fraction={r.eval_fraction} with "
+                         f"no eval_source: the held-out documents are the evaluated ones")

@@ -27,6 +27,7 @@ from interleaf.stageserver.data.tokenfile import write_tokens
 from interleaf.stageserver.model import ModelChunk, ModelShape
 from interleaf.stageserver.model.recompute import BlockRecompute, block_modes
 from interleaf.stageserver.transport import SoloTransport
+from interleaf.stageserver.transport.metered import CommMeter, metered
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
 ENDS = [(False, False), (True, False), (False, True), (True, True)]  # (embedding, head)
@@ -247,8 +248,9 @@ def _measure_selective_all(rank: int, tp, token_file: str, cases: list, sequence
 
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp2", "tp2-sp"])
 def test_selective_prediction_and_gradients_tp2(token_file, sequence_parallel):
-    """On gloo: the rerun in the backward issues the blocks' collectives again, in the
-    same order on both ranks (no deadlock), and every gradient is the plain chunk's."""
+    """On gloo: the rerun in the backward replays the blocks' forward collectives, blocks
+    rerun whole (recompute_layers) issue theirs again in the same order on both ranks (no
+    deadlock), what the replays hold is predicted, and every gradient is the plain chunk's."""
     cases = [
         (("fp32", True, True, 2, "gpt2-s8"), 0),
         (("bf16", False, False, 2, "gpt2-s16"), 2),
@@ -259,3 +261,50 @@ def test_selective_prediction_and_gradients_tp2(token_file, sequence_parallel):
         for (case, layers_k), (kept, equal) in zip(cases, measured):
             assert equal, f"rank {rank}, case {case}: selective recompute changed a gradient"
             assert kept == _predict_selective(case, 2, layers_k, sequence_parallel), f"rank {rank}, case {case}"
+
+
+def _collective_calls(rank: int, tp, token_file: str, cases: list, sequence_parallel: bool) -> list:
+    """Per case, per recompute (none, selective, selective with every block rerun whole):
+    the tensor group's calls per op in the forward and in the backward, counted by the
+    metered transport the servers use, and whether every gradient is the plain chunk's."""
+    meter = CommMeter()
+    counted = metered(tp, "tp", meter)
+    results = []
+    for precision, emb, head, layers, name in cases:
+        rows, config = ALL_SHAPES[name]
+        dtype = DTYPES[precision]
+        ids, targets = Sampler(resolve_source(token_file), 0, config.seq_len, rows).microbatch(0, 0)
+        tokens = config.seq_len // tp.size if sequence_parallel else config.seq_len
+        hidden = torch.randn(rows, tokens, config.d_model, generator=torch.Generator().manual_seed(1)).to(dtype)
+        calls, grads = [], []
+        for recompute in (BlockRecompute(), BlockRecompute("selective"), BlockRecompute("selective", 1)):
+            chunk = ModelChunk(config, range(layers), emb, head, counted, seed=5, sequence_parallel=sequence_parallel,
+                               recompute=recompute).to(dtype)
+            x = ids if emb else hidden.clone().requires_grad_()
+            meter.take()
+            out = chunk(x, targets) if head else chunk(x)
+            forward = {op: n for op, _, _, _, n in meter.take()}
+            out.backward(None if head else torch.ones_like(out))
+            backward = {op: n for op, _, _, _, n in meter.take()}
+            calls.append((forward, backward))
+            grads.append([*([] if emb else [x.grad]), *(p.grad for p in chunk.parameters())])
+        equal = all(torch.equal(a, b) for a, b in zip(grads[0], grads[1]))
+        results.append((calls, equal))
+    return results
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp2", "tp2-sp"])
+def test_selective_rerun_issues_no_forward_collective(token_file, sequence_parallel):
+    """The backward of selectively recomputed blocks issues exactly the collectives of the
+    plain backward (the rerun replays the forward's: none is issued again), with fp64
+    gradients equal to the plain chunk's bit for bit; blocks rerun whole issue theirs
+    again, which is what the count would show had the replay failed."""
+    cases = [("fp64", True, True, 2, "gpt2-s8"), ("fp64", False, False, 2, "llama-gqa2-s12")]
+    for rank, measured in enumerate(run_world(_collective_calls, 2, token_file, cases, sequence_parallel)):
+        for case, (((plain_fwd, plain_bwd), (sel_fwd, sel_bwd), (whole_fwd, whole_bwd)), equal) in zip(cases, measured):
+            where = f"rank {rank}, case {case}"
+            assert equal, f"{where}: selective recompute changed a gradient"
+            assert sel_fwd == plain_fwd == whole_fwd, where
+            assert sum(plain_bwd.values()) > 0, f"{where}: the backward's own collectives were not counted"
+            assert sel_bwd == plain_bwd, f"{where}: the rerun communicated ({sel_bwd} against {plain_bwd})"
+            assert sum(whole_bwd.values()) > sum(plain_bwd.values()), f"{where}: a whole block's rerun was not counted"

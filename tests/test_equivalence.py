@@ -154,6 +154,9 @@ EVAL_LAYOUTS = {
     "dp2-tp2-pp2-v2": layout(dp=2, tp=2, pp=2, vpp=2),
     "zero3-dp2-pp2-v2": layout(dp=2, pp=2, vpp=2) + ["parallel.zero=3"],
     "sp-tp2-pp2-1f1b": layout(tp=2, pp=2, schedule="1f1b") + ["parallel.sequence_parallel=true"],
+    # Three times as many evaluation microbatches (12) as training ones (4), interleaved:
+    # message tags must number the evaluation's microbatches, not the step's.
+    "interleaved-pp2-v2-eval3x": layout(pp=2, vpp=2) + ["eval.samples=24"],
 }
 
 
@@ -182,7 +185,7 @@ def test_eval_loss_matches_reference(client, name, arch):
     setup = arch_setup(arch, EVAL_LAYOUTS[name]) + EVAL
     final, steps, evaluations = run_with_evals(client, TINY + setup + EVAL_LAYOUTS[name])
     assert final.state == "SUCCEEDED", final.error
-    history, expected = reference_with_evals(layout_free(TINY + setup))
+    history, expected = reference_with_evals(layout_free(TINY + setup + EVAL_LAYOUTS[name]))  # its eval.* kept
     # Training on what the split leaves still equals the reference, step by step.
     assert [s.step for s in steps] == list(range(len(history)))
     for got, want in zip(steps, history):
@@ -190,6 +193,7 @@ def test_eval_loss_matches_reference(client, name, arch):
     assert [e.step for e in evaluations] == [e.step for e in expected] == [2, 3]
     for got, want in zip(evaluations, expected):
         assert abs(got.loss - want.loss) <= LOSS_RTOL * abs(want.loss), (got.step, got.loss, want.loss)
-        assert (got.samples, got.tokens) == (want.samples, want.tokens) == (8, 8 * 16)
+        samples = 24 if "eval.samples=24" in EVAL_LAYOUTS[name] else 8
+        assert (got.samples, got.tokens) == (want.samples, want.tokens) == (samples, samples * 16)
         assert got.perplexity == pytest.approx(math.exp(got.loss), rel=1e-12)
     assert expected[1].loss != expected[0].loss  # scored with the weights of its step

@@ -47,14 +47,48 @@ def test_a_resume_keeps_the_split_and_scores_the_same_set(client, evaluated, tmp
     assert manifest["data_split"] == {"held_out_fraction": 0.05, "eval_source": "", "eval_samples": 8}
 
 
-@pytest.mark.parametrize("change", [["eval.every=0"], ["eval.fraction=0.1"]])
-def test_a_resume_that_would_change_the_training_data_is_refused(client, evaluated, tmp_path, change):
+def test_a_resume_with_evaluation_off_still_skips_the_held_out_documents(client, evaluated, tmp_path):
+    _, steps, _, folder = evaluated
+    resumed = TINY + ["train.steps=4"] + layout(pp=2, schedule="1f1b") + [
+        f"checkpoint.resume={folder / 'step-000002'}", f"checkpoint.dir={tmp_path}"]
+    final, again, evaluated_again = run_with_evals(client, resumed)
+    assert final.state == "SUCCEEDED", final.error
+    assert not evaluated_again
+    # The very samples of the run that held them out (data.source whole would differ).
+    for got, want in zip(again, steps[2:], strict=True):
+        assert abs(got.loss - want.loss) <= LOSS_RTOL * abs(want.loss), (got.step, got.loss, want.loss)
+    manifest = json.loads((tmp_path / "step-000004" / "manifest.json").read_text())
+    assert manifest["data_split"] == {"held_out_fraction": 0.05, "eval_source": "", "eval_samples": 8}
+
+
+@pytest.mark.parametrize("change, named", [
+    (["eval.fraction=0.1"], ("eval.fraction: 0.1 of data.source held out here, 0.05 of data.source held out "
+                             "in the checkpoint")),
+    (["eval.samples=16"], "eval.samples=16 here, 8 in the checkpoint"),
+])
+def test_a_resume_that_would_change_the_split_or_the_set_is_refused(client, evaluated, tmp_path, change, named):
     folder = evaluated[3]
     overrides = TINY + EVAL + change + [f"checkpoint.resume={folder / 'step-000002'}", f"checkpoint.dir={tmp_path}"]
     final, steps, _ = run_with_evals(client, overrides)
     assert final.state == "FAILED" and not steps
-    assert "eval.fraction=0.05 of data.source held out for validation" in final.error, final.error
-    assert "its training data would change" in final.error
+    assert named in final.error, final.error
+    assert "a resume keeps the checkpoint's train/validation split" in final.error
+
+
+def test_a_long_evaluation_is_progress_not_a_stuck_job_nor_step_time(client):
+    """An evaluation far longer than recovery.progress_timeout_s and ten steps: the job
+    goes on, and neither the next step's tokens/s nor the block's control time count it."""
+    overrides = TINY + layout(pp=1, schedule="1f1b") + [
+        "eval.every=2", "eval.samples=4000", "eval.fraction=0.05", "train.steps=4",
+        "recovery.progress_timeout_s=1"]
+    final, steps, evaluations = run_with_evals(client, overrides)
+    assert final.state == "SUCCEEDED", final.error
+    assert [e.step for e in evaluations] == [2, 4] and all(e.tokens == 4000 * 16 for e in evaluations)
+    slowest_step = max(s.step_seconds for s in steps[1:])
+    assert min(e.seconds for e in evaluations) > max(1.0, 10 * slowest_step)  # past the step deadline
+    after = steps[2]  # the step after the first evaluation
+    assert after.tokens / after.tokens_per_second < evaluations[0].seconds / 2
+    assert steps[-1].block_steps == 4 and steps[-1].block_control_seconds < evaluations[0].seconds / 2
 
 
 def test_evaluations_reach_metrics_out_the_python_client_and_prometheus(
@@ -71,6 +105,9 @@ def test_evaluations_reach_metrics_out_the_python_client_and_prometheus(
         (e.step, e.loss, 8, 8 * 16) for e in evaluations]
     assert set(evals[0]) == {"kind", "step", "loss", "perplexity", "samples", "tokens", "seconds"}
     assert all(r["perplexity"] == pytest.approx(math.exp(r["loss"])) and r["seconds"] > 0 for r in evals)
+    saved = [r for r in rows if r.get("kind") == "checkpoint"]
+    assert [(r["checkpoint"], r["step"]) for r in saved] == [("saved", 2), ("saved", 4)]
+    assert {r.get("kind") for r in rows} == {"step", "eval", "checkpoint"}  # every row has its kind
 
     api = cluster.connect()
     try:

@@ -219,6 +219,53 @@ def test_constant_holds_the_peak_after_warmup():
     assert [s.lr_at(step) for step in range(12)] == [0.5 / 3, 1 / 3, 0.5] + [0.5] * 9
 
 
+# The edges the Schedule docstring states, each exactly.
+
+@pytest.mark.parametrize("decay", ["cosine", "linear", "wsd", "constant"])
+def test_a_warmup_ending_on_the_second_to_last_step_leaves_the_last_at_the_peak(decay):
+    s = Schedule(1.0, 4, 5, decay, 0.1)
+    # The last step is the decay's start: the formula at progress 0, the peak to rounding.
+    assert [s.lr_at(step) for step in range(5)] == pytest.approx([0.25, 0.5, 0.75, 1.0, 1.0], rel=1e-15)
+
+
+@pytest.mark.parametrize("decay", ["cosine", "linear", "wsd", "constant"])
+def test_one_step_without_warmup_trains_at_the_peak(decay):
+    assert Schedule(0.01, 0, 1, decay, 0.1, 1.0).lr_at(0) == pytest.approx(0.01, rel=1e-15)
+
+
+@pytest.mark.parametrize("decay", ["cosine", "linear", "wsd", "constant"])
+def test_a_warmup_as_long_as_the_run_or_longer_is_all_there_is(decay):
+    # The tests' steps=3 under the default warmup_steps=20: a third of a twentieth, ...
+    assert [Schedule(1.0, 20, 3, decay).lr_at(step) for step in range(3)] == [1 / 20, 2 / 20, 3 / 20]
+    assert [Schedule(1.0, 3, 3, decay).lr_at(step) for step in range(3)] == [1 / 3, 2 / 3, 1.0]
+
+
+def test_wsd_decay_fraction_one_decays_every_step_after_the_warmup():
+    """D = steps, capped at steps-1-warmup_steps: the linear decay, from step 0 or the
+    warmup's end."""
+    for warmup in (0, 3):
+        wsd, linear = Schedule(1.0, warmup, 10, "wsd", 0.0, 1.0), Schedule(1.0, warmup, 10, "linear", 0.0)
+        assert [wsd.lr_at(step) for step in range(10)] == [linear.lr_at(step) for step in range(10)]
+        assert wsd.decay_start() == warmup
+    values = [Schedule(1.0, 0, 4, "wsd", 0.0, 1.0).lr_at(step) for step in range(4)]
+    assert values == pytest.approx([1.0, 2 / 3, 1 / 3, 0.0], abs=1e-15) and values[-1] == 0.0
+
+
+@pytest.mark.parametrize("fraction,steps,decaying", [
+    (0.5, 5, 3),     # 2.5 rounds half up (Python's round gives 2)
+    (0.5, 7, 4),     # 3.5
+    (0.3, 5, 2),     # 1.5
+    (0.7, 45, 32),   # 31.499999999999996 in binary: meant as 31.5
+    (0.2, 10, 2),
+    (0.01, 10, 1),   # 0.1: at least the last step
+])
+def test_wsd_decays_decay_fraction_of_the_steps_rounded_half_up(fraction, steps, decaying):
+    s = Schedule(1.0, 0, steps, "wsd", 0.0, fraction)
+    values = [s.lr_at(step) for step in range(steps)]
+    assert sum(v < 1.0 for v in values) == decaying  # the last `decaying` steps are below the peak
+    assert values[:steps - decaying] == [1.0] * (steps - decaying) and values[-1] == 0.0
+
+
 @pytest.mark.parametrize("kwargs,message", [
     (dict(decay="step"), "decay='step' must be one of cosine, linear, wsd, constant"),
     (dict(min_lr_ratio=1.5), "min_lr_ratio=1.5 must be between 0 and 1"),

@@ -11,13 +11,16 @@ import os
 import subprocess
 import sys
 
+import grpc
 import pytest
 import torch
 
 from interleaf.coordinator.config import ConfigError, load_config
 from interleaf.coordinator.step_profiles import profile_paths
+from interleaf.coordinator.traces import Traces
+from interleaf.protos import interleaf_pb2 as pb
 from interleaf.protos.security import TOKEN_ENV
-from interleaf.stageserver.profiling import ProfilingRejected, StepProfiler
+from interleaf.stageserver.profiling import ProfilingRejected, StepProfiler, within_bound
 from tests.conftest import TINY, run_job
 
 PIPELINE = TINY + ["parallel.pp=2", "parallel.vpp=2", "parallel.dp=2"]
@@ -48,11 +51,64 @@ def test_interleaf_trace_writes_a_chrome_trace_per_rank(cluster, client, profile
         assert not snapshot.exists()  # no memory_snapshot asked for
 
 
-def test_only_traced_steps_are_profiled(client, profiled_job):
+def test_only_traced_steps_are_profiled_and_profiles_come_one_rank_at_a_time(client, profiled_job):
     final, _ = profiled_job
     trace = client.trace(final.job_id, 1)
-    assert list(trace.traced_steps) == [1] and all(r.torch_profile for r in trace.reports)
-    assert all(not r.memory_snapshot for r in trace.reports)
+    assert list(trace.traced_steps) == [1] and list(trace.profiled_ranks) == [0, 1, 2, 3]
+    assert not trace.profile_notes
+    # The trace itself carries no profile: each rank's is its own reply.
+    assert all(not r.torch_profile and not r.memory_snapshot for r in trace.reports)
+    for rank in range(4):
+        report = client.trace_profile(final.job_id, 1, rank)
+        assert report.rank == rank and report.step == 1
+        assert report.torch_profile and not report.memory_snapshot
+        assert report.spans == trace.reports[rank].spans  # the same report, whole
+
+
+def test_a_rank_without_a_profile_is_not_found(cluster, client, profiled_job):
+    final, _ = profiled_job
+    with pytest.raises(grpc.RpcError) as caught:
+        client.trace_profile(final.job_id, 1, 7)
+    assert caught.value.code() == grpc.StatusCode.NOT_FOUND
+    assert "keeps no profile of rank 7 (profiled ranks: [0, 1, 2, 3])" in caught.value.details()
+
+
+def _report(rank: int, profile: bytes = b"", snapshot: bytes = b"") -> pb.StepReport:
+    return pb.StepReport(rank=rank, step=2, step_seconds=0.5, torch_profile=profile, memory_snapshot=snapshot)
+
+
+def test_a_profile_over_the_bound_is_dropped_with_a_note_and_the_trace_kept():
+    """coordinator/traces.py: a profile too large for one reply (a server that did not
+    hold to wire.MAX_PROFILE_BYTES) is dropped and named; the others and the spans stay;
+    a profile asked for and missing (the server dropped it) is named too."""
+    stored = []
+    traces = Traces(persist=stored.append, profiled=(True, False), max_profile_bytes=100)
+    traces.add(pb.StepTrace(job_id="j"), [_report(1, b"x" * 100), _report(0, b"y" * 101), _report(2)])
+    trace = traces.get(2)
+    assert [r.rank for r in trace.reports] == [0, 1, 2] and list(trace.profiled_ranks) == [1]
+    assert list(trace.profile_notes) == [
+        "rank 0: its torch profile of 101 bytes (gzip) is over the 100 a trace keeps: dropped",
+        "rank 2: no torch profile: its server drops one over 100 bytes gzip-compressed (its log names the size)"]
+    assert all(not r.torch_profile for r in trace.reports)
+    assert traces.profile(2, 1).reports[0].torch_profile == b"x" * 100
+    assert traces.profile(None, 0) is None and traces.profile(2, 2) is None
+    # Written through whole (profiles included, the dropped one not), and served alike after a restart.
+    assert [r.torch_profile for r in stored[0].reports] == [b"", b"x" * 100, b""]
+    again = Traces(stored, profiled=(True, False), max_profile_bytes=100)
+    assert again.get(2) == trace and again.profile(2, 1) == traces.profile(2, 1)
+
+
+def test_a_step_run_again_replaces_its_profiles():
+    traces = Traces(profiled=(True, False))
+    traces.add(pb.StepTrace(job_id="j"), [_report(0, b"first"), _report(1, b"first")])
+    traces.add(pb.StepTrace(job_id="j"), [_report(0, b"again"), _report(1)])
+    assert list(traces.get(2).profiled_ranks) == [0]
+    assert traces.profile(2, 0).reports[0].torch_profile == b"again" and traces.profile(2, 1) is None
+
+
+def test_a_server_drops_a_profile_over_the_bound():
+    assert within_bound(b"x" * 10, "torch profile", most=10) == b"x" * 10
+    assert within_bound(b"x" * 11, "torch profile", most=10) == b""
 
 
 def test_profiler_settings_are_checked():

@@ -10,6 +10,7 @@ import json
 import math
 import os
 import pathlib
+import signal
 import struct
 import subprocess
 import sys
@@ -17,7 +18,11 @@ import sys
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from interleaf.clients.launcher import LocalCluster
 from interleaf.coordinator.config import ConfigError, load_config
+from interleaf.coordinator.job_logs import start_job_logs
+from interleaf.coordinator.jobs import JobRecord
+from interleaf.coordinator.registry import Registry
 from interleaf.coordinator.run_logs import RunLogs, TensorBoardSink
 from interleaf.protos import interleaf_pb2 as pb
 from interleaf.protos.security import TOKEN_ENV
@@ -88,6 +93,62 @@ def test_the_clients_tensorboard_files_hold_every_step(logged_job):
 def test_the_coordinator_writes_the_same_scalars(logged_job):
     _, mine, theirs = logged_job
     assert scalars(theirs) == scalars(mine)
+
+
+def test_the_coordinators_job_logs_are_on_disk_before_the_event_is_published(tmp_path):
+    """coordinator/job_logs.py in one process, on a real JobRecord: each step and
+    evaluation is in the files when add_step/add_eval return (no thread to wait for,
+    nothing in the writer's queue), the final state closes them, and nothing after it
+    opens a new file."""
+    job = JobRecord("j1", load_config("", SMALL + PIPELINE + [f"metrics.tensorboard_dir={tmp_path}"]))
+    logs = start_job_logs(job, Registry())
+    for step in range(3):
+        job.add_step(pb.StepEvent(step=step, loss=5.0 - step, lr=1e-3))
+        assert scalars(tmp_path / "j1")["train/loss"] == [(k + 1, 5.0 - k) for k in range(step + 1)]
+    job.add_eval(pb.EvalEvent(step=3, loss=4.5, perplexity=math.exp(4.5)))
+    assert scalars(tmp_path / "j1")["eval/loss"] == [(3, 4.5)]
+    assert not logs.closed
+    job.set_state("SUCCEEDED")
+    assert logs.closed
+    job.add_step(pb.StepEvent(step=3, loss=1.0))  # published after the end: not written, no second file
+    assert len(glob.glob(f"{tmp_path}/j1/events.out.tfevents.*")) == 1
+    assert [s for s, _ in scalars(tmp_path / "j1")["train/loss"]] == [1, 2, 3]
+
+
+def test_a_stopping_coordinator_closes_the_job_logs_of_unfinished_jobs(tmp_path):
+    job = JobRecord("j2", load_config("", SMALL + PIPELINE + [f"metrics.tensorboard_dir={tmp_path}"]))
+    logs = start_job_logs(job, Registry())
+    job.add_step(pb.StepEvent(step=0, loss=5.0))
+    job.close_listeners()  # what CoordinatorService.close_job_logs does for each job on SIGTERM
+    assert logs.closed and not job.listeners
+    job.add_step(pb.StepEvent(step=1, loss=4.0))
+    assert scalars(tmp_path / "j2")["train/loss"] == [(1, 5.0)]
+
+
+def test_the_coordinators_files_hold_each_step_as_it_is_seen_and_survive_sigterm(tmp_path):
+    """A step a watcher sees is in the coordinator's files already (flushed as it is
+    published, not up to SummaryWriter's flush_secs later); a coordinator stopped with
+    SIGTERM mid-job closes them, its driver threads ending without a word."""
+    board = tmp_path / "tb"
+    with LocalCluster(2, threads_per_server=1, log_dir=str(tmp_path / "logs"), steps_per_call=1) as cluster:
+        client = cluster.client()
+        job_id = client.submit("", SMALL + PIPELINE + ["train.steps=200", f"metrics.tensorboard_dir={board}"]).job_id
+        seen = []
+        for event in client.watch(job_id, timeout_s=300):
+            if event.HasField("step"):
+                seen.append(event.step)
+                found = scalars(board / job_id)  # at once, as the step event arrives
+                assert [s for s, _ in found["train/loss"]][:len(seen)] == [s.step + 1 for s in seen]
+                if len(seen) == 3:
+                    break
+        client.close()
+        coordinator = cluster.processes[0]
+        coordinator.send_signal(signal.SIGTERM)
+        assert coordinator.wait(timeout=60) == 0
+        losses = scalars(board / job_id)["train/loss"]
+        assert [s for s, _ in losses] == list(range(1, len(losses) + 1)) and len(losses) >= 3
+        assert [v for _, v in losses[:3]] == pytest.approx([s.loss for s in seen], rel=1e-6)
+        assert "Traceback" not in (tmp_path / "logs" / "coordinator.log").read_text()
 
 
 def test_a_relative_tensorboard_dir_is_refused():

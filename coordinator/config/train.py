@@ -26,7 +26,9 @@ class TrainConfig:
     lr: float = 3e-3
     """Peak learning rate (AdamW)."""
     warmup_steps: int = 20
-    """Linear warmup steps; then lr_decay's decay to lr*min_lr_ratio at the last step."""
+    """Linear warmup steps; then lr_decay's decay to lr*min_lr_ratio at the last step
+    (when warmup_steps <= steps - 2; a longer warmup is allowed, and what it does is
+    stated exactly in stageserver/lr_schedule.py)."""
     betas: tuple[float, float] = (0.9, 0.95)
     """AdamW's (beta1, beta2): the decay rates of the gradient's running mean and of its
     square's; each at least 0 and less than 1."""
@@ -41,7 +43,8 @@ class TrainConfig:
     for constant."""
     decay_fraction: float = DECAY_FRACTION
     """wsd only: the fraction of all steps, at the end, over which the rate decays (more
-    than 0, at most 1; 1 is linear decay right after the warmup)."""
+    than 0, at most 1; decay_fraction*steps rounded half up, at least the last step; 1 is
+    linear decay right after the warmup)."""
     weight_decay: float = 0.1
     """Decoupled weight decay on weights and embeddings (not biases or norms)."""
     grad_clip: float = 1.0
@@ -56,7 +59,8 @@ class TrainConfig:
     """none; selective: each block keeps the outputs of its matrix multiplications,
     attention and collectives, and recomputes norms, activation functions, rotary
     embeddings and elementwise operations in the backward (torch's selective activation
-    checkpointing); or full: a chunk keeps only its input after a forward and recomputes
+    checkpointing; the rerun replays the kept collective outputs and communicates
+    nothing); or full: a chunk keeps only its input after a forward and recomputes
     its activations in the backward (less activation memory for a second forward)."""
     recompute_layers: int = 0
     """selective only: K > 0 recomputes every K-th block in full (blocks whose global

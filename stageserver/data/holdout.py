@@ -9,7 +9,8 @@ end-of-document id, or where its sidecar's `document_starts` says (the builtin c
 tokenized by bytes, has no such id); a file with neither is refused (use eval.source).
 Training then samples only tokens [0, cut) of each file (`TokenSpan`, handed to the
 Sampler in place of the file: its epochs are those of the shorter file); with no split
-(eval off, or eval.source) it reads the files whole, exactly as before.
+(eval off, or eval.source, in a job that held nothing out) it reads the files whole,
+exactly as before (`training_data`).
 
 The set: the first `samples` windows of seq_len+1 tokens packed (overlapping by one, as
 sampler.py packs) from the held-out tokens of each file in turn, or from eval.source.
@@ -90,41 +91,68 @@ def split_source(source, fraction: float) -> tuple[TrainSource, list[np.ndarray]
     return train, [f.tokens[cut:] for f, cut in zip(source.files, cuts)]
 
 
+def training_data(source, held_out: float):
+    """What training reads of data.source: all of it, the very `source` (held_out 0:
+    evaluation off, or on eval.source, in a job that held nothing out), or each file
+    less its last `held_out` of documents. The job's split, or a resumed checkpoint's
+    (coordinator/data_split.py), whether or not this job evaluates."""
+    return split_source(source, held_out)[0] if held_out else source
+
+
 class EvalSet:
-    """The fixed samples every evaluation scores, int64 [samples, seq_len+1]."""
+    """The fixed samples every evaluation scores, [samples, seq_len+1] (module docstring).
+
+    Never held whole: the set can be far larger than a step (eval.samples up to 2^20 of
+    seq_len+1 tokens), so it keeps views of the token files (memory-mapped, in their own
+    dtype) and cuts each microbatch out as int64 when it is scored, as the Sampler does."""
 
     def __init__(self, held_out: list[np.ndarray], seq_len: int, samples: int, where: str):
-        windows, span = [], np.arange(seq_len + 1)
+        self.parts = []  # (first sample, samples, tokens they span) per file scored
+        found = 0
         for tokens in held_out:
-            count = min((tokens.size - 1) // seq_len, samples - sum(len(w) for w in windows))
+            count = min((tokens.size - 1) // seq_len, samples - found)
             if count > 0:
-                starts = np.arange(count, dtype=np.int64) * seq_len
-                windows.append(np.asarray(tokens)[starts[:, None] + span].astype(np.int64))
-        found = sum(len(w) for w in windows)
+                self.parts.append((found, count, tokens[:count * seq_len + 1]))
+                found += count
         if found < samples:
             raise ValueError(f"eval.samples={samples} needs {samples} windows of model.seq_len+1={seq_len + 1} "
                              f"tokens, and {where} holds only {found}: lower eval.samples"
                              f"{' or raise eval.fraction' if 'held-out' in where else ''}")
-        self.windows = torch.from_numpy(np.concatenate(windows))
-        self.samples = samples
+        self.samples, self.seq_len = samples, seq_len
+        self._span = np.arange(seq_len + 1)
+
+    def windows(self, first: int = 0, count: int | None = None) -> torch.Tensor:
+        """Samples [first, first+count) of the set (all from `first` by default), int64."""
+        count = self.samples - first if count is None else count
+        out = np.empty((count, self.seq_len + 1), dtype=np.int64)
+        for start, n, tokens in self.parts:
+            low, high = max(first, start), min(first + count, start + n)
+            if low < high:
+                offsets = (np.arange(low, high, dtype=np.int64) - start) * self.seq_len
+                out[low - first:high - first] = tokens[offsets[:, None] + self._span]
+        return torch.from_numpy(out)
 
     def microbatch(self, index: int, rows: int, replica: int = 0, replicas: int = 1):
         """(inputs, targets) of evaluation microbatch `index` of `rows` samples, this
         replica's contiguous slice of it (as sampler.py cuts a training microbatch)."""
         per = rows // replicas
-        first = index * rows + replica * per
-        windows = self.windows[first:first + per]
+        windows = self.windows(index * rows + replica * per, per)
         return windows[:, :-1], windows[:, 1:]
 
+    def largest(self) -> int:
+        """The largest token id the set scores, read block by block."""
+        return max(int(np.max(tokens[i:i + _SCAN])) for _, _, tokens in self.parts
+                   for i in range(0, tokens.size, _SCAN))
 
-def open_eval(source, eval_source: str, fraction: float, seq_len: int, samples: int):
-    """(what training reads of `source`, the evaluation set): eval.source scored whole and
-    `source` unchanged, or `fraction` of `source` held out."""
+
+def open_eval_set(source, eval_source: str, held_out: float, seq_len: int, samples: int) -> EvalSet:
+    """The evaluation set: the first samples of eval.source, or of `source`'s held-out
+    documents (the last `held_out` of each file's)."""
     if eval_source:
         try:
             tokens = TokenFile(eval_source).tokens
         except (OSError, ValueError) as err:
             raise ValueError(f"eval.source: {err}") from None
-        return source, EvalSet([tokens], seq_len, samples, f"eval.source={eval_source!r}")
-    train, held = split_source(source, fraction)
-    return train, EvalSet(held, seq_len, samples, f"the held-out {fraction:.3g} of data.source")
+        return EvalSet([tokens], seq_len, samples, f"eval.source={eval_source!r}")
+    held = split_source(source, held_out)[1]
+    return EvalSet(held, seq_len, samples, f"the held-out {held_out:.3g} of data.source")

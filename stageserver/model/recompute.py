@@ -11,9 +11,14 @@ al. 2022, section 5) for a rerun of the block's cheap operations.
 
 The tensor-parallel collectives inside a block (tensor_parallel.py, sequence_parallel.py)
 go through gloo and NCCL groups that torch's dispatcher does not see, so no policy can
-save their outputs: the rerun issues them again, in the backward, in the same order on
-every rank of the tensor group (each runs the same graph), and they sum the same saved
-partial products, so the results are unchanged; the cost is those collectives twice.
+save their outputs; the block's Tape (collective_replay.py) does: its first run records
+each forward collective's output (all-reduce, all-gather, reduce-scatter), and the rerun
+in the backward replays them in order and communicates nothing, as Megatron's selective
+recompute never reruns communication. The results are the bits the collectives would
+give again; the cost is holding those outputs until the rerun (with tp > 1 per block: two
+all-reduce outputs [b, s, d]; sequence parallel: two gathered inputs [b, s, d] and two
+reduce-scattered outputs [b, s/t, d]). A block rerun whole (recompute_layers) keeps only
+its input and issues its forward collectives again in the rerun, as full recompute does.
 
 recompute_layers = K (with selective): torchtitan's layer-wise option instead of the
 operator-level one. The blocks whose global index i has (i + 1) % K == 0 keep only their
@@ -35,6 +40,8 @@ from dataclasses import dataclass
 import torch
 from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from interleaf.stageserver.model.collective_replay import Tape
 
 MODES = ("none", "selective", "full")
 
@@ -67,12 +74,14 @@ def block_modes(layers: range, recompute: str, recompute_layers: int = 0) -> lis
 
 class Kept:
     """What the checkpointed blocks of one forward keep for their backward: each one's
-    input (held by torch's checkpoint until the backward reruns the block) and what the
-    policy saved (held by torch's selective-checkpoint cache)."""
+    input (held by torch's checkpoint until the backward reruns the block), what the
+    policy saved (held by torch's selective-checkpoint cache) and the outputs of its
+    forward collectives (held by its Tape for the rerun to replay)."""
 
     def __init__(self):
         self.inputs: list[weakref.ref] = []
         self.caches: list[dict] = []
+        self.tapes: list[Tape] = []
 
     def tensors(self) -> list[torch.Tensor]:
         inputs = [t for t in (ref() for ref in self.inputs) if t is not None]
@@ -80,7 +89,8 @@ class Kept:
         # _VersionWrapper, or a marker where the policy recomputes}}.
         cached = [getattr(leaf, "val", None) for cache in self.caches for calls in cache.values()
                   for output in calls.values() for leaf in tree_leaves(output)]
-        return inputs + [t for t in cached if isinstance(t, torch.Tensor)]
+        recorded = [t for tape in self.tapes for t in tape.tensors()]
+        return inputs + [t for t in cached if isinstance(t, torch.Tensor)] + recorded
 
 
 _listening: contextvars.ContextVar[Kept | None] = contextvars.ContextVar("recompute_kept", default=None)
@@ -115,6 +125,13 @@ class BlockRecompute:
         if mode == "full":
             return checkpoint(block, x, use_reentrant=False)
         contexts = create_selective_checkpoint_contexts(_policy)
+        tape = Tape()  # the block's forward collectives, which the rerun replays
         if kept is not None:
             kept.caches.append(contexts[0].storage)
-        return checkpoint(block, x, use_reentrant=False, context_fn=lambda: contexts)
+            kept.tapes.append(tape)
+
+        def run(x: torch.Tensor) -> torch.Tensor:
+            with tape.running():
+                return block(x)
+
+        return checkpoint(run, x, use_reentrant=False, context_fn=lambda: contexts)

@@ -31,6 +31,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from interleaf.stageserver.model.collective_replay import replayable
 from interleaf.stageserver.transport import Transport
 
 
@@ -58,7 +59,7 @@ class _ReduceScatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx, y: torch.Tensor, tp: Transport) -> torch.Tensor:
         ctx.tp = tp
-        return scatter_sum(y, tp)
+        return replayable(lambda: scatter_sum(y, tp))  # a selective-recompute rerun reuses it
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -77,7 +78,7 @@ class _GatheredLinears(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, tp: Transport, *params):
-        whole = gather(x, tp)
+        whole = replayable(lambda: gather(x, tp))  # a selective-recompute rerun reuses it
         weights, biases = params[0::2], params[1::2]
         ctx.tp, ctx.has_bias = tp, [b is not None for b in biases]
         ctx.save_for_backward(x, *weights)

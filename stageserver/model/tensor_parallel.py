@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from interleaf.stageserver.model import sequence_parallel as sp
+from interleaf.stageserver.model.collective_replay import replayable
 from interleaf.stageserver.transport import Transport
 
 
@@ -61,7 +62,7 @@ class _CopyToTP(torch.autograd.Function):
 class _ReduceFromTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, tp: Transport) -> torch.Tensor:
-        return _summed(x, tp)
+        return replayable(lambda: _summed(x, tp))  # a selective-recompute rerun reuses the sum
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
