@@ -36,7 +36,7 @@ class MetricsOut:
 
 def eval_row(e) -> dict:
     """--metrics-out's row of a held-out evaluation (an EvalEvent, or the reference's
-    ReferenceEval): `step` is the steps completed when it was scored."""
+    clients.api.Evaluation): `step` is the steps completed when it was scored."""
     return {"kind": "eval", "step": e.step, "loss": e.loss, "perplexity": e.perplexity, "samples": e.samples,
             "tokens": e.tokens, "seconds": e.seconds}
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from interleaf.clients.api import Evaluation
 from interleaf.coordinator.config import JobConfig, eval_points
 from interleaf.coordinator.evaluations import perplexity
 from interleaf.stageserver.data import Sampler, resolve_source
@@ -38,18 +39,7 @@ class ReferenceStep:
     lr: float
 
 
-@dataclass
-class ReferenceEval:
-    """A held-out evaluation (EvalEvent's fields): after `step` steps completed."""
-    step: int
-    loss: float
-    perplexity: float
-    samples: int
-    tokens: int
-    seconds: float
-
-
-def evaluate(model, eval_set: EvalSet, step: int, rows: int, seq_len: int) -> ReferenceEval:
+def evaluate(model, eval_set: EvalSet, step: int, rows: int, seq_len: int) -> Evaluation:
     """The mean next-token loss over the evaluation set, scored in microbatches of the
     training microbatch's rows as the servers score it (stageserver/evaluation.py)."""
     started = time.perf_counter()
@@ -59,12 +49,12 @@ def evaluate(model, eval_set: EvalSet, step: int, rows: int, seq_len: int) -> Re
             inputs, targets = eval_set.microbatch(microbatch, rows)
             losses.append(model(inputs, targets).item())
     loss = sum(losses) / len(losses)
-    return ReferenceEval(step, loss, perplexity(loss), eval_set.samples, eval_set.samples * seq_len,
+    return Evaluation(step, loss, perplexity(loss), eval_set.samples, eval_set.samples * seq_len,
                          time.perf_counter() - started)
 
 
 def train(config: JobConfig, on_step=None, on_eval=None) -> tuple[list[ReferenceStep], dict[str, torch.Tensor]]:
-    """`on_step(ReferenceStep)` after every step; `on_eval(ReferenceEval)` after each
+    """`on_step(ReferenceStep)` after every step; `on_eval(Evaluation)` after each
     evaluation ([eval]: at the job's own eval_points, on the servers' very samples)."""
     m, t, microbatches = config.model, config.train, config.parallel.microbatches
     shape = shape_of(m)
