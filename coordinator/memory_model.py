@@ -78,7 +78,10 @@ class _ProgramWalk:
         tokens = m.seq_len // p.tp if self.sequence_parallel else m.seq_len
         self.hidden = self.rows * tokens * m.d_model * self.a
         self.message = message_bytes(config)
-        self.partial = self.m * partial_grad_elements(config, pipeline_rank) if self.sequence_parallel else 0
+        # The most any data-parallel rank stages: ZeRO cuts the replicated elements
+        # differently into each rank's shard.
+        self.partial = self.m * max(partial_grad_elements(config, pipeline_rank, dp_rank)
+                                    for dp_rank in range(config.parallel.dp)) if self.sequence_parallel else 0
         self.ledger = MemoryLedger()
         self.grads_held = {c: p.zero < 2 for c in self.chunks}
         self.pending: list[tuple[int, int, bool]] = []  # (chunk, staged bytes, frees grads)

@@ -69,7 +69,7 @@ def check_setup(r: pb.SetupRequest) -> None:
     for name in ("n_kv_heads", "ffn_hidden", "pad_vocab_to"):
         _within(f"model.{name}", getattr(m, name), 0, MAXIMA[f"model.{name}"])
     kv_heads, ffn = m.n_kv_heads or m.n_heads, m.ffn_hidden or 4 * m.d_model
-    if m.d_model % m.n_heads or m.n_heads % kv_heads or (m.n_heads | kv_heads | ffn) % g.tp:
+    if m.d_model % m.n_heads or m.n_heads % kv_heads or any(n % g.tp for n in (m.n_heads, kv_heads, ffn)):
         raise SetupError(f"model.d_model={m.d_model}, model.n_heads={m.n_heads}, model.n_kv_heads={kv_heads} and "
                          f"model.ffn_hidden={ffn} must split: d_model by n_heads, n_heads by n_kv_heads, and "
                          f"n_heads, n_kv_heads and ffn_hidden by grid.tp={g.tp}")

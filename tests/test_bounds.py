@@ -96,7 +96,10 @@ LLAMA3 = ["model.arch=llama", "model.rope_scaling_factor=32", "model.rope_low_fr
 
 @pytest.mark.parametrize("layout", [["parallel.pp=2"], ["parallel.dp=2", "parallel.tp=2", "parallel.pp=2"],
                                     ["parallel.pp=4", "parallel.zero=3"], ["parallel.pp=2", *LLAMA3],
-                                    ["parallel.tp=2", "parallel.pp=2", "parallel.sequence_parallel=true"]])
+                                    ["parallel.tp=2", "parallel.pp=2", "parallel.sequence_parallel=true"],
+                                    # tp=3: each size split on its own (3 | 3 | 6 = 7 is not what divides)
+                                    ["parallel.tp=3", "parallel.pp=1", "parallel.vpp=1", "parallel.schedule=1f1b",
+                                     "model.n_heads=3", "model.d_model=24", "model.ffn_hidden=6"]])
 def test_stage_servers_accept_what_the_coordinator_plans(layout):
     """And build the very model the config describes from the request."""
     config = load_config("", TINY + layout)

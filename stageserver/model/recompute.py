@@ -88,7 +88,8 @@ class Kept:
         # torch 2.13's cache: {(op, ...): {call index: the output with each tensor in a
         # _VersionWrapper, or a marker where the policy recomputes}}.
         cached = [getattr(leaf, "val", None) for cache in self.caches for calls in cache.values()
-                  for output in calls.values() for leaf in tree_leaves(output)]
+                  for output in (calls.values() if isinstance(calls, dict) else calls)  # older torch: a list
+                  for leaf in tree_leaves(output)]
         recorded = [t for tape in self.tapes for t in tape.tensors()]
         return inputs + [t for t in cached if isinstance(t, torch.Tensor)] + recorded
 
