@@ -121,7 +121,7 @@ def cmd_run(args) -> int:
     if not remote:
         _check_vocab_locally(config)
         _admit_locally(config, servers, args.device)
-    _check_wandb(args)
+    _check_run_logs(args)
     metrics = MetricsOut(args.metrics_out)
     logs = RunLogs()  # opened once the job has an id: W&B names its run after it
     note = "the job goes on at the coordinator" if remote else "stopping the local servers"
@@ -151,13 +151,23 @@ def cmd_run(args) -> int:
         logs.close()
 
 
-def _check_wandb(args) -> None:
-    """--wandb without the wandb package is refused before anything starts."""
+def _check_run_logs(args) -> None:
+    """--wandb without the wandb package, and a --tensorboard folder that cannot be
+    written, are refused before anything starts: a job submitted first would go on at a
+    coordinator (or hold a local cluster) that nothing records."""
     if getattr(args, "wandb", None):
         try:
             check_wandb()
         except RuntimeError as err:
             raise UsageError(str(err)) from None
+    folder = getattr(args, "tensorboard", None)
+    if folder:
+        try:
+            os.makedirs(folder, exist_ok=True)
+            if not os.access(folder, os.W_OK | os.X_OK):
+                raise PermissionError("not writable")
+        except OSError as err:
+            raise UsageError(f"--tensorboard {folder!r}: the event files' folder cannot be written ({err})") from None
 
 
 def _run_logs(args, name: str, config=None, client=None) -> RunLogs:
@@ -174,11 +184,15 @@ def _run_logs(args, name: str, config=None, client=None) -> RunLogs:
 def _check_vocab_locally(config) -> None:
     """The coordinator's vocabulary check, made before any local process starts; here,
     where the job runs, data.tokenizer must load."""
-    from interleaf.stageserver.data.vocab_check import check_vocab
+    from interleaf.stageserver.data.tokenfile import TokenFile
+    from interleaf.stageserver.data.vocab_check import check_eval_source, check_vocab
 
     try:
         check_vocab(config.model.vocab_size, config.data.source, config.data.tokenizer, tokenizer_needed=True)
-    except ValueError as err:  # VocabError, TokenizerError, a blend that does not parse
+        if config.eval.enabled and config.eval.source:  # here, where the job runs, it must be there
+            TokenFile(config.eval.source, field="eval.source")
+            check_eval_source(config.model.vocab_size, config.eval.source, config.data.source)
+    except (OSError, ValueError) as err:  # VocabError, TokenizerError, a blend that does not parse, no eval.source
         raise UsageError(str(err)) from None
 
 
@@ -214,7 +228,7 @@ def cmd_reference(args) -> int:
     from interleaf.coordinator.run_logs import eval_scalars, reference_scalars
 
     _, config = _load(args)
-    _check_wandb(args)
+    _check_run_logs(args)
     metrics, progress = MetricsOut(args.metrics_out), Progress(config.train.steps)
     logs = _run_logs(args, "reference", config)
 
@@ -327,7 +341,7 @@ def cmd_status(args) -> int:
 
 
 def cmd_watch(args) -> int:
-    _check_wandb(args)
+    _check_run_logs(args)
     client = _client(args)
     steps = client.status(args.job).steps
     metrics, logs = MetricsOut(args.metrics_out), _run_logs(args, args.job, client=client)

@@ -107,44 +107,52 @@ def block_activation_bytes(model, rows: int, tp: int, precision: str, sequence_p
 
 def selective_block_bytes(model, rows: int, tp: int, precision: str, sequence_parallel: bool = False) -> int:
     """What one block keeps under selective recompute (stageserver/model/recompute.py),
-    on one tp rank: its input, and the outputs of its matrix products and attention -
-    every token of them, also under sequence parallelism, where the row-parallel
-    products are partial sums not yet reduce-scattered. Per block:
-      gpt2    b*s*d*a*(3/t + 1/t + 2) + b*s*F*a/t   qkv, attention output, proj and down
-                                                   partial sums; up
-      llama   b*s*a*(d/t + 2*kv*hd/t + d/t + 2*d)   q, k, v, attention output, proj and
-            + 2*b*s*F*a/t                          down; gate and up
-      both  + b*(h/t)*s*f + b*s_local*d*a          the logsumexp, the block's input
-            + replayed_collective_bytes             its forward collectives' outputs."""
+    on one tp rank: its input, the outputs of its column-parallel matrix products and of
+    attention (every token of the rank's heads and columns), and its two row-parallel
+    outputs after their collective (summed over the group; sequence parallel: this
+    rank's tokens of the sum). The row-parallel partial products and the gathered
+    column-parallel inputs are temporaries of the forward, never kept. Per block:
+      gpt2    b*s*a*(3d/t + d/t) + b*s*F*a/t        qkv, attention output; up
+      llama   b*s*a*(d/t + 2*kv*hd/t + d/t)        q, k, v, attention output; gate, up
+            + 2*b*s*F*a/t
+      both  + 2*b*s_local*d*a                      proj and down, after g (or g')
+            + b*(h/t)*s*f + b*s_local*d*a          the logsumexp, the block's input
+    Part of it is held by the block's Tape instead of torch's cache
+    (replayed_collective_bytes), counted once."""
     a, f = _dtype_bytes(precision)
     s, d = model.seq_len, model.d_model
     bs = rows * s
     local = _local_tokens(rows, s, tp, sequence_parallel)
     ffn = model.ffn_hidden // tp
     if model.arch == "gpt2":
-        products = bs * a * (3 * d // tp + 2 * d) + bs * ffn * a
+        columns = bs * a * (3 * d // tp) + bs * ffn * a
     else:
-        kv = model.n_kv_heads * model.head_dim // tp
-        products = bs * a * (d // tp + 2 * kv + 2 * d) + 2 * bs * ffn * a
+        columns = bs * a * (model.n_heads * model.head_dim // tp + 2 * (model.n_kv_heads * model.head_dim // tp)) \
+            + 2 * bs * ffn * a
+    rows_out = 2 * local * d * a
     attention = bs * d // tp * a + rows * (model.n_heads // tp) * s * f
-    return local * d * a + products + attention + replayed_collective_bytes(model, rows, tp, precision, sequence_parallel)
+    return local * d * a + columns + rows_out + attention
 
 
 def replayed_collective_bytes(model, rows: int, tp: int, precision: str, sequence_parallel: bool = False) -> int:
-    """What one selectively recomputed block's forward collectives leave recorded for
-    its rerun to replay (stageserver/model/collective_replay.py), on one tp rank: with
-    tp > 1, the attention's and the MLP's row-parallel outputs summed over the tensor
-    group, b*s*d*a each (sequence parallel: reduce-scattered, b*s*d*a/t each, and besides
-    them the two column-parallel inputs gathered along the sequence, b*s*d*a each: q, k
-    and v read one, llama's gate and up another); nothing at tp=1, which communicates
-    nothing."""
+    """The part of selective_block_bytes a block's Tape holds for its rerun to replay
+    (stageserver/model/collective_replay.py), on one tp rank: with tp > 1 the two
+    row-parallel outputs after their collective, and under sequence parallelism the
+    column-parallel products too (their gather and matmuls are replayed as one);
+    nothing at tp=1, which communicates nothing."""
     if tp == 1:
         return 0
     a, _ = _dtype_bytes(precision)
     s, d = model.seq_len, model.d_model
-    local = _local_tokens(rows, s, tp, sequence_parallel)
-    gathered = 2 * rows * s * d * a if sequence_parallel else 0
-    return 2 * local * d * a + gathered
+    total = 2 * _local_tokens(rows, s, tp, sequence_parallel) * d * a
+    if sequence_parallel:
+        bs, ffn = rows * s, model.ffn_hidden // tp
+        if model.arch == "gpt2":
+            total += bs * a * (3 * d // tp) + bs * ffn * a
+        else:
+            total += bs * a * (model.n_heads * model.head_dim // tp + 2 * (model.n_kv_heads * model.head_dim // tp)) \
+                + 2 * bs * ffn * a
+    return total
 
 
 def _blocks_bytes(model, modes: list[str], rows: int, tp: int, precision: str, sequence_parallel: bool) -> int:

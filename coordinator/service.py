@@ -15,12 +15,12 @@ from interleaf.coordinator.driver import JobDriver
 from interleaf.coordinator.admission import check_fits, needed_bytes
 from interleaf.coordinator.job_store import JobStore
 from interleaf.coordinator.jobs import JobTable
-from interleaf.coordinator.plan import plan_programs
+from interleaf.coordinator.plan import plan_eval_programs, plan_programs
 from interleaf.coordinator.registry import HEARTBEAT_INTERVAL_S, Registry
 from interleaf.protos import interleaf_pb2 as pb
 from interleaf.protos import interleaf_pb2_grpc as rpc
 from interleaf.protos import wire
-from interleaf.stageserver.data.vocab_check import check_vocab
+from interleaf.stageserver.data.vocab_check import check_eval_source, check_vocab
 
 log = logging.getLogger("interleaf.coordinator")
 
@@ -85,7 +85,10 @@ class CoordinatorService(rpc.CoordinatorServicer):
         try:
             config = load_config(request.config_toml, list(request.overrides))
             check_vocab(config.model.vocab_size, config.data.source, config.data.tokenizer, tokenizer_needed=False)
+            if config.eval.enabled:
+                check_eval_source(config.model.vocab_size, config.eval.source, config.data.source)
             self._admit(config)
+            plan_eval_programs(config)  # an evaluation that cannot be lowered is refused now, not mid-job
         except ValueError as err:  # ConfigError, VocabError, AdmissionError; a plan that cannot be built
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
         overrides = list(request.overrides)

@@ -128,7 +128,7 @@ class StageJob:
         except (OSError, ValueError) as err:
             raise JobRejected(f"eval: {err}") from None
         if self.eval_set is not None and request.eval_source:  # data.source's own ids were checked above
-            recorded = TokenFile(request.eval_source).vocab_size
+            recorded = TokenFile(request.eval_source, field="eval.source").vocab_size
             largest = self.eval_set.largest() if recorded is None else recorded - 1
             if largest >= m.vocab_size:
                 raise JobRejected(f"model.vocab_size={m.vocab_size} must exceed every token id the evaluation "

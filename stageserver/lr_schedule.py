@@ -70,8 +70,8 @@ class Schedule:
     @classmethod
     def of(cls, train) -> Schedule:
         """The schedule a job's train settings name: a TrainConfig, a TrainPlan or a
-        TrainSpec (its lr_decay empty from a coordinator that predates the choice)."""
-        return cls(train.lr, train.warmup_steps, train.steps, train.lr_decay or "cosine",
+        TrainSpec (whose lr_decay the server's setup checks have found set)."""
+        return cls(train.lr, train.warmup_steps, train.steps, train.lr_decay,
                    train.min_lr_ratio, train.decay_fraction)
 
     def lr_at(self, step: int) -> float:

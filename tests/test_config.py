@@ -67,6 +67,8 @@ BAD_CONFIGS = [
      "blocks selective recompute reruns in full), not 'none'"),
     (["train.recompute=selective", "train.recompute_layers=-1"], "train.recompute_layers=-1 must be 0 (off) or more"),
     (["train.recompute=selective", "train.recompute_layers=2000"], "train.recompute_layers=2000 must be at most 1024"),
+    (["train.recompute=selective", "train.recompute_layers=5", "model.n_layers=4"],
+     "train.recompute_layers=5 must not exceed model.n_layers=4: every K-th block is rerun whole, and no block would be"),
     (["train.betas=0.9"], "train.betas=[0.9] must be a pair of numbers, e.g. [0.9, 0.95]"),
     (["train.betas=0.9,0.95,0.99"], "train.betas=[0.9, 0.95, 0.99] must be a pair of numbers, e.g. [0.9, 0.95]"),
     (["train.betas=fast"], "train.betas='fast' must be a pair of numbers, e.g. [0.9, 0.95]"),

@@ -154,6 +154,9 @@ EVAL_LAYOUTS = {
     "dp2-tp2-pp2-v2": layout(dp=2, tp=2, pp=2, vpp=2),
     "zero3-dp2-pp2-v2": layout(dp=2, pp=2, vpp=2) + ["parallel.zero=3"],
     "sp-tp2-pp2-1f1b": layout(tp=2, pp=2, schedule="1f1b") + ["parallel.sequence_parallel=true"],
+    "zero3-dp2-tp2": layout(dp=2, tp=2, schedule="1f1b") + ["parallel.zero=3"],
+    # selective recompute's checkpointing is for the backward: an evaluation runs the blocks plainly
+    "zero1-dp2-pp2-selective": layout(dp=2, pp=2, schedule="1f1b") + ["parallel.zero=1", "train.recompute=selective"],
     # Three times as many evaluation microbatches (12) as training ones (4), interleaved:
     # message tags must number the evaluation's microbatches, not the step's.
     "interleaved-pp2-v2-eval3x": layout(pp=2, vpp=2) + ["eval.samples=24"],

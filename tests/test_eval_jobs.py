@@ -9,12 +9,15 @@ import json
 import math
 import urllib.request
 
+import grpc
+import numpy as np
 import pytest
 from interleaf.clients.follow import MetricsOut, follow
+from interleaf.stageserver.data.tokenfile import write_tokens
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.conftest import TINY
-from tests.test_equivalence import LOSS_RTOL, layout, run_with_evals
+from tests.conftest import TINY, layout_free
+from tests.test_equivalence import LOSS_RTOL, layout, reference_with_evals, run_with_evals
 
 EVAL = ["eval.every=2", "eval.samples=8", "eval.fraction=0.05", "train.steps=4"]
 
@@ -122,3 +125,42 @@ def test_evaluations_reach_metrics_out_the_python_client_and_prometheus(
                for s in family.samples}
     assert samples[("interleaf_eval_loss", final.job_id)] == evaluations[-1].loss
     assert samples[("interleaf_eval_step", final.job_id)] == 4
+
+
+def _eval_file(folder, vocab_size: int = 256, ids: int = 256, **described):
+    """A token file of 600 seeded ids below `ids`, its sidecar recording `vocab_size`."""
+    path = folder / "held-out.bin"
+    write_tokens(path, np.random.default_rng(7).integers(0, ids, 600), documents=1, vocab_size=vocab_size,
+                 **described)
+    return path
+
+
+def test_an_eval_source_file_is_scored_as_the_reference_scores_it(client, tmp_path):
+    """eval.source: its first samples, scored through a tp2·pp2 layout, equal the
+    reference's; training reads all of data.source (nothing held out)."""
+    setup = TINY + ["eval.every=2", "eval.samples=8", f"eval.source={_eval_file(tmp_path)}", "train.steps=3"]
+    final, steps, evaluations = run_with_evals(client, setup + layout(tp=2, pp=2, schedule="1f1b"))
+    assert final.state == "SUCCEEDED", final.error
+    history, expected = reference_with_evals(layout_free(setup))
+    unsplit, _ = reference_with_evals(layout_free(TINY))  # the same training samples as with eval off
+    assert [e.step for e in evaluations] == [e.step for e in expected] == [2, 3]
+    for got, want in zip(evaluations, expected):
+        assert abs(got.loss - want.loss) <= LOSS_RTOL * abs(want.loss), (got.step, got.loss, want.loss)
+    for got, want, plain in zip(steps, history, unsplit, strict=True):
+        assert abs(got.loss - want.loss) <= LOSS_RTOL * abs(want.loss) and want.loss == plain.loss
+
+
+def test_an_eval_source_the_model_cannot_hold_is_refused_at_submit(client, tmp_path):
+    path = _eval_file(tmp_path, vocab_size=300, ids=300)
+    with pytest.raises(grpc.RpcError) as refused:
+        client.submit("", TINY + ["eval.every=2", "eval.samples=8", f"eval.source={path}"])
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert (f"model.vocab_size=256 is smaller than the vocabulary of eval.source={str(path)!r} (300"
+            in refused.value.details())
+
+
+def test_a_missing_eval_source_fails_the_job_naming_it(client, tmp_path):
+    missing = tmp_path / "nowhere.bin"  # a remote coordinator need not see it: the servers say so
+    final, steps, _ = run_with_evals(client, TINY + ["eval.every=2", "eval.samples=8", f"eval.source={missing}"])
+    assert final.state == "FAILED" and not steps
+    assert f"eval.source={str(missing)!r}: no token file" in final.error, final.error

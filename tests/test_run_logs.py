@@ -181,13 +181,20 @@ def test_eval_events_become_eval_scalars(tmp_path):
 
 def test_interleaf_run_writes_tensorboard(tmp_path):
     """The command line, as a user runs it: a local pipeline cluster of its own."""
-    result = cli("run", "--local", "2", *sets(SMALL + PIPELINE), "--tensorboard", str(tmp_path / "tb"),
+    result = cli("run", "--local", "2", *sets(SMALL + PIPELINE + EVAL), "--tensorboard", str(tmp_path / "tb"),
                  "--metrics-out", str(tmp_path / "m.jsonl"))
     assert result.returncode == 0, result.stderr[-3000:]
     rows = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
+    steps, evals = [r for r in rows if r["kind"] == "step"], [r for r in rows if r["kind"] == "eval"]
     found = scalars(tmp_path / "tb")
-    assert [v for _, v in found["train/loss"]] == pytest.approx([r["loss"] for r in rows if "loss" in r], rel=1e-6)
-    assert [v for _, v in found["train/lr"]] == pytest.approx([r["lr"] for r in rows if "lr" in r], rel=1e-6)
+    assert [v for _, v in found["train/loss"]] == pytest.approx([r["loss"] for r in steps], rel=1e-6)
+    assert [v for _, v in found["train/lr"]] == pytest.approx([r["lr"] for r in steps], rel=1e-6)
+    assert [r["step"] for r in evals] == [2, 3]
+    assert found["eval/loss"] == [(r["step"], pytest.approx(r["loss"], rel=1e-6)) for r in evals]
+    # the progress output: a line per evaluation, and the bar carries the latest one
+    for r in evals:
+        assert f"eval after step {r['step']}: loss {r['loss']:.4f}, perplexity {r['perplexity']:,.2f}" in result.stderr
+    assert "step 3/3 " in result.stderr and f"eval {evals[0]['loss']:.4f} (ppl " in result.stderr
 
 
 def test_interleaf_watch_writes_tensorboard(cluster, client, tmp_path):
@@ -228,7 +235,6 @@ def wandb_history(wandb_dir) -> list[dict]:
 
 
 def test_reference_logs_to_tensorboard_and_wandb_offline(tmp_path):
-    pytest.importorskip("wandb")
     result = cli("reference", *sets(SMALL + SOLO + EVAL), "--metrics-out", str(tmp_path / "m.jsonl"),
                  "--tensorboard", str(tmp_path / "tb"), "--wandb", "interleaf-test",
                  env={"WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path), "WANDB_SILENT": "true"})
@@ -255,4 +261,14 @@ def test_wandb_without_the_extra_is_refused_before_anything_starts(command, tmp_
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert result.returncode == 2, result.stderr[-3000:]
     assert "pip install 'interleaf[wandb]'" in result.stderr
+    assert "starting a coordinator" not in result.stderr and not (tmp_path / "m.jsonl").exists()
+
+
+@pytest.mark.parametrize("command", [["run", "--local", "2", *sets(PIPELINE)], ["reference", *sets(SOLO)]])
+def test_an_unwritable_tensorboard_folder_is_refused_before_anything_starts(command, tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    result = cli(*command, *sets(SMALL), "--tensorboard", str(blocker / "tb"), "--metrics-out", str(tmp_path / "m.jsonl"))
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert f"--tensorboard {str(blocker / 'tb')!r}: the event files' folder cannot be written" in result.stderr
     assert "starting a coordinator" not in result.stderr and not (tmp_path / "m.jsonl").exists()

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from tests.conftest import ARCHS, TINY, layout_free, reference, run_job
-from tests.test_equivalence import check_equivalent, layout
+from tests.test_equivalence import check_equivalent, layout, reference_with_evals, run_with_evals
 
 # dp=4 needs a global batch divisible by dp*microbatches = 16.
 DP4 = ["train.global_batch=16"]
@@ -46,6 +46,11 @@ COMPOSED = {
     "zero3-dp2-tp2-sp-selective": (layout(dp=2, tp=2, schedule="1f1b")
                                    + ["parallel.zero=3", "parallel.sequence_parallel=true"],
                                    ["train.recompute=selective"]),
+    # Every axis at once: the replayed gathers and reduce-scatters inside interleaved chunks
+    # whose parameters ZeRO-3 gathers for the forward and again for the rerun.
+    "zero3-dp2-tp2-pp2-v2-sp-selective": (layout(dp=2, tp=2, pp=2, vpp=2)
+                                          + ["parallel.zero=3", "parallel.sequence_parallel=true"],
+                                          ["train.recompute=selective"]),
 }
 
 
@@ -85,6 +90,23 @@ def test_fp64_long_run_with_sequence_parallelism_matches_reference_to_1e9(client
     gradients summed over tp before the optimizer, held to 1e-9 in fp64."""
     check_equivalent(client, layout(dp=2, tp=2, pp=2, vpp=2) + ["parallel.zero=1", "parallel.sequence_parallel=true"],
                      tmp_path, ARCHS[arch] + LONG, loss_rtol=1e-9, param_rtol=1e-9)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_fp64_long_run_evaluations_match_reference_to_1e9(client, arch):
+    """Held-out evaluations every 10 of 50 fp64 steps through dp2·tp2·pp2·vpp2 with
+    ZeRO-3 (the forward-only programs gather each chunk's shards): every evaluation, and
+    every step trained on what the split leaves, equal the reference's to 1e-9."""
+    setup = TINY + ARCHS[arch] + LONG + ["eval.every=10", "eval.samples=8", "eval.fraction=0.05"]
+    final, steps, evaluations = run_with_evals(client, setup + layout(dp=2, tp=2, pp=2, vpp=2) + ["parallel.zero=3"])
+    assert final.state == "SUCCEEDED", final.error
+    history, expected = reference_with_evals(layout_free(setup))
+    assert [e.step for e in evaluations] == [e.step for e in expected] == [10, 20, 30, 40, 50]
+    for got, want in zip(evaluations, expected):
+        assert abs(got.loss - want.loss) <= 1e-9 * abs(want.loss), (got.step, got.loss, want.loss)
+    assert len(steps) == len(history) == 50
+    for got, want in zip(steps, history):
+        assert abs(got.loss - want.loss) <= 1e-9 * abs(want.loss), (got.step, got.loss, want.loss)
 
 
 BF16 = ["train.steps=50", "train.warmup_steps=5", "train.lr=0.003"]

@@ -56,6 +56,9 @@ class JobConfig:
             raise ConfigError(f"model.seq_len={m.seq_len} must be divisible by parallel.tp={p.tp} with "
                               f"parallel.sequence_parallel=true: each tensor rank holds an equal slice of the "
                               f"sequence")
+        if t.recompute_layers > m.n_layers:
+            raise ConfigError(f"train.recompute_layers={t.recompute_layers} must not exceed model.n_layers="
+                              f"{m.n_layers}: every K-th block is rerun whole, and no block would be")
         if t.global_batch % (p.dp * p.microbatches):
             raise ConfigError(
                 f"train.global_batch={t.global_batch} must be divisible by "

@@ -150,9 +150,9 @@ def open_eval_set(source, eval_source: str, held_out: float, seq_len: int, sampl
     documents (the last `held_out` of each file's)."""
     if eval_source:
         try:
-            tokens = TokenFile(eval_source).tokens
-        except (OSError, ValueError) as err:
-            raise ValueError(f"eval.source: {err}") from None
+            tokens = TokenFile(eval_source, field="eval.source").tokens
+        except OSError as err:  # FileNotFoundError names the field; ValueError passes as it is
+            raise ValueError(str(err)) from None
         return EvalSet([tokens], seq_len, samples, f"eval.source={eval_source!r}")
     held = split_source(source, held_out)[1]
     return EvalSet(held, seq_len, samples, f"the held-out {held_out:.3g} of data.source")

@@ -102,23 +102,24 @@ def write_tokens(path: str | os.PathLike, tokens: np.ndarray, **described) -> di
 class TokenFile:
     """A read-only memory map over a token file."""
 
-    def __init__(self, path: str | os.PathLike):
+    def __init__(self, path: str | os.PathLike, field: str = "data.source"):
+        """`field`: the setting that named the file, for the errors (data.source, eval.source)."""
         self.path = pathlib.Path(path)
         sidecar = _sidecar(self.path)
         if not self.path.is_file() or not sidecar.is_file():
             raise FileNotFoundError(
-                f"data.source={str(path)!r}: no token file (and {sidecar.name}) there; "
+                f"{field}={str(path)!r}: no token file (and {sidecar.name}) there; "
                 "write one with `interleaf data prepare`"
             )
         self.meta: dict = json.loads(sidecar.read_text())
         self.sha256: str = self.meta["sha256"]
         count = self.meta["count"] if "count" in self.meta else self.meta["tokens"]
         if count == 0 or self.path.stat().st_size == 0:
-            raise ValueError(f"data.source={str(path)!r} holds no tokens")
+            raise ValueError(f"{field}={str(path)!r} holds no tokens")
         self.tokens = np.memmap(self.path, dtype=DTYPES[self.meta["dtype"]], mode="r")
         if self.tokens.size != count:
             raise ValueError(
-                f"data.source={str(path)!r} holds {self.tokens.size} tokens, its sidecar says {count}"
+                f"{field}={str(path)!r} holds {self.tokens.size} tokens, its sidecar says {count}"
             )
         # None for a file whose sidecar predates the field: then only its ids are checked.
         self.vocab_size: int | None = self.meta.get("vocab_size")

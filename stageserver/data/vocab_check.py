@@ -62,6 +62,29 @@ def check_vocab(vocab_size: int, source: str, tokenizer: str, tokenizer_needed: 
                          f"turn its ids into other text")
 
 
+def check_eval_source(vocab_size: int, eval_source: str, source: str) -> None:
+    """Raises VocabError when eval.source's sidecar (where this process can read it)
+    records a vocabulary the model's does not hold, or a tokenizer other than the one
+    that made data.source's files: its ids would stand for other text, and its loss
+    would score nothing the model learned. A file this process cannot read is left to
+    the stage servers, which check its ids when they open it (stageserver/job.py)."""
+    if not eval_source:
+        return
+    sidecar = _sidecar(pathlib.Path(eval_source))
+    eval_vocab = sidecar.get("vocab_size")
+    if eval_vocab is not None and eval_vocab > vocab_size:
+        raise VocabError(f"model.vocab_size={vocab_size} is smaller than the vocabulary of "
+                         f"eval.source={eval_source!r} ({eval_vocab}, from its tokenizer); set model.vocab_size "
+                         f"to at least {eval_vocab}")
+    made = sidecar.get("tokenizer")
+    for path, _ in parse_source(source):
+        data = {"tokenizer": BytesTokenizer.fingerprint} if path == "builtin" else _sidecar(pathlib.Path(path))
+        if made and data.get("tokenizer") and data["tokenizer"] != made:
+            raise VocabError(f"eval.source={eval_source!r} was made by another tokenizer ({made}) than "
+                             f"data.source's {path!r} ({data['tokenizer']}): the same id would mean different "
+                             f"text in each")
+
+
 def _sidecar(path: pathlib.Path) -> dict:
     """A token file's sidecar; empty when this process cannot read it."""
     try:

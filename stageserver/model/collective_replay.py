@@ -19,10 +19,18 @@ predicts it). A recorded output that something later writes into in place would 
 the wrong values: the rerun refuses it (the same rule as torch's selective checkpoint
 cache), as it refuses a collective the first run did not issue.
 
+A recorded unit may hold the computation around its collective too (a row-parallel
+matmul and its reduce; an all-gather and the column-parallel matmuls that read it): the
+rerun skips all of it, so the first run hides it from the selective-checkpoint dispatch
+mode, whose cache counts the ops it sees per call and would otherwise hand later ops
+the wrong outputs. What is recorded is then only what the block needed anyway, never the
+unit's temporaries (the partial sum before a reduce, the gathered input).
+
 Worked example, a gpt2 block at tp=2 without sequence parallelism: its forward records
-two all-reduce outputs, attention's proj and the MLP's down, [b, s, d] each; the rerun
-in the backward replays both and issues no collective; the backward's own all-reduces
-(the input gradients of qkv and up) run as they do without recompute.
+two summed outputs, attention's proj and the MLP's down (matmul and all-reduce each),
+[b, s, d] each; the rerun in the backward replays both and issues no collective and no
+matmul for them; the backward's own all-reduces (the input gradients of qkv and up) run
+as they do without recompute.
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ import contextvars
 from collections.abc import Callable, Iterator
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
 _tape: contextvars.ContextVar[Tape | None] = contextvars.ContextVar("collective_tape", default=None)
 
@@ -48,7 +57,7 @@ class Tape:
     once each, in order, by the rerun, and all let go when the rerun ends."""
 
     def __init__(self):
-        self._outputs: list[tuple[torch.Tensor, int] | None] = []  # (detached output, its version)
+        self._outputs: list[tuple[tuple[torch.Tensor, ...], tuple[int, ...], bool] | None] = []  # (detached outputs, versions, a tuple?)
         self._replaying = False
         self._cursor = 0
 
@@ -67,9 +76,15 @@ class Tape:
 
     def next(self, collective: Callable[[], torch.Tensor]) -> torch.Tensor:
         if not self._replaying:
-            out = collective()
+            # Unseen by selective checkpointing's dispatch mode: the rerun skips these ops
+            # (the matmul before a reduce, the gather before the matmuls), so neither the
+            # policy's cache nor its per-op call counters may hold them.
+            with _disable_current_modes():
+                out = collective()
             # Detached: the tape must not hold the forward's graph through out's grad_fn.
-            self._outputs.append((out.detach(), out._version))
+            outs = out if isinstance(out, tuple) else (out,)
+            self._outputs.append((tuple(t.detach() for t in outs), tuple(t._version for t in outs),
+                                  isinstance(out, tuple)))
             return out
         index = self._cursor
         self._cursor += 1
@@ -77,13 +92,13 @@ class Tape:
         if entry is None:
             raise RuntimeError(f"forward collective {index} of a selectively recomputed block was not recorded by "
                                f"its first run (or was replayed already): the rerun must issue the same collectives")
-        recorded, version = entry
-        if recorded._version != version:
+        recorded, versions, is_tuple = entry
+        if any(t._version != v for t, v in zip(recorded, versions)):
             raise RuntimeError(f"forward collective {index}'s recorded output was written in place after its first "
                                f"run: replaying it would not give the collective's output")
         self._outputs[index] = None  # handed back once: freed as soon as the rerun is done with it
-        return recorded
+        return recorded if is_tuple else recorded[0]
 
     def tensors(self) -> list[torch.Tensor]:
         """The outputs still held (the activation meter's view)."""
-        return [entry[0] for entry in self._outputs if entry is not None]
+        return [t for entry in self._outputs if entry is not None for t in entry[0]]

@@ -14,11 +14,15 @@ go through gloo and NCCL groups that torch's dispatcher does not see, so no poli
 save their outputs; the block's Tape (collective_replay.py) does: its first run records
 each forward collective's output (all-reduce, all-gather, reduce-scatter), and the rerun
 in the backward replays them in order and communicates nothing, as Megatron's selective
-recompute never reruns communication. The results are the bits the collectives would
-give again; the cost is holding those outputs until the rerun (with tp > 1 per block: two
-all-reduce outputs [b, s, d]; sequence parallel: two gathered inputs [b, s, d] and two
-reduce-scattered outputs [b, s/t, d]). A block rerun whole (recompute_layers) keeps only
-its input and issues its forward collectives again in the rerun, as full recompute does.
+recompute never reruns communication. The matrix product next to each collective is
+recorded and replayed with it, as one unit: a row-parallel product with its all-reduce
+or reduce-scatter, and under sequence parallelism the gather of a column-parallel input
+with the products that read it. So what a block keeps is what the policy would keep
+anyway, the products' outputs, and no more: never the row-parallel partial sums nor the
+gathered input, temporaries of the forward (per block with tp > 1: two summed outputs,
+[b, s, d], or [b, s/t, d] reduce-scattered; coordinator/activation_bytes.py). A block
+rerun whole (recompute_layers) keeps only its input and issues its forward collectives
+again in the rerun, as full recompute does.
 
 recompute_layers = K (with selective): torchtitan's layer-wise option instead of the
 operator-level one. The blocks whose global index i has (i + 1) % K == 0 keep only their

@@ -55,6 +55,34 @@ def scatter_sum(y: torch.Tensor, tp: Transport) -> torch.Tensor:
     return mine.transpose(0, 1).contiguous()
 
 
+def linear_grads(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """F.linear(x, weight)'s input and weight gradients, as autograd computes them."""
+    flat_grad = grad.reshape(-1, grad.size(-1))
+    return grad.matmul(weight), flat_grad.t().matmul(x.reshape(-1, x.size(-1)))
+
+
+class _LinearReduceScatter(torch.autograd.Function):
+    """g' fused with the row-parallel matmul before it: the partial product [b, s, d] is a
+    temporary of the forward, never kept (a selective-recompute rerun replays the
+    reduce-scattered [b, s/t, d] and computes neither)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, tp: Transport) -> torch.Tensor:
+        ctx.tp = tp
+        ctx.save_for_backward(x, weight)
+        return replayable(lambda: scatter_sum(F.linear(x, weight), tp))
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, weight = ctx.saved_tensors
+        return (*linear_grads(gather(grad, ctx.tp), x, weight), None)
+
+
+def linear_reduce_scatter(x: torch.Tensor, weight: torch.Tensor, tp: Transport) -> torch.Tensor:
+    """A row-parallel matmul and g': this rank's tokens of the summed product."""
+    return _LinearReduceScatter.apply(x, weight, tp)
+
+
 class _ReduceScatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx, y: torch.Tensor, tp: Transport) -> torch.Tensor:
@@ -78,11 +106,14 @@ class _GatheredLinears(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, tp: Transport, *params):
-        whole = replayable(lambda: gather(x, tp))  # a selective-recompute rerun reuses it
         weights, biases = params[0::2], params[1::2]
         ctx.tp, ctx.has_bias = tp, [b is not None for b in biases]
         ctx.save_for_backward(x, *weights)
-        return tuple(F.linear(whole, w, b) for w, b in zip(weights, biases))
+
+        def gathered_products() -> tuple[torch.Tensor, ...]:  # the gathered input: a temporary
+            whole = gather(x, tp)
+            return tuple(F.linear(whole, w, b) for w, b in zip(weights, biases))
+        return replayable(gathered_products)  # a selective-recompute rerun reuses the products
 
     @staticmethod
     def backward(ctx, *grads):

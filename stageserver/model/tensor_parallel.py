@@ -48,6 +48,21 @@ def _summed(tensor: torch.Tensor, tp: Transport) -> torch.Tensor:
     return out
 
 
+class _LinearAllReduce(torch.autograd.Function):
+    """A row-parallel matmul and g fused: the partial product is a temporary of the
+    forward, never kept (a selective-recompute rerun replays the sum)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, tp: Transport) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        return replayable(lambda: _summed(F.linear(x, weight), tp))
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, weight = ctx.saved_tensors
+        return (*sp.linear_grads(grad, x, weight), None)
+
+
 class _CopyToTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, tp: Transport) -> torch.Tensor:
@@ -126,9 +141,12 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Sequence parallel: the sum is reduce-scattered, this rank's tokens out (the
         bias then sees only them: its gradient is a partial sum, see ModelState)."""
-        partial = F.linear(x, self.weight)
-        y = sp.reduce_scatter(partial, self.tp) if self.sequence_parallel and self.tp.size > 1 \
-            else reduce_from_tp(partial, self.tp)
+        if self.tp.size == 1:
+            y = F.linear(x, self.weight)
+        elif self.sequence_parallel:
+            y = sp.linear_reduce_scatter(x, self.weight, self.tp)
+        else:
+            y = _LinearAllReduce.apply(x, self.weight, self.tp)
         return y if self.bias is None else y + self.bias
 
 
