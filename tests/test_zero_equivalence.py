@@ -93,12 +93,18 @@ def test_fp64_long_run_with_sequence_parallelism_matches_reference_to_1e9(client
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_fp64_long_run_evaluations_match_reference_to_1e9(client, arch):
-    """Held-out evaluations every 10 of 50 fp64 steps through dp2·tp2·pp2·vpp2 with
-    ZeRO-3 (the forward-only programs gather each chunk's shards): every evaluation, and
-    every step trained on what the split leaves, equal the reference's to 1e-9."""
-    setup = TINY + ARCHS[arch] + LONG + ["eval.every=10", "eval.samples=8", "eval.fraction=0.05"]
-    final, steps, evaluations = run_with_evals(client, setup + layout(dp=2, tp=2, pp=2, vpp=2) + ["parallel.zero=3"])
+def test_fp64_long_run_with_every_practitioner_feature_matches_reference_to_1e9(client, arch):
+    """50 fp64 steps through dp2·tp2·pp2·vpp2 with ZeRO-3, sequence parallelism,
+    selective recompute, a WSD schedule with its own betas and eps, and held-out
+    evaluations every 10 steps (forward-only programs that gather each chunk's shards):
+    every evaluation, and every step trained on what the split leaves, equal the
+    reference's to 1e-9."""
+    setup = TINY + ARCHS[arch] + LONG + ["eval.every=10", "eval.samples=8", "eval.fraction=0.05",
+                                         "train.recompute=selective", "train.lr_decay=wsd",
+                                         "train.decay_fraction=0.3", "train.min_lr_ratio=0.05",
+                                         "train.betas=0.9,0.99", "train.eps=1e-6"]
+    final, steps, evaluations = run_with_evals(client, setup + layout(dp=2, tp=2, pp=2, vpp=2)
+                                               + ["parallel.zero=3", "parallel.sequence_parallel=true"])
     assert final.state == "SUCCEEDED", final.error
     history, expected = reference_with_evals(layout_free(setup))
     assert [e.step for e in evaluations] == [e.step for e in expected] == [10, 20, 30, 40, 50]
