@@ -117,8 +117,9 @@ def selective_block_bytes(model, rows: int, tp: int, precision: str, sequence_pa
             + 2*b*s*F*a/t
       both  + 2*b*s_local*d*a                      proj and down, after g (or g')
             + b*(h/t)*s*f + b*s_local*d*a          the logsumexp, the block's input
-    Part of it is held by the block's Tape instead of torch's cache
-    (replayed_collective_bytes), counted once."""
+    With tp > 1 the block's Tape holds the row-parallel outputs (and under sequence
+    parallelism the column-parallel ones) instead of torch's cache: the same tensors,
+    counted once."""
     a, f = _dtype_bytes(precision)
     s, d = model.seq_len, model.d_model
     bs = rows * s
@@ -132,27 +133,6 @@ def selective_block_bytes(model, rows: int, tp: int, precision: str, sequence_pa
     rows_out = 2 * local * d * a
     attention = bs * d // tp * a + rows * (model.n_heads // tp) * s * f
     return local * d * a + columns + rows_out + attention
-
-
-def replayed_collective_bytes(model, rows: int, tp: int, precision: str, sequence_parallel: bool = False) -> int:
-    """The part of selective_block_bytes a block's Tape holds for its rerun to replay
-    (stageserver/model/collective_replay.py), on one tp rank: with tp > 1 the two
-    row-parallel outputs after their collective, and under sequence parallelism the
-    column-parallel products too (their gather and matmuls are replayed as one);
-    nothing at tp=1, which communicates nothing."""
-    if tp == 1:
-        return 0
-    a, _ = _dtype_bytes(precision)
-    s, d = model.seq_len, model.d_model
-    total = 2 * _local_tokens(rows, s, tp, sequence_parallel) * d * a
-    if sequence_parallel:
-        bs, ffn = rows * s, model.ffn_hidden // tp
-        if model.arch == "gpt2":
-            total += bs * a * (3 * d // tp) + bs * ffn * a
-        else:
-            total += bs * a * (model.n_heads * model.head_dim // tp + 2 * (model.n_kv_heads * model.head_dim // tp)) \
-                + 2 * bs * ffn * a
-    return total
 
 
 def _blocks_bytes(model, modes: list[str], rows: int, tp: int, precision: str, sequence_parallel: bool) -> int:
