@@ -5,7 +5,7 @@ samples, one stage server per rank on a local cluster (one torch thread each); w
 `--layout tp2-pp2-sp`, the same at tp=2 with sequence parallelism (4 servers), where
 selective replays its gathers and reduce-scatters.
 
-Per mode: each rank's activation peak as its ledger reports it (RankMemory's
+Per mode: each pipeline rank's activation peak (its tensor rank 0's) as its ledger reports it (RankMemory's
 activations_peak_bytes, the most a step held at once: what the memory model predicts,
 and the figure recompute changes), the memory model's prediction beside it
 (coordinator/memory_model.py), and the median step time after warm-up. Recompute
@@ -23,6 +23,7 @@ import statistics
 
 from interleaf.clients.launcher import LocalCluster
 from interleaf.coordinator.config import load_config
+from interleaf.coordinator.grid import Coord, RankGrid
 from interleaf.coordinator.memory_model import predict
 from interleaf.coordinator.plan import plan_programs
 
@@ -66,8 +67,11 @@ def main() -> None:
             config = load_config("", overrides)
             predicted = [p["activations_peak_bytes"] for p in predict(config, plan_programs(config)[0])]
             result = run_job(client, overrides)
+            p = config.parallel  # the prediction is per pipeline rank: tensor rank 0 of each stage measures it
+            grid = RankGrid(p.dp, p.pp, p.tp)
+            ranks = [grid.rank(Coord(0, stage, 0)) for stage in range(p.pp)]
             measured = [max(step[rank]["activations_peak_bytes"] for step in result["memory"][args.warmup:])
-                        for rank in range(len(predicted))]
+                        for rank in ranks]
             runs[mode] = {"overrides": overrides, "predicted_activations_peak_bytes": predicted,
                           "activations_peak_bytes": measured, **result}
         client.close()
@@ -86,7 +90,7 @@ def main() -> None:
                      f"{run['activations_peak_bytes'][0] / base['activations_peak_bytes'][0]:.2f}",
                      f"{seconds:.3f}", f"{seconds / statistics.median(steady(base['step_seconds'], args.warmup)):.2f}",
                      f"{drift:.1e}"])
-    print(table(["recompute", "activ. peak MiB (per rank)", "predicted MiB", "rank 0 vs none", "s/step",
+    print(table(["recompute", "activ. peak MiB (per pp rank)", "predicted MiB", "rank 0 vs none", "s/step",
                  "vs none", "loss rel. diff"], rows))
     print(f"{args.arch}, layout {args.layout}, {before['cpus']} CPUs, load average {before['load_average_1m']} before, "
           f"{after['load_average_1m']} after; {args.steps} steps per run, first {args.warmup} left out")
