@@ -161,12 +161,12 @@ def _check_run_logs(args) -> None:
         except RuntimeError as err:
             raise UsageError(str(err)) from None
     folder = getattr(args, "tensorboard", None)
-    if folder:
+    if folder and "://" not in folder:  # a local folder (TensorBoard's writer also takes gs://, s3://)
         try:
             os.makedirs(folder, exist_ok=True)
             if not os.access(folder, os.W_OK | os.X_OK):
                 raise PermissionError("not writable")
-        except OSError as err:
+        except (OSError, ValueError) as err:  # ValueError: a NUL in the path
             raise UsageError(f"--tensorboard {folder!r}: the event files' folder cannot be written ({err})") from None
 
 

@@ -107,6 +107,16 @@ def test_token_file_rejects_sidecar_count_mismatch(tmp_path):
         TokenFile(path)
 
 
+@pytest.mark.parametrize("sidecar_text", ["{not json", json.dumps({"count": 10, "sha256": "x"}),
+                                          json.dumps({"count": 10, "sha256": "x", "dtype": "float7"})])
+def test_a_broken_sidecar_is_refused_naming_the_field(tmp_path, sidecar_text):
+    path = tmp_path / "v.tokens"
+    write_tokens(path, np.arange(10))
+    path.with_name("v.tokens.json").write_text(sidecar_text)
+    with pytest.raises(ValueError, match=r"^eval\.source=.*v\.tokens': its sidecar v\.tokens\.json is not one"):
+        TokenFile(path, field="eval.source")
+
+
 def test_token_file_reads_a_sidecar_from_before_count_and_vocab_size(tmp_path):
     path = tmp_path / "t.tokens"
     meta = write_tokens(path, np.arange(10))

@@ -111,12 +111,17 @@ class TokenFile:
                 f"{field}={str(path)!r}: no token file (and {sidecar.name}) there; "
                 "write one with `interleaf data prepare`"
             )
-        self.meta: dict = json.loads(sidecar.read_text())
-        self.sha256: str = self.meta["sha256"]
-        count = self.meta["count"] if "count" in self.meta else self.meta["tokens"]
+        try:
+            self.meta: dict = json.loads(sidecar.read_text())
+            self.sha256: str = self.meta["sha256"]
+            count = self.meta["count"] if "count" in self.meta else self.meta["tokens"]
+            dtype = DTYPES[self.meta["dtype"]]
+        except (ValueError, KeyError, TypeError) as err:  # JSONDecodeError is a ValueError
+            raise ValueError(f"{field}={str(path)!r}: its sidecar {sidecar.name} is not one `interleaf data "
+                             f"prepare` writes ({type(err).__name__}: {err})") from None
         if count == 0 or self.path.stat().st_size == 0:
             raise ValueError(f"{field}={str(path)!r} holds no tokens")
-        self.tokens = np.memmap(self.path, dtype=DTYPES[self.meta["dtype"]], mode="r")
+        self.tokens = np.memmap(self.path, dtype=dtype, mode="r")
         if self.tokens.size != count:
             raise ValueError(
                 f"{field}={str(path)!r} holds {self.tokens.size} tokens, its sidecar says {count}"

@@ -13,9 +13,9 @@ in Megatron's selective recompute, which never reruns communication). The collec
 the backward direction (the autograd Functions' backward methods) do not go through
 here and run as always.
 
-What replaying costs is memory: each recorded output is held from the forward until the
-rerun hands it back (the activation meter counts it, coordinator/activation_bytes.py
-predicts it). A recorded output that something later writes into in place would replay
+Each recorded output is held from the forward until the rerun hands it back, in place of
+the copy torch's selective-checkpoint cache would have kept of the same matrix product
+(the activation meter counts it, coordinator/activation_bytes.py predicts it). A recorded output that something later writes into in place would replay
 the wrong values: the rerun refuses it (the same rule as torch's selective checkpoint
 cache), as it refuses a collective the first run did not issue.
 
@@ -23,7 +23,8 @@ A recorded unit may hold the computation around its collective too (a row-parall
 matmul and its reduce; an all-gather and the column-parallel matmuls that read it): the
 rerun skips all of it, so the first run hides it from the selective-checkpoint dispatch
 mode, whose cache counts the ops it sees per call and would otherwise hand later ops
-the wrong outputs. What is recorded is then only what the block needed anyway, never the
+the wrong outputs. (They are hidden from every dispatch mode then: an operation counter
+wrapped around a selectively recomputed block would not see the recorded matmuls.) What is recorded is then only what the block needed anyway, never the
 unit's temporaries (the partial sum before a reduce, the gathered input).
 
 Worked example, a gpt2 block at tp=2 without sequence parallelism: its forward records

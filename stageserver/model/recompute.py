@@ -19,8 +19,9 @@ recorded and replayed with it, as one unit: a row-parallel product with its all-
 or reduce-scatter, and under sequence parallelism the gather of a column-parallel input
 with the products that read it. So what a block keeps is what the policy would keep
 anyway, the products' outputs, and no more: never the row-parallel partial sums nor the
-gathered input, temporaries of the forward (per block with tp > 1: two summed outputs,
-[b, s, d], or [b, s/t, d] reduce-scattered; coordinator/activation_bytes.py). A block
+gathered input, temporaries of the forward (per block with tp > 1, the Tape holds the
+two row-parallel outputs, [b, s, d] summed or [b, s/t, d] reduce-scattered, and under
+sequence parallelism the column-parallel products too; coordinator/activation_bytes.py). A block
 rerun whole (recompute_layers) keeps only its input and issues its forward collectives
 again in the rerun, as full recompute does.
 

@@ -87,7 +87,9 @@ class _ReduceScatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx, y: torch.Tensor, tp: Transport) -> torch.Tensor:
         ctx.tp = tp
-        return replayable(lambda: scatter_sum(y, tp))  # a selective-recompute rerun reuses it
+        # Only the embedding uses it, outside every selectively recomputed block: the
+        # row-parallel linears reduce-scatter inside _LinearReduceScatter, recorded with their product.
+        return scatter_sum(y, tp)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):

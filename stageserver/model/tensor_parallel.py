@@ -77,7 +77,9 @@ class _CopyToTP(torch.autograd.Function):
 class _ReduceFromTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, tp: Transport) -> torch.Tensor:
-        return replayable(lambda: _summed(x, tp))  # a selective-recompute rerun reuses the sum
+        # Only the vocab-parallel embedding uses it, outside every selectively recomputed
+        # block: the row-parallel linears sum inside _LinearAllReduce, recorded with their product.
+        return _summed(x, tp)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
