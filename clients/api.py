@@ -27,7 +27,7 @@ from interleaf.clients.client import Client as RpcClient
 from interleaf.coordinator.config import JobConfig
 from interleaf.protos import interleaf_pb2 as pb
 from interleaf.protos.job_states import FINAL_STATES
-from interleaf.protos.security import Security
+from interleaf.common.security import Security
 
 
 @dataclass(frozen=True)

@@ -71,7 +71,7 @@ def _config_text(path: str | None) -> str:
 def _security(args):
     """The token and TLS files of --token-file and --tls-* (the token, without
     --token-file, from $INTERLEAF_TOKEN)."""
-    from interleaf.protos.security import Security, SecurityError
+    from interleaf.common.security import Security, SecurityError
 
     try:
         return Security.from_options(args.token_file, args.tls_cert, args.tls_key, args.tls_ca,
@@ -394,8 +394,8 @@ def cmd_health(args) -> int:
 
     import grpc
 
-    from interleaf.protos import wire
-    from interleaf.protos.health import check
+    from interleaf.common import wire
+    from interleaf.common.health import check
 
     channel = wire.channel(args.address, _security(args))
     deadline = time.monotonic() + args.wait

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from interleaf.protos import interleaf_pb2 as pb
 from interleaf.protos import interleaf_pb2_grpc as rpc
-from interleaf.protos import wire
-from interleaf.protos.security import Security
+from interleaf.common import wire
+from interleaf.common.security import Security
 
 RPC_TIMEOUT_S = 30.0
 

@@ -27,7 +27,7 @@ import torch
 from interleaf.clients.api import Client as ApiClient
 from interleaf.clients.client import Client
 from interleaf.clients.parent_death import PARENT_ENV
-from interleaf.protos.security import TOKEN_ENV, Security
+from interleaf.common.security import TOKEN_ENV, Security
 from interleaf.stageserver.device import device_memory_bytes, physical_memory_bytes
 
 

@@ -20,7 +20,7 @@ import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from interleaf.stageserver.safetensors import fsync_folder
+from interleaf.common.durable import fsync_folder
 
 MANIFEST = "manifest.json"
 

@@ -30,7 +30,7 @@ from interleaf.coordinator.registry import DEAD_AFTER_S, HEARTBEAT_INTERVAL_S, R
 from interleaf.coordinator.traces import trace_plan, traced_in_block
 from interleaf.protos import interleaf_pb2 as pb
 from interleaf.protos import interleaf_pb2_grpc as rpc
-from interleaf.protos import wire
+from interleaf.common import wire
 
 log = logging.getLogger("interleaf.coordinator")
 

@@ -22,7 +22,7 @@ from interleaf.coordinator.config import ConfigError, JobConfig
 def smaller_layouts(config: JobConfig) -> list[JobConfig]:
     """The configs the job may go on with, largest dp' first: each dp' < dp that divides
     dp·microbatches and whose config passes every rule (e.g. interleaved-1f1b's
-    microbatches being a multiple of pp, and the bounds of protos/limits.py on
+    microbatches being a multiple of pp, and the bounds of common/limits.py on
     microbatches and pipeline slots, which dp'=1 may break). An elastic config has at
     least one: coordinator/config.py refuses it at submit otherwise."""
     p = config.parallel

@@ -18,7 +18,7 @@ from typing import Callable
 from interleaf.coordinator import status_page
 from interleaf.coordinator.metrics import CoordinatorMetrics
 from interleaf.coordinator.registry import Registry
-from interleaf.protos.http import HttpServer, Request, Response, Route, metrics_route
+from interleaf.common.http import HttpServer, Request, Response, Route, metrics_route
 
 
 def service_discovery(servers: Registry) -> list[dict]:

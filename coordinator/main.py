@@ -2,7 +2,7 @@
 
 Job state lives in the SQLite database of --state-db (coordinator/job_store.py): started
 again on it, a coordinator resumes the jobs it held. Each process has a fresh random
-incarnation, sent on its calls to stage servers (protos/incarnation.py)."""
+incarnation, sent on its calls to stage servers (common/incarnation.py)."""
 
 from __future__ import annotations
 
@@ -17,12 +17,12 @@ from interleaf.coordinator.http_server import serve_http
 from interleaf.coordinator.job_store import JobStore, default_path
 from interleaf.coordinator.metrics import CoordinatorMetrics
 from interleaf.coordinator.service import SERVER_THREADS, CoordinatorService
-from interleaf.protos import incarnation
+from interleaf.common import incarnation
 from interleaf.protos import interleaf_pb2_grpc as rpc
-from interleaf.protos import wire
-from interleaf.protos.health import COORDINATOR, Health
-from interleaf.protos.rpc_metrics import RpcLatency
-from interleaf.protos.security import Security
+from interleaf.common import wire
+from interleaf.common.health import COORDINATOR, Health
+from interleaf.common.rpc_metrics import RpcLatency
+from interleaf.common.security import Security
 
 log = logging.getLogger("interleaf.coordinator")
 

@@ -37,7 +37,7 @@ from interleaf.coordinator.config import MASTER_BYTES, PRECISION_BYTES, JobConfi
 from interleaf.coordinator.partition import Chunk, chunks_of, partition
 from interleaf.stageserver.model.recompute import block_modes
 from interleaf.protos.actions import RECVS, SENDS, Action, Kind
-from interleaf.protos.memory import MemoryLedger
+from interleaf.common.memory import MemoryLedger
 from interleaf.stageserver.buckets import BucketLayout, clip_segments
 from interleaf.stageserver.model.config import shape_of
 from interleaf.stageserver.pipeline_messages import message_mode

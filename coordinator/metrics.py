@@ -21,7 +21,7 @@ from interleaf.coordinator.jobs import JobRecord
 from interleaf.coordinator.registry import DEAD_AFTER_S, FORGET_DEAD_AFTER_S, Registry
 from interleaf.protos import interleaf_pb2 as pb
 from interleaf.protos.job_states import JOB_STATES
-from interleaf.protos.metric_buckets import STEP_BUCKETS
+from interleaf.common.metric_buckets import STEP_BUCKETS
 
 SERVER_STATES = ("IDLE", "BUSY", "DEAD")
 

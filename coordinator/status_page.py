@@ -20,7 +20,7 @@ from typing import Callable, Iterable
 
 from interleaf.coordinator.jobs import JobRecord
 from interleaf.coordinator.registry import Registry
-from interleaf.protos.http import Request, Response, Route
+from interleaf.common.http import Request, Response, Route
 
 REFRESH_S = 5
 MAX_JOBS = 20  # the newest ones; older jobs stay reachable by id (`interleaf status`)

@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable
 from interleaf.coordinator.config import JobConfig
 from interleaf.coordinator.plan import JobPlan
 from interleaf.protos import interleaf_pb2 as pb
-from interleaf.protos.wire import MAX_PROFILE_BYTES
+from interleaf.common.wire import MAX_PROFILE_BYTES
 
 
 def traced_in_block(config: JobConfig, first: int, count: int) -> list[int]:

@@ -1,19 +1,13 @@
 """Interleaf: GPT training with data, tensor and interleaved pipeline parallelism over gRPC stage servers.
 
 Everything lives under this one namespace: `interleaf.coordinator`, `interleaf.stageserver`,
-`interleaf.clients` and `interleaf.protos`.
+`interleaf.clients`, `interleaf.protos` (the wire contract) and `interleaf.common` (what the
+servers and clients share besides it). The code sits in the repository's top-level folders,
+the layout DESIGN.md describes; `interleaf/<name>` are links to them, so every import
+resolves on the file system, for static tools as for Python.
 """
 
 from __future__ import annotations
-
-import pathlib
-
-# An installed wheel holds the subpackages inside this folder. A source checkout keeps them as
-# the repository's top-level folders (the layout DESIGN.md describes), one level up: there the
-# namespace reaches them through that folder too, so the checkout runs without being installed.
-_checkout = pathlib.Path(__file__).resolve().parent.parent
-if (_checkout / "pyproject.toml").is_file() and (_checkout / "coordinator" / "__init__.py").is_file():
-    __path__.append(str(_checkout))
 
 # The Python API, imported on first use so that `import interleaf.stageserver` (every
 # server process) does not load the client.

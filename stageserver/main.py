@@ -20,11 +20,11 @@ import torch
 
 from interleaf.protos import interleaf_pb2 as pb
 from interleaf.protos import interleaf_pb2_grpc as rpc
-from interleaf.protos import wire
-from interleaf.protos.health import STAGE_SERVER, Health
-from interleaf.protos.http import HttpServer, metrics_route
-from interleaf.protos.rpc_metrics import RpcLatency
-from interleaf.protos.security import Security
+from interleaf.common import wire
+from interleaf.common.health import STAGE_SERVER, Health
+from interleaf.common.http import HttpServer, metrics_route
+from interleaf.common.rpc_metrics import RpcLatency
+from interleaf.common.security import Security
 from interleaf.stageserver.device import default_peak_flops, device_memory_bytes, resolve_device
 from interleaf.stageserver.metrics import StageMetrics
 from interleaf.stageserver.service import StageServerService

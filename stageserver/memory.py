@@ -1,7 +1,7 @@
 """The bytes a stage server holds for its job, by kind, current and peak.
 
 Every place that allocates or frees a tensor the job keeps tells the ledger
-(protos/memory.py); the coordinator's memory model (coordinator/memory_model.py) walks
+(common/memory.py); the coordinator's memory model (coordinator/memory_model.py) walks
 the same program with a ledger of its own and predicts the same figures, and the tests
 hold one against the other. The resident-set high-water mark is the operating system's
 view of the same process, for comparison with peers that have no ledger (bench/).
@@ -9,7 +9,7 @@ view of the same process, for comparison with peers that have no ledger (bench/)
 
 from __future__ import annotations
 
-from interleaf.protos.memory import KINDS, MemoryLedger
+from interleaf.common.memory import KINDS, MemoryLedger
 
 import torch
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from interleaf.protos import interleaf_pb2 as pb
-from interleaf.protos.metric_buckets import STEP_BUCKETS
+from interleaf.common.metric_buckets import STEP_BUCKETS
 
 LABELS = ["job", "rank", "stage"]
 HELD = ("parameters", "gradients", "optimizer")

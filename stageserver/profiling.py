@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from interleaf.protos.wire import MAX_PROFILE_BYTES
+from interleaf.common.wire import MAX_PROFILE_BYTES
 
 log = logging.getLogger("interleaf.stageserver")
 

@@ -12,6 +12,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save
 
+from interleaf.common.durable import fsync_folder
+
 
 def write(path: str | os.PathLike, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> str:
     """Writes durably and atomically (a temporary name, fsync, rename, the folder
@@ -33,15 +35,6 @@ def write(path: str | os.PathLike, tensors: dict[str, torch.Tensor], metadata: d
         raise
     fsync_folder(path.parent)
     return digest
-
-
-def fsync_folder(folder: pathlib.Path) -> None:
-    """Makes a rename in `folder` durable."""
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def open(path: str | os.PathLike):

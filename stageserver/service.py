@@ -1,6 +1,6 @@
 """The stage server's gRPC handlers: parse, check, serialize. The job object does the work.
 
-A job belongs to the coordinator incarnation that set it up (protos/incarnation.py):
+A job belongs to the coordinator incarnation that set it up (common/incarnation.py):
 its control calls from any other are refused with PERMISSION_DENIED, and it is dropped
 when this server registers with a coordinator of another incarnation. A Setup is taken
 only from the incarnation this server is registered with: a stale coordinator (replaced,
@@ -20,8 +20,8 @@ import threading
 import grpc
 import torch
 
-from interleaf.protos import incarnation
-from interleaf.protos.limits import shown
+from interleaf.common import incarnation
+from interleaf.common.limits import shown
 from interleaf.protos import interleaf_pb2 as pb
 from interleaf.protos import interleaf_pb2_grpc as rpc
 from interleaf.stageserver.job import JobRejected, StageJob

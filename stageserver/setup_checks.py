@@ -2,7 +2,7 @@
 
 The coordinator sends only requests it planned from a validated config, but a stage
 server answers whoever holds the token: a request with a zero grid size, a rank outside
-the grid or a model beyond the config's bounds (protos/limits.py) is refused with
+the grid or a model beyond the config's bounds (common/limits.py) is refused with
 JobRejected (INVALID_ARGUMENT), naming the field, the value and the rule, instead of
 failing deep in the job (a division by zero) or allocating without end at Connect.
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 
 from interleaf.protos import interleaf_pb2 as pb
-from interleaf.protos.limits import MAX_PIPELINE_SLOTS, MAX_RANKS, MAX_TEXT_CHARS, MAXIMA, shown
+from interleaf.common.limits import MAX_PIPELINE_SLOTS, MAX_RANKS, MAX_TEXT_CHARS, MAXIMA, shown
 from interleaf.stageserver.lr_schedule import DECAYS
 from interleaf.stageserver.model.architectures import ARCHITECTURES
 

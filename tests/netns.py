@@ -21,7 +21,7 @@ import subprocess
 import sys
 
 from interleaf.clients.parent_death import PARENT_ENV
-from interleaf.protos.security import TOKEN_ENV
+from interleaf.common.security import TOKEN_ENV
 
 SUBNET = "10.213.0"
 REPO = pathlib.Path(__file__).resolve().parent.parent

@@ -12,7 +12,7 @@ import pytest
 
 from interleaf.protos import interleaf_pb2 as pb
 from interleaf.protos import interleaf_pb2_grpc as rpc
-from interleaf.protos import wire
+from interleaf.common import wire
 from interleaf.stageserver.data import write_tokens
 from tests.conftest import TINY, run_job
 from tests.test_config import BAD_CONFIGS

@@ -1,5 +1,5 @@
 """Bounds, with no processes: every config value has an upper bound and floats must be
-finite (protos/limits.py); a stage server checks a SetupRequest whole; a job keeps a
+finite (common/limits.py); a stage server checks a SetupRequest whole; a job keeps a
 bounded event history; a registration names a real address; servers long dead are forgotten."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from interleaf.coordinator.plan import ServerSlot, plan_job, setup_requests
 from interleaf.coordinator.registry import DEAD_AFTER_S, FORGET_DEAD_AFTER_S, Registry
 from interleaf.coordinator.service import _registration_refused, _submission_refused
 from interleaf.protos import interleaf_pb2 as pb
-from interleaf.protos import wire
+from interleaf.common import wire
 from interleaf.stageserver.job import model_shape
 from interleaf.stageserver.model import shape_of
 from interleaf.stageserver.setup_checks import SetupError, check_setup

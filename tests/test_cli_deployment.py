@@ -9,7 +9,7 @@ import subprocess
 import sys
 import time
 
-from interleaf.protos.security import TOKEN_ENV
+from interleaf.common.security import TOKEN_ENV
 from tests.conftest import SERVERS, TINY
 
 LAYOUT = ["parallel.pp=2", "parallel.vpp=1", "parallel.schedule=1f1b"]

@@ -28,7 +28,7 @@ import pytest
 import yaml
 
 from interleaf.coordinator.config import load_config
-from interleaf.protos.security import TOKEN_ENV
+from interleaf.common.security import TOKEN_ENV
 from tests import compose_file
 
 DOCKER = compose_file.DOCKER

@@ -18,8 +18,8 @@ import pytest
 from interleaf.clients.launcher import LocalCluster
 from interleaf.protos import interleaf_pb2 as pb
 from interleaf.protos import interleaf_pb2_grpc as rpc
-from interleaf.protos import wire
-from interleaf.protos.incarnation import HEADER
+from interleaf.common import wire
+from interleaf.common.incarnation import HEADER
 from tests.conftest import TINY, layout_free, reference
 from tests.test_equivalence import LOSS_RTOL
 

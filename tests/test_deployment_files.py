@@ -19,8 +19,9 @@ import yaml
 
 from interleaf.clients.cli import _parser
 from interleaf.coordinator.config import load_config
-from interleaf.protos.health import COORDINATOR, STAGE_SERVER
+from interleaf.common.health import COORDINATOR, STAGE_SERVER
 from tests import compose_file
+from tests.source_tree import PACKAGE_FOLDERS
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 DOCKER, COMPOSE = compose_file.DOCKER, compose_file.COMPOSE
@@ -107,8 +108,7 @@ def test_compose_token_only_from_the_secret():
 
 
 def test_dockerfile_installs_the_package_folders():
-    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    folders = set(pyproject["tool"]["setuptools"]["package-dir"].values())
+    folders = set(PACKAGE_FOLDERS)
     dockerfile = (DOCKER / "Dockerfile").read_text()
     copied = set(re.findall(r"^COPY (\S+) \1$", dockerfile, re.M))
     assert copied == folders

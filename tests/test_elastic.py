@@ -82,7 +82,7 @@ def test_smaller_layouts_keep_the_schedules_rules():
 @pytest.mark.parametrize("overrides,message", [
     (["parallel.elastic=true"], "parallel.elastic=true needs parallel.dp>=2 (dp=1 has no smaller"),
     (["parallel.dp=2", "parallel.elastic=yes"], "parallel.elastic='yes' must be true or false"),
-    # dp'=1 would run 8192 microbatches, beyond protos/limits.py's bound.
+    # dp'=1 would run 8192 microbatches, beyond common/limits.py's bound.
     (["parallel.dp=2", "parallel.microbatches=4096", "train.global_batch=8192", "parallel.pp=1", "parallel.vpp=1",
       "parallel.schedule=1f1b", "parallel.elastic=true"],
      "parallel.elastic=true needs a smaller layout to go on with, and parallel.dp=2 with "

@@ -25,8 +25,8 @@ from interleaf.coordinator.config import load_config
 from interleaf.coordinator.plan import ServerSlot, plan_job, setup_requests
 from interleaf.protos import interleaf_pb2 as pb
 from interleaf.protos import interleaf_pb2_grpc as rpc
-from interleaf.protos import wire
-from interleaf.protos.incarnation import AttachIncarnation
+from interleaf.common import wire
+from interleaf.common.incarnation import AttachIncarnation
 from tests.conftest import TINY
 
 FUZZ = settings(max_examples=60, deadline=None, derandomize=True, database=None,

@@ -19,7 +19,7 @@ from interleaf.coordinator.config import load_config
 from interleaf.coordinator.plan import ServerSlot, plan_job, setup_requests
 from interleaf.protos import interleaf_pb2 as pb
 from interleaf.protos import interleaf_pb2_grpc as rpc
-from interleaf.protos import wire
+from interleaf.common import wire
 from interleaf.stageserver.service import StageServerService
 
 CONFIG = ["model.n_layers=2", "model.d_model=16", "model.n_heads=2", "model.seq_len=8", "model.vocab_size=256",

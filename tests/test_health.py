@@ -17,8 +17,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from interleaf.protos import interleaf_pb2 as pb
 from interleaf.protos import interleaf_pb2_grpc as rpc
-from interleaf.protos.health import COORDINATOR, STAGE_SERVER, check
-from interleaf.protos.security import TOKEN_ENV
+from interleaf.common.health import COORDINATOR, STAGE_SERVER, check
+from interleaf.common.security import TOKEN_ENV
 
 TOKEN = "health-test-token"
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING

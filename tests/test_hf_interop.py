@@ -30,7 +30,7 @@ from interleaf.clients.generate import generate_ids
 from interleaf.clients.hf_export import write_hf_folder
 from interleaf.clients.reference import train
 from interleaf.coordinator.config import ConfigError, load_config
-from interleaf.protos.security import TOKEN_ENV
+from interleaf.common.security import TOKEN_ENV
 from interleaf.stageserver import safetensors
 from interleaf.stageserver.data import prepare
 from interleaf.stageserver.data.text_tokenizer import load_tokenizer

@@ -1,6 +1,6 @@
 """A stage server takes a Setup only from the coordinator incarnation it is registered
 with, a job's control calls only from the incarnation that set it up, and lets a job go
-when it registers with another (protos/incarnation.py): a real stage-server gRPC
+when it registers with another (common/incarnation.py): a real stage-server gRPC
 service on loopback, its job set up and stepped for real."""
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from interleaf.coordinator.config import load_config
 from interleaf.coordinator.plan import ServerSlot, plan_job, setup_requests
 from interleaf.protos import interleaf_pb2 as pb
 from interleaf.protos import interleaf_pb2_grpc as rpc
-from interleaf.protos import wire
-from interleaf.protos.incarnation import AttachIncarnation
+from interleaf.common import wire
+from interleaf.common.incarnation import AttachIncarnation
 from interleaf.stageserver.service import StageServerService
 
 CONFIG = ["model.n_layers=2", "model.d_model=16", "model.n_heads=2", "model.seq_len=8", "model.vocab_size=256",

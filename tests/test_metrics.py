@@ -35,10 +35,10 @@ from interleaf.coordinator.partition import partition
 from interleaf.coordinator.registry import DEAD_AFTER_S, Registry
 from interleaf.protos import interleaf_pb2 as pb
 from interleaf.protos import interleaf_pb2_grpc as rpc
-from interleaf.protos import wire
-from interleaf.protos.http import HttpServer, metrics_route
-from interleaf.protos.rpc_metrics import RpcLatency
-from interleaf.protos.security import Security
+from interleaf.common import wire
+from interleaf.common.http import HttpServer, metrics_route
+from interleaf.common.rpc_metrics import RpcLatency
+from interleaf.common.security import Security
 from interleaf.stageserver.metrics import StageMetrics
 from interleaf.stageserver.service import StageServerService
 

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from interleaf.clients.client import Client
 from interleaf.clients.launcher import LocalCluster
 from interleaf.protos import interleaf_pb2 as pb
-from interleaf.protos.security import TOKEN_ENV
+from interleaf.common.security import TOKEN_ENV
 from interleaf.stageserver.main import EXIT_BOUND_S
 from interleaf.stageserver.service import StageServerService
 from tests.conftest import TINY

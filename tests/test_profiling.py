@@ -19,7 +19,7 @@ from interleaf.coordinator.config import ConfigError, load_config
 from interleaf.coordinator.step_profiles import profile_paths
 from interleaf.coordinator.traces import Traces
 from interleaf.protos import interleaf_pb2 as pb
-from interleaf.protos.security import TOKEN_ENV
+from interleaf.common.security import TOKEN_ENV
 from interleaf.stageserver.profiling import ProfilingRejected, StepProfiler, within_bound
 from tests.conftest import TINY, run_job
 

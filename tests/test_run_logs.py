@@ -25,7 +25,7 @@ from interleaf.coordinator.jobs import JobRecord
 from interleaf.coordinator.registry import Registry
 from interleaf.coordinator.run_logs import RunLogs, TensorBoardSink
 from interleaf.protos import interleaf_pb2 as pb
-from interleaf.protos.security import TOKEN_ENV
+from interleaf.common.security import TOKEN_ENV
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SMALL = ["model.n_layers=2", "model.d_model=32", "model.n_heads=2", "model.seq_len=16", "train.steps=3",

@@ -1,4 +1,4 @@
-"""Auth and TLS (protos/security.py): every RPC of both services requires the shared
+"""Auth and TLS (common/security.py): every RPC of both services requires the shared
 token, and TLS (mutual when asked) guards the wire, shown on real gRPC servers on
 loopback (the services in this process) and on whole local clusters (a coordinator and
 two stage servers as processes) running a job, with certificates made here."""
@@ -18,8 +18,8 @@ from interleaf.clients.launcher import LocalCluster
 from interleaf.coordinator.service import CoordinatorService
 from interleaf.protos import interleaf_pb2 as pb
 from interleaf.protos import interleaf_pb2_grpc as rpc
-from interleaf.protos import wire
-from interleaf.protos.security import TOKEN_ENV, Security, SecurityError
+from interleaf.common import wire
+from interleaf.common.security import TOKEN_ENV, Security, SecurityError
 from interleaf.stageserver.service import StageServerService
 from tests.conftest import TINY
 from tests.pki import make_pki
@@ -115,7 +115,7 @@ def test_every_kind_of_call_needs_the_token(request, service):
 def test_a_refused_request_is_never_parsed(stage_server):
     """Bytes that are no SetupRequest: refused for the token before anyone reads them,
     while the right token gets them parsed and found wanting: INVALID_ARGUMENT
-    (protos/malformed.py), not gRPC's own INTERNAL."""
+    (common/malformed.py), not gRPC's own INTERNAL."""
     for token, want in (("wrong", grpc.StatusCode.UNAUTHENTICATED), (TOKEN, grpc.StatusCode.INVALID_ARGUMENT)):
         channel = wire.channel(stage_server, Security(token=token))
         setup = channel.unary_unary("/interleaf.StageServer/Setup")  # raw bytes both ways

@@ -12,7 +12,7 @@ import grpc
 from interleaf.clients.launcher import LocalCluster
 from interleaf.protos import interleaf_pb2 as pb
 from interleaf.protos import interleaf_pb2_grpc as rpc
-from interleaf.protos import wire
+from interleaf.common import wire
 from tests.conftest import TINY
 
 

@@ -19,7 +19,7 @@ from interleaf.coordinator.config import load_config
 from interleaf.coordinator.jobs import JobRecord
 from interleaf.coordinator.registry import Registry
 from interleaf.protos import interleaf_pb2 as pb
-from interleaf.protos.http import Request
+from interleaf.common.http import Request
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 LAYOUT = ["parallel.pp=2", "parallel.vpp=1", "parallel.schedule=1f1b", "train.steps=4"]

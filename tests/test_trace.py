@@ -19,7 +19,7 @@ from interleaf.coordinator.config import ConfigError, load_config
 from interleaf.coordinator.schedule import CostModel, build_programs, simulate
 from interleaf.protos import interleaf_pb2 as pb
 from interleaf.protos.actions import CATEGORIES, P2P, SENDS, Kind, parse
-from interleaf.protos.security import TOKEN_ENV
+from interleaf.common.security import TOKEN_ENV
 from tests.conftest import TINY, run_job
 
 # Every kind of action: exchanges, ZeRO-3 gathers, releases and reduce-scatters over

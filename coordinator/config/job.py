@@ -17,7 +17,7 @@ from interleaf.coordinator.config.sections import (
     TraceConfig,
 )
 from interleaf.coordinator.config.train import TrainConfig
-from interleaf.protos import limits
+from interleaf.common import limits
 
 
 @dataclass(frozen=True)

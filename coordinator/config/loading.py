@@ -18,8 +18,8 @@ from interleaf.coordinator.config.sections import (
     TraceConfig,
 )
 from interleaf.coordinator.config.train import TrainConfig
-from interleaf.protos import limits
-from interleaf.protos.limits import shown
+from interleaf.common import limits
+from interleaf.common.limits import shown
 
 _SECTION_TYPES = {
     "model": ModelConfig,

@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from interleaf.coordinator.config.rules import ConfigError, _bounded, _positive
-from interleaf.protos.limits import shown
+from interleaf.common.limits import shown
 from interleaf.stageserver.model.config import padded_vocab, resolve_defaults
 
 ARCHS = ("gpt2", "llama")

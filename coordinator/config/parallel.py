@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from interleaf.coordinator.config.rules import ConfigError, _bounded, _positive
-from interleaf.protos import limits
+from interleaf.common import limits
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
 TRANSPORTS = ("auto", "gloo", "nccl")
@@ -104,7 +104,7 @@ class ParallelConfig:
         """An elastic job must have a smaller layout to go on with (coordinator/elastic.py):
         some dp' < dp dividing dp*microbatches whose dp*microbatches/dp' microbatches keep
         every rule. dp'=1 need not: at dp=2, microbatches=4096 it would run 8192, beyond
-        the bound of protos/limits.py."""
+        the bound of common/limits.py."""
         if self.dp < 2:
             raise ConfigError(
                 f"parallel.elastic=true needs parallel.dp>=2 (dp={self.dp} has no smaller "

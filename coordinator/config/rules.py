@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from interleaf.protos import limits
+from interleaf.common import limits
 
 
 class ConfigError(ValueError):
@@ -22,7 +22,7 @@ def _positive(section: str, obj, *names: str) -> None:
 
 
 def _bounded(section: str, obj) -> None:
-    """Every number finite and within its upper bound (protos/limits.py)."""
+    """Every number finite and within its upper bound (common/limits.py)."""
     why = limits.violation(section, obj)
     if why:
         raise ConfigError(why)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from interleaf.coordinator.config.rules import ConfigError, _bounded, _positive
-from interleaf.protos.limits import shown
+from interleaf.common.limits import shown
 from interleaf.stageserver.lr_schedule import DECAY_FRACTION, DECAYS, MIN_LR_RATIO
 from interleaf.stageserver.model.recompute import MODES
 

@@ -10,18 +10,18 @@ RESOURCE_EXHAUSTED before any handler runs:
   config text and overrides the handler holds to MAX_CONFIG_BYTES each (INVALID_ARGUMENT
   beyond); every other request is a few ids;
 - a stage server, STAGE_SERVER_RECEIVE_BYTES: its largest request is a Setup with the
-  rank's program, a few MiB at the config's bounds (protos/limits.py), and file
+  rank's program, a few MiB at the config's bounds (common/limits.py), and file
   pieces of 1 MiB.
 
 A request that is not its method's message is refused with INVALID_ARGUMENT
-(protos/malformed.py), never with gRPC's INTERNAL.
+(common/malformed.py), never with gRPC's INTERNAL.
 
-Every channel and server carries a `Security` (protos/security.py): the shared token
+Every channel and server carries a `Security` (common/security.py): the shared token
 and TLS. A process has one identity, set once at its start (`configure`, from its
 command line); channels and servers made without a `Security` of their own take it,
 so code deep in a server (a job's driver calling stage servers) needs no plumbing.
 Unconfigured, it is $INTERLEAF_TOKEN's token, without TLS. A coordinator process also
-sets its incarnation (`identify`, protos/incarnation.py), which its channels carry too.
+sets its incarnation (`identify`, common/incarnation.py), which its channels carry too.
 """
 
 from __future__ import annotations
@@ -30,9 +30,9 @@ from concurrent import futures
 
 import grpc
 
-from interleaf.protos.malformed import RefuseMalformed
-from interleaf.protos.incarnation import AttachIncarnation
-from interleaf.protos.security import AttachToken, RequireToken, Security
+from interleaf.common.malformed import RefuseMalformed
+from interleaf.common.incarnation import AttachIncarnation
+from interleaf.common.security import AttachToken, RequireToken, Security
 
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 MAX_CONFIG_BYTES = 1 << 20
@@ -86,7 +86,7 @@ def server(threads: int = 16, security: Security | None = None, interceptors: tu
            max_receive_bytes: int = MAX_MESSAGE_BYTES) -> grpc.Server:
     """A server that refuses calls without the token (when there is one), requests
     larger than `max_receive_bytes` and requests that do not parse. Bind it with
-    `listen`. `interceptors` (e.g. protos/rpc_metrics.py's) run before the token check."""
+    `listen`. `interceptors` (e.g. common/rpc_metrics.py's) run before the token check."""
     security = current() if security is None else security
     chain = [*interceptors, *([RequireToken(security.token)] if security.token else []), RefuseMalformed()]
     options = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),

@@ -15,7 +15,7 @@ import secrets
 
 import grpc
 
-from interleaf.protos.security import AttachHeader
+from interleaf.common.security import AttachHeader
 
 HEADER = "interleaf-incarnation"
 
