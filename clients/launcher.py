@@ -31,6 +31,9 @@ from interleaf.common.security import TOKEN_ENV, Security
 from interleaf.stageserver.device import device_memory_bytes, physical_memory_bytes
 
 
+LOG_TAIL_BYTES = 4000  # of a child's log, quoted when it dies during start
+
+
 def local_devices(device: str, servers: int) -> list[str]:
     """One device per local server: GPU i for server i, or the CPU for all. auto takes
     the GPUs when there is one per server (NCCL refuses two ranks on one GPU) and CuPy's
@@ -78,12 +81,16 @@ class LocalCluster:
         self.server_command = server_command or (lambda i, command: command)
         self.devices = local_devices(device, servers)
         self.threads = threads_per_server or max(1, (os.cpu_count() or 1) // servers)
+        # Each child's stderr goes to NAME.log here: the given folder, kept, or one of the
+        # cluster's own, removed at stop; either way a child that dies at start is quoted.
         self.log_dir = log_dir
+        self._own_log_dir: str | None = None
         self.steps_per_call = steps_per_call
         # The servers share this machine: each offers its share of the memory, so the
         # coordinator's admission check sees what the machine can really hold.
         self.memory_per_server = memory_per_server or memory_per_local_server(self.devices)
         self.processes: list[subprocess.Popen] = []
+        self._log_of: dict[int, str] = {}  # pid -> its stderr's file
         self.address = ""
         self.http_address = ""  # the coordinator's HTTP endpoint (/metrics, /sd), HOST:PORT
         # The coordinator's job state (--state-db): given, or in a folder of this
@@ -91,19 +98,36 @@ class LocalCluster:
         self.state_db = state_db
         self._state_dir = None
 
+    def _logs(self) -> str:
+        if self.log_dir is None:
+            self._own_log_dir = self.log_dir = tempfile.mkdtemp(prefix="interleaf-logs-")
+        os.makedirs(self.log_dir, exist_ok=True)
+        return self.log_dir
+
     def _spawn(self, args: list[str], name: str, stdout=subprocess.DEVNULL,
                command: Callable[[list[str]], list[str]] = lambda c: c) -> subprocess.Popen:
-        stderr = subprocess.DEVNULL
-        if self.log_dir:
-            os.makedirs(self.log_dir, exist_ok=True)
-            stderr = open(os.path.join(self.log_dir, f"{name}.log"), "ab")
-        process = subprocess.Popen(
-            command([sys.executable, "-m", "interleaf.clients.cli", *args, *self.security.tls_flags()]),
-            stdout=stdout, stderr=stderr, start_new_session=True,
-            env={**os.environ, TOKEN_ENV: self.security.token, PARENT_ENV: str(os.getpid())},
-        )
+        log = os.path.join(self._logs(), f"{name}.log")
+        with open(log, "ab") as stderr:  # the child holds its own copy of the descriptor
+            process = subprocess.Popen(
+                command([sys.executable, "-m", "interleaf.clients.cli", *args, *self.security.tls_flags()]),
+                stdout=stdout, stderr=stderr, start_new_session=True,
+                env={**os.environ, TOKEN_ENV: self.security.token, PARENT_ENV: str(os.getpid())},
+            )
+        self._log_of[process.pid] = log
         self.processes.append(process)
         return process
+
+    def _died(self, process: subprocess.Popen) -> str:
+        """What a child that ended during start left: its command, exit code and log's tail."""
+        log = self._log_of.get(process.pid, "")
+        try:
+            with open(log, "rb") as f:
+                f.seek(max(0, os.path.getsize(log) - LOG_TAIL_BYTES))
+                tail = f.read().decode(errors="replace").strip()
+        except OSError:
+            tail = ""
+        quoted = "\n".join("    " + line for line in tail.splitlines()) if tail else "    (its log is empty)"
+        return f"{' '.join(map(str, process.args))} (exit code {process.returncode}; {log}):\n{quoted}"
 
     def start(self, timeout_s: float = 120.0) -> "LocalCluster":
         try:
@@ -127,7 +151,13 @@ class LocalCluster:
         self.processes.insert(0, self.processes.pop())
         line = coordinator.stdout.readline().decode()
         if "listening on" not in line:
-            raise RuntimeError(f"coordinator did not start: {line.strip() or 'no output'}")
+            try:
+                coordinator.wait(timeout=10)  # its output ended: it has exited or is about to
+            except subprocess.TimeoutExpired:
+                coordinator.kill()
+                coordinator.wait()
+            raise RuntimeError(f"coordinator did not start ({line.strip() or 'no output'}): "
+                               f"{self._died(coordinator)}")
         # Its HTTP port (/metrics, /sd): http://HOST:PORT at the line's end.
         self.http_address = line.split("http://")[1].split(")")[0]
         return line.split("listening on ")[1].split()[0]
@@ -161,8 +191,10 @@ class LocalCluster:
             self.count += 1
             deadline = time.monotonic() + timeout_s
             while not (new := {s.address for s in client.servers()} - before):
-                if process.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"stage server {process.args} did not register")
+                if process.poll() is not None:
+                    raise RuntimeError(f"a stage server exited before it registered: {self._died(process)}")
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"stage server {process.args} did not register in {timeout_s:.0f}s")
                 time.sleep(0.1)
         finally:
             client.close()
@@ -181,9 +213,9 @@ class LocalCluster:
         deadline = time.monotonic() + timeout_s
         try:
             while sum(s.state == "IDLE" for s in client.servers()) < self.count:
-                dead = [p.args for p in self.processes if p.poll() is not None]
+                dead = [p for p in self.processes if p.poll() is not None]
                 if dead:
-                    raise RuntimeError(f"a local process exited during start: {dead[0]}")
+                    raise RuntimeError(f"a local process exited during start: {self._died(dead[0])}")
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"{self.count} stage servers did not register in {timeout_s:.0f}s")
                 time.sleep(0.2)
@@ -205,6 +237,9 @@ class LocalCluster:
         if self._state_dir is not None:
             shutil.rmtree(self._state_dir, ignore_errors=True)
             self._state_dir = self.state_db = None
+        if self._own_log_dir is not None:
+            shutil.rmtree(self._own_log_dir, ignore_errors=True)
+            self._own_log_dir = self.log_dir = None
 
     def __enter__(self) -> "LocalCluster":
         return self.start()

@@ -9,6 +9,10 @@ resolves on the file system, for static tools as for Python.
 
 from __future__ import annotations
 
+from interleaf.common.fork_safety import turn_off_grpc_fork_handlers
+
+turn_off_grpc_fork_handlers()  # first: before anything imports grpc (common/fork_safety.py)
+
 # The Python API, imported on first use so that `import interleaf.stageserver` (every
 # server process) does not load the client.
 _API = {

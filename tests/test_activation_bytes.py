@@ -17,7 +17,7 @@ import weakref
 import numpy as np
 import pytest
 import torch
-from gloo_world import run_world
+from tests.gloo_world import run_world
 
 from interleaf.coordinator.activation_bytes import block_activation_bytes, chunk_activation_bytes, chunk_input_bytes
 from interleaf.stageserver.activation_meter import ActivationMeter, parameter_storages

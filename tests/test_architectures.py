@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from gloo_world import run_world
+from tests.gloo_world import run_world
 
 from interleaf.stageserver.model import ModelChunk, ModelShape, full_model
 from interleaf.stageserver.model.attention import LayerCache

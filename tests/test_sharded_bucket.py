@@ -25,7 +25,7 @@ import itertools
 import pytest
 import torch
 import torch.distributed as dist
-from gloo_world import TIMEOUT_S, run_world
+from tests.gloo_world import TIMEOUT_S, run_world
 from torch import nn
 
 from interleaf.stageserver.buckets import BucketLayout, clip_segments

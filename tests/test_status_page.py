@@ -13,7 +13,7 @@ import urllib.request
 
 import pytest
 
-from conftest import TINY, run_job
+from tests.conftest import TINY, run_job
 from interleaf.coordinator import status_page
 from interleaf.coordinator.config import load_config
 from interleaf.coordinator.jobs import JobRecord

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from gloo_world import run_world
+from tests.gloo_world import run_world
 from torch import nn
 
 from interleaf.stageserver.model import ModelChunk, ModelShape, full_model

@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from gloo_world import run_world
+from tests.gloo_world import run_world
 
 from interleaf.stageserver.transport import connect_gloo
 from interleaf.stageserver.transport.watchdog import Overrun, Watchdog
