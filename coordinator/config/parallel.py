@@ -43,8 +43,8 @@ class ParallelConfig:
     chunk's forwards and backwards, released after). With dp=1 every stage runs and
     shards over the one rank, which holds everything, as stage 0 does."""
     zero_prefetch: int = 1
-    """ZeRO-3: how many parameter gathers are issued ahead of the compute that needs
-    them (0: each gather waits in front of its first use; 1: the next chunk's gather
+    """ZeRO-3: how many parameter gathers (0 to 4) are issued ahead of the compute that
+    needs them (0: each gather waits in front of its first use; 1: the next chunk's gather
     overlaps the current chunk's compute). Bounds the gathered chunks a rank holds at
     once to zero_prefetch + 1."""
     transport: str = "auto"
