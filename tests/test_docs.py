@@ -13,7 +13,7 @@ import sys
 import pytest
 
 from interleaf.coordinator.config import JobConfig, load_config
-from interleaf.coordinator.config.markdown import config_markdown, field_docs, toml_value
+from interleaf.coordinator.config.markdown import class_doc, config_markdown, field_docs, toml_value
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -70,7 +70,7 @@ def test_every_field_has_a_doc_and_a_row():
     page = config_markdown()
     for section in dataclasses.fields(JobConfig):
         cls = section.default_factory
-        assert cls.__doc__ and not cls.__doc__.startswith(cls.__name__ + "("), f"{cls.__name__} needs a docstring"
+        assert class_doc(cls), f"{cls.__name__} needs a docstring"
         docs = field_docs(cls)
         for f in dataclasses.fields(cls):
             assert docs.get(f.name), f"{section.name}.{f.name} has no docstring"
@@ -89,6 +89,7 @@ def test_field_docs_read_the_string_under_each_field():
         """C's."""
 
     assert field_docs(Example) == {"a": "First line\nand a second.", "c": "C's."}
+    assert class_doc(Example) == "An example."
     assert [toml_value(v) for v in (None, True, "gpt2", (1, -1), 3e-3, 1e-8)] == [
         "unset", "true", '"gpt2"', "[1, -1]", "0.003", "1e-08"]
 

@@ -62,8 +62,8 @@ class ParallelConfig:
 
     sequence_parallel: bool = False
     """Megatron-LM's sequence parallelism (Korthikanti et al. 2022) over the tensor
-    group: norms and residual adds run on this rank's 1/tp of the sequence, column-
-    parallel inputs are all-gathered along it and row-parallel outputs reduce-scattered
+    group: norms and residual adds run on this rank's 1/tp of the sequence,
+    column-parallel inputs are all-gathered along it and row-parallel outputs reduce-scattered
     (no all-reduce left in a block), so activations are divided by tp. Needs tp >= 2 and
     model.seq_len divisible by tp. Pipeline sends then carry each rank's own slice."""
     scatter_gather: bool = True
