@@ -299,6 +299,18 @@ _LINKS = {
 }
 
 
+def cmd_config(args) -> int:
+    if args.markdown:
+        from interleaf.coordinator.config.markdown import config_markdown
+
+        sys.stdout.write(config_markdown())
+        return 0
+    from interleaf.clients.api import config_text
+
+    sys.stdout.write(config_text(_load(args)[1]))
+    return 0
+
+
 def cmd_coordinator(args) -> int:
     from interleaf.coordinator.job_store import JobStoreError
     from interleaf.coordinator.main import serve
@@ -509,6 +521,13 @@ def _parser() -> argparse.ArgumentParser:
                         "its receiver; default) or eager (sends never wait); says 'deadlock-free' "
                         "or names the blocked ranks and actions and exits 1")
     p.set_defaults(fn=cmd_schedule)
+
+    p = sub.add_parser("config", help="print the complete config a job would run with, as TOML; or, with "
+                                      "--markdown, the reference of every key (docs/configuration.md)")
+    with_config(p)
+    p.add_argument("--markdown", action="store_true",
+                   help="print every section and key with its type, default, bound and meaning, as Markdown")
+    p.set_defaults(fn=cmd_config)
 
     p = sub.add_parser("coordinator", help="serve a coordinator")
     p.add_argument("--host", default="127.0.0.1", help="address stage servers and clients reach it by")

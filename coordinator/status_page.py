@@ -3,7 +3,7 @@ its stage servers and their state, its jobs with their progress, the newest job'
 curve and its last executed timeline. `/status.json` is the same content as data.
 
 The page reloads itself every few seconds. It is read-only and shows what any watcher of
-a job sees; the port is unauthenticated like /metrics (README, "Monitoring"). Its two
+a job sees; the port is unauthenticated like /metrics (docs/monitoring.md). Its two
 figures are drawn once for what they show and kept (`_Figures`): a reload, by however
 many viewers, redraws nothing until the job publishes an event or traces a step.
 """

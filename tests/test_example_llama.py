@@ -1,4 +1,4 @@
-"""README's "Train a Llama on your own data", run command by command as a user would:
+"""docs/data.md's "Train a Llama on your own data", run command by command as a user would:
 tokenizer, prepare, a two-stage Llama job, generate, export, and transformers continuing
 the prompt with the tokens `interleaf generate` chose."""
 
@@ -18,9 +18,9 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 def _example_commands() -> list[str]:
-    readme = (ROOT / "README.md").read_text()
-    block = re.search(r"<!-- example: llama -->\n```sh\n(.*?)```", readme, re.S)
-    assert block, "README lost its example block"
+    page = (ROOT / "docs" / "data.md").read_text()
+    block = re.search(r"<!-- example: llama -->\n```sh\n(.*?)```", page, re.S)
+    assert block, "docs/data.md lost its example block"
     return [line for line in block[1].splitlines() if line.strip()]
 
 

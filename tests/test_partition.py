@@ -127,7 +127,7 @@ def test_a_partitioned_server_is_found_replaced_and_drops_its_job(tmp_path):
         detection = recovery.detected_unix - cut["at"]
         print(f"partition: detected {detection:.2f} s after the cut, running again {recovery.recover_seconds:.2f} s "
               "later")
-        # README's bound, 4-5.5 s: declared dead after DEAD_AFTER_S of silence, counted from
+        # docs/reliability.md's bound, 4-5.5 s: declared dead after DEAD_AFTER_S of silence, counted from
         # its last heartbeat (one a second, so 0-1 s before the cut), checked every half
         # heartbeat; a quarter second more for the driver to act on it.
         assert DEAD_AFTER_S - HEARTBEAT_INTERVAL_S - 0.25 <= detection < DEAD_AFTER_S + HEARTBEAT_INTERVAL_S / 2 + 0.25

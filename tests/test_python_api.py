@@ -1,4 +1,4 @@
-"""The Python API (interleaf.Client, Job, typed configs and events), and the README's
+"""The Python API (interleaf.Client, Job, typed configs and events), and docs/running.md's
 example run as written."""
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ TINY = ["model.n_layers=2", "model.d_model=32", "model.n_heads=2", "model.seq_le
 
 
 def readme_example() -> str:
-    text = (ROOT / "README.md").read_text()
+    text = (ROOT / "docs" / "running.md").read_text()
     found = re.search(r"<!-- python-example:[^>]*-->\n```python\n(.*?)```", text, re.S)
-    assert found, "README's Python example (marked python-example) is missing"
+    assert found, "docs/running.md's Python example (marked python-example) is missing"
     return found.group(1)
 
 

@@ -21,6 +21,9 @@ draw a few hundred samples from and costs training almost nothing."""
 
 @dataclass(frozen=True)
 class EvalConfig:
+    """[eval]: held-out validation, scored forward-only through the job's own layout
+    (docs/validation.md)."""
+
     every: int = 0
     """Score the held-out samples after every this many steps, and after the last step
     (0, the default: no evaluation, and no document held out)."""
@@ -31,7 +34,9 @@ class EvalConfig:
     split over the data-parallel replicas)."""
     source: str = ""
     """A token file (written by `interleaf data prepare`) to score, readable on every
-    stage server; "" holds out `fraction` of data.source's documents instead."""
+    stage server; training then reads all of data.source. "" holds out `fraction` of
+    data.source's documents instead. Refused at submission when its sidecar records a
+    larger vocabulary than the model's, or another tokenizer than data.source's."""
     fraction: float = DEFAULT_FRACTION
     """With no `source`: the fraction of each data.source file's tokens held out, cut at
     the first document boundary at or after that point (whole documents, the file's

@@ -22,6 +22,26 @@ from interleaf.common import limits
 
 @dataclass(frozen=True)
 class JobConfig:
+    """A job is described by a TOML file of the sections below. Every key is optional
+    (its default applies), an unknown section or key is an error, and
+    `--set SECTION.KEY=VALUE` on the command line overrides any of them
+    (`--set train.betas=0.9,0.99`, `--set trace.steps=[0,-1]`). `interleaf config
+    [CONFIG] [--set ...]` prints the complete config a job would run with.
+
+    The coordinator checks a config whole before it touches a server. A value that
+    breaks a rule is refused (exit status 2 from the command line, INVALID_ARGUMENT over
+    gRPC) with one line naming the field, the value and the rule, e.g.
+    `parallel.microbatches=6 must be a multiple of parallel.pp=4 for interleaved-1f1b`.
+    Besides each key's own rules (below), the sections must agree: parallel.pp*vpp at
+    most model.n_layers; model.n_heads, n_kv_heads and ffn_hidden divisible by
+    parallel.tp; model.seq_len divisible by tp under sequence parallelism;
+    train.recompute_layers at most model.n_layers; train.global_batch divisible by
+    parallel.dp*microbatches; trace.steps within train.steps; and, with eval.every,
+    eval.samples a multiple of the training microbatch's rows (times parallel.pp for
+    interleaved 1F1B). Every number must be finite and at most its bound (the "at most"
+    column, common/limits.py), and dp*tp*pp at most 65,536 ranks and pp*vpp*microbatches
+    at most 16,384 pipeline slots."""
+
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)

@@ -12,6 +12,10 @@ from interleaf.coordinator.config.rules import ConfigError
 
 @dataclass(frozen=True)
 class MetricsConfig:
+    """[metrics]: what the coordinator itself writes of a job's figures, for jobs no
+    client follows (`interleaf submit`); a client that follows a job writes its own
+    (`interleaf run --tensorboard DIR`, docs/monitoring.md)."""
+
     tensorboard_dir: str = ""
     """When set, the coordinator writes the job's TensorBoard event files under this
     folder on the coordinator's machine, one folder per job (DIR/JOB_ID: `tensorboard

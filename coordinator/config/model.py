@@ -16,13 +16,18 @@ ROPE_SCALING = ("rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_f
 
 @dataclass(frozen=True)
 class ModelConfig:
+    """[model]: the network's architecture and shape. Initial weights are a function of
+    train.seed and each parameter's name in the unsplit model, so every layout starts
+    from the same weights. With checkpoint.init the section is taken from those weights."""
+
     arch: str = "gpt2"
     """gpt2 (LayerNorm, GELU MLP, learned positions, biases) or llama (RMSNorm, SwiGLU
     MLP, rotary positions, grouped-query attention, no biases)."""
     n_layers: int = 4
     """Transformer blocks."""
     d_model: int = 128
-    """Hidden size; must be divisible by n_heads."""
+    """Hidden size; must be divisible by n_heads (and d_model/n_heads even for llama,
+    whose rotary embedding turns pairs of features)."""
     n_heads: int = 4
     """Attention heads; divisible by parallel.tp (heads are split across tensor ranks)."""
     n_kv_heads: int = 0
@@ -34,7 +39,9 @@ class ModelConfig:
     seq_len: int = 128
     """Tokens per training sample (gpt2: also the number of learned positions)."""
     vocab_size: int = 256
-    """Token ids are in [0, vocab_size); the byte tokenizer needs 256."""
+    """Token ids are in [0, vocab_size); the byte tokenizer needs 256. Any size works
+    with any tp (see pad_vocab_to). A vocabulary smaller than the data's (recorded in its
+    token files' sidecars) or data.tokenizer's is refused at submission, naming both."""
     pad_vocab_to: int = 128
     """The embedding and head are padded to a multiple of this times parallel.tp
     (Megatron's make-vocab-size-divisible-by), so any vocabulary splits over any tp;
@@ -62,7 +69,8 @@ class ModelConfig:
     (transformers' original_max_position_embeddings)."""
     tie_embeddings: bool | None = None
     """The output head reuses the input embedding's weights; default true for gpt2,
-    false for llama."""
+    false for llama; both architectures take either. Tied and pipelined, the embedding
+    lives on the first and the last stage, and its two copies sum their gradients."""
 
     def __post_init__(self):
         if self.arch not in ARCHS:

@@ -15,18 +15,27 @@ MAX_ZERO_PREFETCH = 4
 
 @dataclass(frozen=True)
 class ParallelConfig:
+    """[parallel]: the layout. A job needs dp*tp*pp stage servers, one per rank. Its
+    n_layers are cut into pp*vpp chunks (chunk c on pipeline rank c mod pp); layers that
+    do not divide evenly are spread, the first chunks taking one more. No value here
+    changes what is trained on: every layout's losses are the single-process
+    reference's (docs/parallelism.md)."""
+
     dp: int = 1
     """Data-parallel replicas; each takes its slice of every microbatch."""
     tp: int = 1
-    """Tensor-parallel ranks per layer (Megatron-LM column/row split)."""
+    """Tensor-parallel ranks per layer (Megatron-LM's column/row split, vocab-parallel
+    embedding and loss); a tensor group is placed on one host where a host has room."""
     pp: int = 2
     """Pipeline ranks."""
     vpp: int = 2
-    """Model chunks per pipeline rank (interleaved 1F1B's virtual stages)."""
+    """Model chunks per pipeline rank (interleaved 1F1B's virtual stages); more than 1
+    needs schedule interleaved-1f1b."""
     schedule: str = "interleaved-1f1b"
     """One of gpipe, 1f1b, interleaved-1f1b."""
     microbatches: int = 4
-    """Microbatches per step (gradient accumulation through the pipeline)."""
+    """Microbatches per step (gradient accumulation through the pipeline); a multiple
+    of pp for interleaved-1f1b."""
     zero: int = 0
     """ZeRO stage over the data-parallel group: 0 replicates everything (gradients
     all-reduced); 1 shards the optimizer state (fp32 master weights and Adam moments);
@@ -34,13 +43,15 @@ class ParallelConfig:
     chunk's forwards and backwards, released after). With dp=1 every stage runs and
     shards over the one rank, which holds everything, as stage 0 does."""
     zero_prefetch: int = 1
-    """ZeRO-3: how many parameter gathers are issued ahead of the compute that needs
-    them (0: each gather waits in front of its first use; 1: the next chunk's gather
+    """ZeRO-3: how many parameter gathers (0 to 4) are issued ahead of the compute that
+    needs them (0: each gather waits in front of its first use; 1: the next chunk's gather
     overlaps the current chunk's compute). Bounds the gathered chunks a rank holds at
     once to zero_prefetch + 1."""
     transport: str = "auto"
     """How tensors move between ranks: nccl (CUDA servers, through CuPy), gloo (CPU
-    servers), or auto: nccl when the job's servers compute on GPUs, gloo otherwise."""
+    servers), or auto: nccl when the job's servers compute on GPUs, gloo otherwise. A job
+    whose servers mix devices, or that forces a transport its servers cannot use, fails
+    naming the setting."""
     elastic: bool = False
     """When the job loses servers and too few idle ones are registered to set its layout
     up again, go on at once with the largest smaller dp that they hold (tp and pp
@@ -51,8 +62,8 @@ class ParallelConfig:
 
     sequence_parallel: bool = False
     """Megatron-LM's sequence parallelism (Korthikanti et al. 2022) over the tensor
-    group: norms and residual adds run on this rank's 1/tp of the sequence, column-
-    parallel inputs are all-gathered along it and row-parallel outputs reduce-scattered
+    group: norms and residual adds run on this rank's 1/tp of the sequence,
+    column-parallel inputs are all-gathered along it and row-parallel outputs reduce-scattered
     (no all-reduce left in a block), so activations are divided by tp. Needs tp >= 2 and
     model.seq_len divisible by tp. Pipeline sends then carry each rank's own slice."""
     scatter_gather: bool = True

@@ -9,16 +9,22 @@ from interleaf.coordinator.config.rules import ConfigError, _bounded
 
 @dataclass(frozen=True)
 class DataConfig:
+    """[data]: what the job trains on (docs/data.md). A step's samples are a function of
+    train.seed, the step, train.global_batch and the data alone."""
+
     source: str = "builtin"
     """'builtin' (the Python standard library's sources, tokenized by bytes and cached)
     or the path of a token file written by `interleaf data prepare`, readable on every
     stage server. Several files blend: `a.bin:0.7,b.bin:0.3` draws each sample from one
     of them in those proportions (weights: positive finite numbers, normalized),
-    deterministically and resumably (stageserver/data/blend.py)."""
+    deterministically and resumably: each block of 65,536 samples takes each file's
+    share, interleaved evenly, and each file walks its own epochs
+    (stageserver/data/blend.py)."""
     tokenizer: str = "bytes"
     """How text becomes tokens (for `interleaf generate` and the check that the data fits
     the model): 'bytes' (one token per UTF-8 byte, vocabulary 256), or the path of a
-    tokenizers `tokenizer.json` or of a Hugging Face model folder holding one."""
+    tokenizers `tokenizer.json` or of a Hugging Face model folder holding one. A
+    model.vocab_size smaller than its vocabulary is refused at submission."""
 
     def __post_init__(self):
         if not self.source.strip():
@@ -36,16 +42,20 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class CheckpointConfig:
+    """[checkpoint]: saving, resuming and starting from given weights
+    (docs/checkpoints.md, docs/huggingface.md)."""
+
     dir: str = ""
-    """When set, checkpoints are written here (per rank a state file, and a manifest),
-    at the end and every `every` steps, on the coordinator's machine (servers that do
+    """When set, checkpoints are written here, under `step-NNNNNN/` (per rank a
+    safetensors state file, and a manifest.json written last), at the end and every
+    `every` steps, on the coordinator's machine (servers that do
     not share its filesystem send their files over gRPC)."""
     every: int = 0
     """Save every this many steps as well as at the end (0: at the end only)."""
     keep: int = 0
     """Keep the newest this many checkpoints, removing older ones (0: keep all)."""
     resume: str = ""
-    """A checkpoint to continue from (a manifest, a step folder, or a checkpoint.dir,
+    """A checkpoint to continue from (also `interleaf run --resume CKPT`; a manifest, a step folder, or a checkpoint.dir,
     whose newest complete step is taken), written under this or any other layout of the
     same model; training continues at its step with its optimizer state."""
     init: str = ""
@@ -70,6 +80,8 @@ class CheckpointConfig:
 
 @dataclass(frozen=True)
 class RecoveryConfig:
+    """[recovery]: what a job does when it loses a stage server (docs/reliability.md)."""
+
     max_restarts: int = 3
     """When a stage server dies (its calls fail and it no longer answers), the job is
     set up again on registered servers, continues from its newest checkpoint (or the
@@ -94,13 +106,18 @@ DEFAULT_TRACED = (1, -1)
 
 @dataclass(frozen=True)
 class TraceConfig:
+    """[trace]: which steps every server times action by action, for `interleaf trace`
+    and the status page, and what else it records over them (docs/monitoring.md)."""
+
     steps: tuple[int, ...] = DEFAULT_TRACED
     """Steps (from 0) whose every action each server times, for `interleaf trace`;
     negative ones count from the end (-1: the last step). The default, the second step
     (the first past warm-up; a one-step job has none) and the last, gives a running job
     a trace early on and a finished one its final step. An empty list (`trace.steps =
-    []`) traces nothing. Untraced steps cost nothing; a traced one two clock reads per
-    action (bench/observability_cost.py measures it)."""
+    []`) traces nothing; on the command line, `--set trace.steps=[0,-1]`. At most 64:
+    the coordinator keeps them with the job in its state database, so a restarted
+    coordinator still serves them. Untraced steps cost nothing; a traced one two clock
+    reads per action, two CUDA events on a GPU (bench/observability_cost.py measures it)."""
     torch_profiler: bool = False
     """Also run torch's profiler (torch.profiler: operators, and CUDA kernels on a GPU)
     over each traced step on every server; `interleaf trace --out T.json` writes each

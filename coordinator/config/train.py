@@ -19,6 +19,9 @@ RECOMPUTE = MODES
 
 @dataclass(frozen=True)
 class TrainConfig:
+    """[train]: steps, batch, AdamW and its learning-rate schedule, precision and
+    activation recomputation."""
+
     steps: int = 200
     """Optimizer steps."""
     global_batch: int = 16
@@ -31,13 +34,17 @@ class TrainConfig:
     stated exactly in stageserver/lr_schedule.py)."""
     betas: tuple[float, float] = (0.9, 0.95)
     """AdamW's (beta1, beta2): the decay rates of the gradient's running mean and of its
-    square's; each at least 0 and less than 1."""
+    square's; each at least 0 and less than 1. A TOML array, or `--set
+    train.betas=0.9,0.99`."""
     eps: float = 1e-8
     """AdamW's epsilon, added to the root of the squared-gradient average; more than 0."""
     lr_decay: str = "cosine"
     """After the warmup: cosine (to the floor at the last step), linear (likewise), wsd
     (warmup-stable-decay: the peak held, then the last decay_fraction of the steps fall
-    linearly to the floor) or constant (the peak to the end). See stageserver/lr_schedule.py."""
+    linearly to the floor) or constant (the peak to the end). The rate of every step is
+    a function of the step alone (stageserver/lr_schedule.py, worked example there): the
+    same on every rank and in `interleaf reference`, in each step's `lr`, and continued
+    exactly by a resumed run."""
     min_lr_ratio: float = MIN_LR_RATIO
     """The floor the decay reaches at the last step, as a fraction of lr (0 to 1); not
     for constant."""
