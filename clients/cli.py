@@ -11,6 +11,7 @@ import sys
 
 from interleaf.clients.data_commands import add_data_commands
 from interleaf.clients.follow import MetricsOut, eval_line, eval_row, follow
+from interleaf.coordinator.job_store import DEFAULT_KEEP_JOBS
 from interleaf.coordinator.run_logs import RunLogs, check_wandb
 from interleaf.clients.parent_death import die_with_parent_if_asked
 from interleaf.clients.usage import UsageError
@@ -305,7 +306,7 @@ def cmd_coordinator(args) -> int:
 
     try:
         serve(args.host, args.port, args.bind, args.store_port, args.steps_per_call, _security(args),
-              state_db=args.state_db, http_port=args.http_port)
+              state_db=args.state_db, http_port=args.http_port, keep_jobs=args.keep_jobs)
     except JobStoreError as err:
         raise UsageError(str(err)) from None
     return 0
@@ -524,6 +525,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="SQLite file of job state, kept across restarts: started again on it, the coordinator "
                         "resumes unfinished jobs (default $XDG_STATE_HOME/interleaf/coordinator.db, i.e. "
                         "~/.local/state/interleaf/coordinator.db; one coordinator per file)")
+    p.add_argument("--keep-jobs", type=int, default=DEFAULT_KEEP_JOBS, metavar="N",
+                   help=f"finished jobs kept in --state-db, the newest N to finish (default {DEFAULT_KEEP_JOBS}, at "
+                        "least 1); older ones are removed with their events and traces as jobs finish, and "
+                        "`interleaf status` then answers that they are not found. Unfinished jobs always stay")
     with_security(p, serves=True)
     p.set_defaults(fn=cmd_coordinator)
 
