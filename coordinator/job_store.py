@@ -122,14 +122,18 @@ class JobStore:
                 pathlib.Path(path).parent.mkdir(parents=True, exist_ok=True)
                 self._held = _lock_exclusively(path)
             self._db = sqlite3.connect(path, check_same_thread=False)
-            _vacuum_incrementally(self._db)  # before WAL and the tables: a new file is made so from its first page
+            converting = _vacuum_incrementally(self._db)  # before the tables: a new file is made so from the start
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=NORMAL")
             self._db.executescript(_SCHEMA)
             _upgrade(self._db)
+            self.prune()  # a smaller --keep-jobs than the last coordinator's takes effect now
+            if converting:  # after the prune: the VACUUM rewrites only what is kept
+                log.info("--state-db=%r: converting to auto_vacuum=INCREMENTAL (one VACUUM)", path)
+                self._db.execute("VACUUM")
+                self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()  # the rewrite went to the WAL
         except (OSError, sqlite3.Error) as err:
             raise JobStoreError(f"--state-db={path!r} cannot be used: {err}") from None
-        self.prune()  # a smaller --keep-jobs than the last coordinator's takes effect now
 
     def add(self, config_toml: str, overrides: list[str], make_id) -> str:
         """Records a new job, PENDING, under the id `make_id(N)` for the next N. N counts
@@ -246,16 +250,16 @@ class JobStore:
             self._held.close()
 
 
-def _vacuum_incrementally(db: sqlite3.Connection) -> None:
-    """auto_vacuum=INCREMENTAL: set on a new file before its first table; an earlier
-    release's file (auto_vacuum NONE) needs one VACUUM, which rewrites it whole."""
+def _vacuum_incrementally(db: sqlite3.Connection) -> bool:
+    """auto_vacuum=INCREMENTAL: takes effect on a new file at its first table; an
+    earlier release's file (auto_vacuum NONE) takes it at its next VACUUM, which rewrites
+    it whole: True when that VACUUM is still to run."""
     (mode,) = db.execute("PRAGMA auto_vacuum").fetchone()
-    if mode == 2:
-        return
+    if mode == 2:  # INCREMENTAL
+        return False
     db.execute("PRAGMA auto_vacuum=INCREMENTAL")
     (pages,) = db.execute("PRAGMA page_count").fetchone()
-    if pages:
-        db.execute("VACUUM")
+    return pages > 0
 
 
 def _upgrade(db: sqlite3.Connection) -> None:

@@ -203,8 +203,10 @@ def test_keep_jobs_below_one_is_refused_by_name(tmp_path):
 
 
 def test_an_earlier_releases_database_is_converted_and_pruned(tmp_path):
-    """auto_vacuum NONE, no `finished` column: made incremental by one VACUUM, its
-    finished jobs numbered in submission order."""
+    """auto_vacuum NONE, no `finished` column: pruned, then made incremental by one
+    VACUUM that gives the pruned rows' space back; its finished jobs are numbered in
+    submission order."""
+    import os
     import sqlite3
 
     path = str(tmp_path / "state.db")
@@ -216,11 +218,13 @@ def test_an_earlier_releases_database_is_converted_and_pruned(tmp_path):
         CREATE TABLE events (id INTEGER PRIMARY KEY AUTOINCREMENT, job_id TEXT NOT NULL, event BLOB NOT NULL);
         INSERT INTO jobs (number, job_id, config_toml, overrides, state) VALUES
             (1, 'job-1-x', '', '[]', 'SUCCEEDED'), (2, 'job-2-x', '', '[]', 'RUNNING'), (3, 'job-3-x', '', '[]', 'FAILED');
-        INSERT INTO events (job_id, event) VALUES ('job-1-x', x''), ('job-3-x', x'');
+        INSERT INTO events (job_id, event) VALUES ('job-1-x', randomblob(2000000)), ('job-3-x', x'');
     """)
     old.commit()
     old.close()
+    assert os.path.getsize(path) > 2_000_000
     store = JobStore(path, keep_jobs=1)
+    assert sum(os.path.getsize(p) for p in (path, f"{path}-wal")) < 100_000
     assert store._db.execute("PRAGMA auto_vacuum").fetchone() == (2,)  # INCREMENTAL
     assert [store.load(j) is not None for j in ("job-1-x", "job-2-x", "job-3-x")] == [False, True, True]
     assert _rows(store)["events"] == 1
