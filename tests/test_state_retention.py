@@ -2,12 +2,14 @@
 keeping 5 finished jobs runs JOBS tiny real jobs one after another, and the database's
 files (the SQLite file and its -wal) stop growing once the first few are pruned; a
 pruned job's status answers NOT_FOUND by name while the newest 5 stay readable, and
-/metrics counts the pruned jobs."""
+/metrics counts the pruned jobs. A --keep-jobs below 1 is refused by name."""
 
 from __future__ import annotations
 
 import os
 import sqlite3
+import subprocess
+import sys
 import time
 import urllib.request
 
@@ -92,3 +94,12 @@ def test_many_tiny_jobs_keep_the_state_database_bounded(tmp_path):
         assert db.execute("SELECT COUNT(*) FROM traces").fetchone()[0] >= KEEP  # the kept jobs' traces stay
     finally:
         db.close()
+
+
+def test_keep_jobs_below_one_is_refused_before_the_coordinator_starts(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "interleaf.clients.cli", "coordinator", "--keep-jobs", "-3",
+                             "--state-db", str(tmp_path / "coordinator.db"), "--port", "0", "--http-port", "0"],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and not (tmp_path / "coordinator.db").exists()
+    assert result.stderr.strip() == ("error: --keep-jobs=-3 must be at least 1: the newest job to finish stays in "
+                                     "the state database so that its client can still read how it ended")
