@@ -152,7 +152,9 @@ class CoordinatorService(rpc.CoordinatorServicer):
     def _job(self, job_id: str, context):
         record = self.jobs.get(job_id)
         if record is None:
-            context.abort(grpc.StatusCode.NOT_FOUND, f"no job {shown(job_id)}")
+            context.abort(grpc.StatusCode.NOT_FOUND,
+                          f"no job {shown(job_id)}: never submitted to this coordinator, or finished and removed "
+                          f"(it keeps the newest {self.jobs.store.keep_jobs} finished jobs, --keep-jobs)")
         return record
 
     def GetJob(self, request: pb.JobRef, context):
