@@ -103,6 +103,8 @@ def checkpoint_line(c) -> str:
 
 
 def recovery_line(r) -> str:
+    """The progress output's line for a RecoveryEvent; attempt 0 is a coordinator
+    restart, whose failure says so and which lost no server."""
     if r.attempt == 0:
         why = r.failure
     else:
