@@ -143,9 +143,8 @@ def test_a_trace_the_store_refuses_is_served_from_memory(tmp_path, caplog):
 
 
 def _finished(table: JobTable, state: str = "SUCCEEDED"):
-    """A job with an event, a trace and a final state."""
+    """A job with a trace and a final state (its one event)."""
     record = table.create(load_config("", SETTINGS), "", SETTINGS)
-    record.add_step(pb.StepEvent(step=0))
     record.traces.add(*_traced(1, 0.5))
     record.set_state(state)
     return record
@@ -170,8 +169,8 @@ def test_finished_jobs_beyond_keep_jobs_go_with_every_row_of_theirs(tmp_path):
         assert table.get(gone.job_id) is None and store.load(gone.job_id) is None and not store.load_traces(gone.job_id)
     assert [table.get(kept.job_id).state for kept in done[2:]] == ["CANCELLED", "SUCCEEDED"]
     assert table.get(running.job_id).state == "RUNNING"
-    # the running job's event (RUNNING), 2 for each kept one (its step, its final state); a trace each
-    assert _rows(store) == {"jobs": 3, "events": 1 + 2 + 2, "traces": 2}
+    # the running job's event (RUNNING), one for each kept one (its final state); a trace each
+    assert _rows(store) == {"jobs": 3, "events": 1 + 1 + 1, "traces": 2}
     store.close()
 
     table = JobTable(JobStore(path, keep_jobs=2))
