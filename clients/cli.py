@@ -10,7 +10,8 @@ import signal
 import sys
 
 from interleaf.clients.data_commands import add_data_commands
-from interleaf.clients.follow import MetricsOut, eval_line, eval_row, follow
+from interleaf.clients.follow import ROW_KINDS, MetricsOut, eval_line, eval_row, follow
+from interleaf.coordinator.job_store import DEFAULT_KEEP_JOBS
 from interleaf.coordinator.run_logs import RunLogs, check_wandb
 from interleaf.clients.parent_death import die_with_parent_if_asked
 from interleaf.clients.usage import UsageError
@@ -233,7 +234,7 @@ def cmd_reference(args) -> int:
     logs = _run_logs(args, "reference", config)
 
     def on_step(r):
-        metrics.write(kind="step", step=r.step, loss=r.loss, tokens=r.tokens, step_seconds=r.step_seconds,
+        metrics.write("step", step=r.step, loss=r.loss, tokens=r.tokens, step_seconds=r.step_seconds,
                       tokens_per_second=r.tokens / r.step_seconds, grad_norm=r.grad_norm, lr=r.lr)
         logs.log(r.step + 1, reference_scalars(r))
         progress.update(r.step, r.loss, r.tokens / r.step_seconds)
@@ -317,7 +318,7 @@ def cmd_coordinator(args) -> int:
 
     try:
         serve(args.host, args.port, args.bind, args.store_port, args.steps_per_call, _security(args),
-              state_db=args.state_db, http_port=args.http_port)
+              state_db=args.state_db, http_port=args.http_port, keep_jobs=args.keep_jobs)
     except JobStoreError as err:
         raise UsageError(str(err)) from None
     return 0
@@ -473,6 +474,11 @@ def _parser() -> argparse.ArgumentParser:
                        help="log the same scalars to this Weights & Biases project (needs the optional extra: "
                             "pip install 'interleaf[wandb]'; WANDB_MODE=offline works as wandb documents)")
 
+    def with_metrics_out(p):
+        p.add_argument("--metrics-out", metavar="FILE.jsonl",
+                       help=f"write a JSON object a line, each with a \"kind\" ({', '.join(ROW_KINDS)}; "
+                            "clients/follow.py MetricsOut says which keys each has)")
+
     def with_coordinator(p, required=False):
         p.add_argument("--coordinator", default=None if required else DEFAULT_COORDINATOR, metavar="HOST:PORT",
                        help=f"coordinator address (default {DEFAULT_COORDINATOR}, or $INTERLEAF_COORDINATOR)")
@@ -499,7 +505,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--local", type=int, metavar="N", help="start a coordinator and N stage servers here (default: as many as the layout needs)")
     p.add_argument("--coordinator", metavar="HOST:PORT", help="submit to a running coordinator instead")
     with_security(p)
-    p.add_argument("--metrics-out", metavar="FILE.jsonl")
+    with_metrics_out(p)
     with_run_logs(p)
     p.add_argument("--log-dir", help="write the local processes' logs here")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
@@ -509,7 +515,7 @@ def _parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("reference", help="the single-process reference run of a config")
     with_config(p)
-    p.add_argument("--metrics-out", metavar="FILE.jsonl")
+    with_metrics_out(p)
     with_run_logs(p)
     p.set_defaults(fn=cmd_reference)
 
@@ -543,6 +549,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="SQLite file of job state, kept across restarts: started again on it, the coordinator "
                         "resumes unfinished jobs (default $XDG_STATE_HOME/interleaf/coordinator.db, i.e. "
                         "~/.local/state/interleaf/coordinator.db; one coordinator per file)")
+    p.add_argument("--keep-jobs", type=int, default=DEFAULT_KEEP_JOBS, metavar="N",
+                   help=f"finished jobs kept in --state-db, the newest N to finish (default {DEFAULT_KEEP_JOBS}, at "
+                        "least 1); older ones are removed with their events and traces as jobs finish, and "
+                        "`interleaf status` then answers that they are not found. Unfinished jobs always stay")
     with_security(p, serves=True)
     p.set_defaults(fn=cmd_coordinator)
 
@@ -587,7 +597,7 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("watch", help="follow a job's steps")
     p.add_argument("job")
     with_coordinator(p)
-    p.add_argument("--metrics-out", metavar="FILE.jsonl")
+    with_metrics_out(p)
     with_run_logs(p)
     p.set_defaults(fn=cmd_watch)
 

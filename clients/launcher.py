@@ -69,7 +69,8 @@ class LocalCluster:
     def __init__(self, servers: int, threads_per_server: int | None = None, log_dir: str | None = None,
                  steps_per_call: int | None = None, memory_per_server: int | None = None,
                  device: str = "cpu", server_command: Callable[[int, list[str]], list[str]] | None = None,
-                 security: Security | None = None, state_db: str | None = None, metrics: bool = True):
+                 security: Security | None = None, state_db: str | None = None, metrics: bool = True,
+                 keep_jobs: int | None = None):
         self.count = servers
         # False: the stage servers keep no metrics (--metrics-port -1); the coordinator's stay.
         self.metrics = metrics
@@ -97,6 +98,7 @@ class LocalCluster:
         # cluster's own, removed at stop (a local cluster's jobs end with it).
         self.state_db = state_db
         self._state_dir = None
+        self.keep_jobs = keep_jobs  # the coordinator's --keep-jobs; None: its default
 
     def _logs(self) -> str:
         if self.log_dir is None:
@@ -146,6 +148,8 @@ class LocalCluster:
     def _start_coordinator(self, port: str) -> str:
         """Starts the coordinator (kept first in self.processes); returns its address."""
         extra = ["--steps-per-call", str(self.steps_per_call)] if self.steps_per_call else []
+        if self.keep_jobs is not None:
+            extra += ["--keep-jobs", str(self.keep_jobs)]
         coordinator = self._spawn(["coordinator", "--host", "127.0.0.1", "--port", port, "--state-db", self.state_db,
                                    "--http-port", "0", *extra], "coordinator", stdout=subprocess.PIPE)
         self.processes.insert(0, self.processes.pop())

@@ -8,6 +8,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 from interleaf.coordinator.config import ConfigError, JobConfig, load_config
 from interleaf.coordinator.job_store import MAX_STORED_EVENTS, MEMORY, JobStore, JobStoreError, StoredJob
@@ -44,6 +45,9 @@ class JobRecord:
     # Told every event as it is published, before any watcher sees it (job_logs.JobLogs):
     # each has event(pb.JobEvent) and close().
     listeners: list = field(default_factory=list, repr=False)
+    # Called once, with no lock held, after the job's final state is published
+    # (JobTable: the store prunes the finished jobs beyond --keep-jobs).
+    on_final: Callable[[], None] | None = field(default=None, repr=False)
 
     def __post_init__(self):
         self._changed = threading.Condition()
@@ -78,6 +82,8 @@ class JobRecord:
                 return
             self.state, self.error, self.reason = state, error, reason
         self._publish(pb.JobEvent(status=self.status()))
+        if self.final and self.on_final is not None:
+            self.on_final()
 
     def add_step(self, event: pb.StepEvent) -> None:
         with self._changed:
@@ -167,19 +173,22 @@ class JobRecord:
 
 class JobTable:
     """The jobs of this coordinator and of every one before it on the same store: those
-    not in memory (finished before a restart) are read from the store when asked for."""
+    not in memory (finished before a restart) are read from the store when asked for.
+    When a job finishes, the store prunes the finished jobs beyond its keep_jobs
+    (--keep-jobs) and the table forgets them too: asked for again, they are not found."""
 
     def __init__(self, store: JobStore | None = None):
         self._lock = threading.Lock()
         self._jobs: dict[str, JobRecord] = {}
         self.store = store or JobStore(MEMORY)
+        self._forgetters: list[Callable[[list[str]], None]] = []
 
     def create(self, config: JobConfig, config_toml: str = "", overrides: list[str] = ()) -> JobRecord:
         with self._lock:
             # N is one more than any job's in the store: ids never repeat across restarts.
             job_id = self.store.add(config_toml, list(overrides),
                                     lambda n: f"job-{n}-{int(time.time()) % 100000:05d}")
-            record = JobRecord(job_id, config, store=self.store)
+            record = JobRecord(job_id, config, store=self.store, on_final=self.prune)
             self._jobs[job_id] = record
             return record
 
@@ -188,11 +197,27 @@ class JobTable:
             record = self._jobs.get(job_id)
             if record is None and (stored := self.store.load(job_id)) is not None:
                 record = self._jobs[job_id] = _restore(stored, self.store)
+                record.on_final = self.prune  # after _restore: its own set_state runs under this lock
             return record
 
     def unfinished(self) -> list[JobRecord]:
         """The jobs a previous coordinator left neither finished nor failed, oldest first."""
         return [self.get(job_id) for job_id in self.store.unfinished(FINAL_STATES)]
+
+    def on_pruned(self, forget: Callable[[list[str]], None]) -> None:
+        """`forget(job_ids)` is called with the jobs each prune removed (their drivers,
+        their metrics' series go with them)."""
+        self._forgetters.append(forget)
+
+    def prune(self) -> None:
+        gone = self.store.prune()
+        if not gone:
+            return
+        with self._lock:
+            for job_id in gone:
+                self._jobs.pop(job_id, None)
+        for forget in self._forgetters:
+            forget(gone)
 
 
 def _restore(stored: StoredJob, store: JobStore) -> JobRecord:

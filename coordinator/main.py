@@ -1,7 +1,8 @@
 """`interleaf coordinator`: serve the Coordinator API and host the gloo rendezvous store.
 
 Job state lives in the SQLite database of --state-db (coordinator/job_store.py): started
-again on it, a coordinator resumes the jobs it held. Each process has a fresh random
+again on it, a coordinator resumes the jobs it held. It keeps the newest --keep-jobs
+finished jobs; older ones are pruned as jobs finish. Each process has a fresh random
 incarnation, sent on its calls to stage servers (common/incarnation.py)."""
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import torch.distributed as dist
 
 from interleaf.coordinator import executed_step
 from interleaf.coordinator.http_server import serve_http
-from interleaf.coordinator.job_store import JobStore, default_path
+from interleaf.coordinator.job_store import DEFAULT_KEEP_JOBS, JobStore, default_path
 from interleaf.coordinator.metrics import CoordinatorMetrics
 from interleaf.coordinator.service import SERVER_THREADS, CoordinatorService
 from interleaf.common import incarnation
@@ -28,8 +29,10 @@ log = logging.getLogger("interleaf.coordinator")
 
 
 def serve(host: str, port: int, bind: str, store_port: int, steps_per_call: int = 8,
-          security: Security | None = None, *, state_db: str = "", http_port: int = 50052) -> None:
-    jobs = JobStore(state_db or default_path())  # first: refused (in use, unwritable) before anything starts
+          security: Security | None = None, *, state_db: str = "", http_port: int = 50052,
+          keep_jobs: int = DEFAULT_KEEP_JOBS) -> None:
+    # First: refused (in use, unwritable, a bad --keep-jobs) before anything starts.
+    jobs = JobStore(state_db or default_path(), keep_jobs)
     if security is not None:  # set first: the drivers' channels to stage servers take it.
         wire.configure(security)
     me = incarnation.new()
@@ -42,6 +45,7 @@ def serve(host: str, port: int, bind: str, store_port: int, steps_per_call: int 
     )
     service = CoordinatorService((host, store.port), steps_per_call, jobs, me)
     metrics = CoordinatorMetrics(service.registry, lambda: [d.job for d in list(service.drivers.values())])
+    service.jobs.on_pruned(metrics.forget)
     server = wire.server(threads=SERVER_THREADS, max_receive_bytes=wire.COORDINATOR_RECEIVE_BYTES,
                          interceptors=(RpcLatency(metrics.registry),))
     rpc.add_CoordinatorServicer_to_server(service, server)
@@ -54,7 +58,7 @@ def serve(host: str, port: int, bind: str, store_port: int, steps_per_call: int 
     health.ready()
     print(f"coordinator listening on {host}:{bound} (rendezvous store on port {store.port}, metrics and "
           f"service discovery on http://{host}:{http.port})", flush=True)
-    log.info("incarnation %s, job state in %s", me, jobs.path)
+    log.info("incarnation %s, job state in %s (keeping the newest %d finished jobs)", me, jobs.path, keep_jobs)
 
     def shutdown(*_):
         health.stopping()  # a health watcher sees the drain before the stream ends

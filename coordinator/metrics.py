@@ -44,7 +44,8 @@ class _States:
             servers.add_metric([state], n)
         yield servers
         jobs = GaugeMetricFamily("interleaf_jobs", "Jobs this coordinator process drives or has driven, by "
-                                 "state.", labels=["state"])
+                                 "state; finished ones beyond --keep-jobs are pruned and no longer counted.",
+                                 labels=["state"])
         counts = {state: 0 for state in JOB_STATES}
         for record in self.jobs():
             counts[record.state] = counts.get(record.state, 0) + 1
@@ -118,6 +119,21 @@ class CoordinatorMetrics:
         self.restarts = Counter(
             "interleaf_coordinator_restarts_total", "Times a restarted coordinator took the job over, unfinished, "
             "and set it up again from its newest checkpoint (no server lost).", job, registry=r)
+
+        # Every metric made so far is labelled by job: a pruned job's series are these.
+        self._per_job = [m for m in vars(self).values() if isinstance(m, (Counter, Gauge, Histogram))]
+        self.pruned = Counter(
+            "interleaf_jobs_pruned_total", "Finished jobs removed from the state database (with their events, "
+            "traces and metric series) beyond the newest --keep-jobs to finish.", registry=r)
+
+    def forget(self, job_ids: list[str]) -> None:
+        """Pruned jobs (--keep-jobs): their series go, so /metrics stays bounded too."""
+        with self._updating:
+            for job_id in job_ids:
+                self._seen.pop(job_id, None)
+                for metric in self._per_job:
+                    metric.remove(job_id)
+            self.pruned.inc(len(job_ids))
 
     def update(self) -> None:
         """Counts every job's events published since the last update. Events dropped

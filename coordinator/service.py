@@ -40,6 +40,7 @@ class CoordinatorService(rpc.CoordinatorServicer):
         self.steps_per_call = steps_per_call
         self.registry = Registry()
         self.jobs = JobTable(job_store)
+        self.jobs.on_pruned(self._forget_drivers)
         self.incarnation = incarnation  # this process's: the servers bind their jobs to it
         self.drivers: dict[str, JobDriver] = {}
         self.store_address = store_address
@@ -49,6 +50,11 @@ class CoordinatorService(rpc.CoordinatorServicer):
         tensorboard_dir) are closed, as its drivers' daemon threads end without a word."""
         for driver in list(self.drivers.values()):
             driver.job.close_listeners()
+
+    def _forget_drivers(self, job_ids: list[str]) -> None:
+        """Pruned jobs (--keep-jobs) are long finished: their drivers only hold memory."""
+        for job_id in job_ids:
+            self.drivers.pop(job_id, None)
 
     def RegisterServer(self, request: pb.RegisterRequest, context):
         if not request.address:
@@ -146,7 +152,9 @@ class CoordinatorService(rpc.CoordinatorServicer):
     def _job(self, job_id: str, context):
         record = self.jobs.get(job_id)
         if record is None:
-            context.abort(grpc.StatusCode.NOT_FOUND, f"no job {shown(job_id)}")
+            context.abort(grpc.StatusCode.NOT_FOUND,
+                          f"no job {shown(job_id)}: never submitted to this coordinator, or finished and removed "
+                          f"(it keeps the newest {self.jobs.store.keep_jobs} finished jobs, --keep-jobs)")
         return record
 
     def GetJob(self, request: pb.JobRef, context):

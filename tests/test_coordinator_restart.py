@@ -8,6 +8,7 @@ new jobs."""
 
 from __future__ import annotations
 
+import json
 import re
 import signal
 import time
@@ -15,6 +16,7 @@ import time
 import grpc
 import pytest
 
+from interleaf.clients.follow import MetricsOut, follow
 from interleaf.clients.launcher import LocalCluster
 from interleaf.protos import interleaf_pb2 as pb
 from interleaf.protos import interleaf_pb2_grpc as rpc
@@ -114,6 +116,16 @@ def test_a_killed_coordinator_restarts_and_its_job_resumes_with_the_uninterrupte
         # waits for all four rather than shrink to the first two that register again.
         assert (recovery.grid.dp, recovery.grid.pp, recovery.microbatches) == (2, 2, 4) and not recovery.resized
         assert len(final.ranks) == 4
+        # --metrics-out of the job's history, replayed: the recovery is a row of its own kind.
+        metrics = MetricsOut(str(tmp_path / "m.jsonl"))
+        assert follow(client, job_id, STEPS, metrics) == 0
+        metrics.close()
+        rows = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
+        assert {r["kind"] for r in rows} == {"step", "checkpoint", "recovery"}
+        assert [r for r in rows if r["kind"] == "recovery"] == [{
+            "kind": "recovery", "attempt": 0, "failure": "the coordinator restarted", "lost": [],
+            "step": recovery.restart_step, "recover_seconds": recovery.recover_seconds, "dp": 2, "pp": 2, "tp": 1,
+            "microbatches": 4, "resized": ""}]
         print(f"coordinator down {DOWN_S:.0f} s; job running again {running - restarted:.2f} s after the restart "
               f"(process start included; {recovery.recover_seconds:.2f} s after the coordinator resumed it), "
               f"from step {recovery.restart_step}; {time.monotonic() - killed:.1f} s from kill to the end")

@@ -140,3 +140,90 @@ def test_a_trace_the_store_refuses_is_served_from_memory(tmp_path, caplog):
     record.traces.add(plan, reports)
     assert "could not store job" in caplog.text and "trace of step 2" in caplog.text
     assert record.traces.steps() == [2] and len(record.traces.get(2).reports) == 8
+
+
+def _finished(table: JobTable, state: str = "SUCCEEDED"):
+    """A job with a trace and a final state (its one event)."""
+    record = table.create(load_config("", SETTINGS), "", SETTINGS)
+    record.traces.add(*_traced(1, 0.5))
+    record.set_state(state)
+    return record
+
+
+def _rows(store: JobStore) -> dict[str, int]:
+    return {table: store._db.execute(f"SELECT COUNT(*) FROM {table}").fetchone()[0]
+            for table in ("jobs", "events", "traces")}
+
+
+def test_finished_jobs_beyond_keep_jobs_go_with_every_row_of_theirs(tmp_path):
+    path = str(tmp_path / "state.db")
+    store = JobStore(path, keep_jobs=2)
+    table = JobTable(store)
+    forgotten = []
+    table.on_pruned(forgotten.extend)
+    running = table.create(load_config("", SETTINGS), "", SETTINGS)  # the oldest, never finished: it stays
+    running.set_state("RUNNING")
+    done = [_finished(table, state) for state in ("SUCCEEDED", "FAILED", "CANCELLED", "SUCCEEDED")]
+    assert forgotten == [done[0].job_id, done[1].job_id]
+    for gone in done[:2]:
+        assert table.get(gone.job_id) is None and store.load(gone.job_id) is None and not store.load_traces(gone.job_id)
+    assert [table.get(kept.job_id).state for kept in done[2:]] == ["CANCELLED", "SUCCEEDED"]
+    assert table.get(running.job_id).state == "RUNNING"
+    # the running job's event (RUNNING), one for each kept one (its final state); a trace each
+    assert _rows(store) == {"jobs": 3, "events": 1 + 1 + 1, "traces": 2}
+    store.close()
+
+    table = JobTable(JobStore(path, keep_jobs=2))
+    assert int(table.create(load_config("", SETTINGS)).job_id.split("-")[1]) == 6  # numbers are never reused
+
+
+def test_the_newest_to_finish_are_kept_not_the_newest_submitted(tmp_path):
+    table = JobTable(JobStore(str(tmp_path / "state.db"), keep_jobs=1))
+    long_job = table.create(load_config("", SETTINGS))
+    short = _finished(table)
+    long_job.set_state("SUCCEEDED")  # finishes last: its client reads it, the short one goes
+    assert table.get(short.job_id) is None and table.get(long_job.job_id).state == "SUCCEEDED"
+    assert table.create(load_config("", SETTINGS)).job_id.startswith("job-3-")  # job-2 was pruned: 3, not 2 again
+
+
+def test_a_smaller_keep_jobs_prunes_when_the_store_opens(tmp_path):
+    path = str(tmp_path / "state.db")
+    table = JobTable(JobStore(path, keep_jobs=10))
+    done = [_finished(table) for _ in range(4)]
+    table.store.close()
+    store = JobStore(path, keep_jobs=1)
+    assert [store.load(r.job_id) is not None for r in done] == [False, False, False, True]
+
+
+def test_keep_jobs_below_one_is_refused_by_name(tmp_path):
+    with pytest.raises(JobStoreError, match=r"^--keep-jobs=0 must be at least 1: the newest job to finish stays"):
+        JobStore(str(tmp_path / "state.db"), keep_jobs=0)
+    assert not (tmp_path / "state.db").exists()
+
+
+def test_an_earlier_releases_database_is_converted_and_pruned(tmp_path):
+    """auto_vacuum NONE, no `finished` column: pruned, then made incremental by one
+    VACUUM that gives the pruned rows' space back; its finished jobs are numbered in
+    submission order."""
+    import os
+    import sqlite3
+
+    path = str(tmp_path / "state.db")
+    old = sqlite3.connect(path)
+    old.executescript("""
+        CREATE TABLE jobs (number INTEGER PRIMARY KEY, job_id TEXT UNIQUE NOT NULL, config_toml TEXT NOT NULL,
+            overrides TEXT NOT NULL, state TEXT NOT NULL, reason TEXT NOT NULL DEFAULT '',
+            error TEXT NOT NULL DEFAULT '', step INTEGER NOT NULL DEFAULT 0, checkpoint TEXT NOT NULL DEFAULT '');
+        CREATE TABLE events (id INTEGER PRIMARY KEY AUTOINCREMENT, job_id TEXT NOT NULL, event BLOB NOT NULL);
+        INSERT INTO jobs (number, job_id, config_toml, overrides, state) VALUES
+            (1, 'job-1-x', '', '[]', 'SUCCEEDED'), (2, 'job-2-x', '', '[]', 'RUNNING'), (3, 'job-3-x', '', '[]', 'FAILED');
+        INSERT INTO events (job_id, event) VALUES ('job-1-x', randomblob(2000000)), ('job-3-x', x'');
+    """)
+    old.commit()
+    old.close()
+    assert os.path.getsize(path) > 2_000_000
+    store = JobStore(path, keep_jobs=1)
+    assert sum(os.path.getsize(p) for p in (path, f"{path}-wal")) < 100_000
+    assert store._db.execute("PRAGMA auto_vacuum").fetchone() == (2,)  # INCREMENTAL
+    assert [store.load(j) is not None for j in ("job-1-x", "job-2-x", "job-3-x")] == [False, True, True]
+    assert _rows(store)["events"] == 1
