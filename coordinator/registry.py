@@ -105,14 +105,18 @@ class Registry:
             if not entry.job_id and entry.last_seen < forgotten:
                 del self._servers[sid]
 
-    def claim(self, job_id: str, choose, timeout_s: float) -> list[ServerSlot] | None:
+    def claim(self, job_id: str, choose, timeout_s: float, own: bool = False) -> list[ServerSlot] | None:
         """Waits until `choose(idle servers)` picks some, marks exactly those busy for
         the job and returns them in the order chosen; None on timeout. `choose` returns
-        None while the idle servers cannot host the job."""
+        None while the idle servers cannot host the job. `own`: the job's own live servers
+        are offered beside the idle ones (an elastic job growing back keeps its servers);
+        a server of another job never is. Those of its own not chosen stay the job's
+        until `release(job_id, keep=...)`: they still hold its running attempt."""
         deadline = time.monotonic() + timeout_s
         with self._lock:
             while True:
-                idle = sorted((e for e in self._servers.values() if e.alive and not e.job_id),
+                idle = sorted((e for e in self._servers.values()
+                               if e.alive and (not e.job_id or (own and e.job_id == job_id))),
                               key=lambda e: e.address)
                 chosen = choose([e.slot() for e in idle])
                 if chosen is not None:
@@ -138,9 +142,10 @@ class Registry:
                 self._servers.pop(server_id, None)
             self.changed.notify_all()
 
-    def release(self, job_id: str) -> None:
+    def release(self, job_id: str, keep: frozenset[str] = frozenset()) -> None:
+        """Frees the job's servers, but those whose server_id is in `keep`."""
         with self._lock:
             for entry in self._servers.values():
-                if entry.job_id == job_id:
+                if entry.job_id == job_id and entry.server_id not in keep:
                     entry.job_id = ""
             self.changed.notify_all()
