@@ -96,6 +96,7 @@ class JobDriver(threading.Thread):
         self.resized = ""  # why self.config is not the submitted one (parallel.elastic)
         self.restarted: _Recovery | None = None  # set when resumed after a coordinator restart
         self._submitted_planned = None  # plan_programs(job.config), made once: each claim offers it
+        self._submitted_need = 0  # the most bytes a rank of it needs (admission), once known
 
     def run(self) -> None:
         job = self.job
@@ -360,8 +361,9 @@ class JobDriver(threading.Thread):
         job = self.job
         if job.cancel_requested.is_set() or not grows_back(job.config, self.config, step):
             return None
-        programs = self._submitted_programs()[0]
-        choose = partial(place_servers, job.config, need_bytes=max(needed_bytes(job.config, programs)))
+        if not self._submitted_need:  # predicted once: a shrunk job asks at every boundary
+            self._submitted_need = max(needed_bytes(job.config, self._submitted_programs()[0]))
+        choose = partial(place_servers, job.config, need_bytes=self._submitted_need)
         slots = self.registry.claim(job.job_id, choose, timeout_s=0.0, own=True)
         if slots is None:
             return None

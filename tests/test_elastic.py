@@ -22,6 +22,7 @@ import torch
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from interleaf.clients.api import Grow, Job
 from interleaf.clients.follow import MetricsOut, elastic_row, follow
 from interleaf.coordinator.admission import needed_bytes
 from interleaf.coordinator.config import ConfigError, load_config
@@ -332,11 +333,15 @@ def test_a_shrunk_job_grows_back_when_servers_are_free_and_keeps_the_losses(no_s
                     abs(got.grad_norm - history[step].grad_norm) / abs(history[step].grad_norm))
     print(f"shrunk and grown back: largest relative difference from the reference (loss, grad norm) {worst:.2e}")
 
-    # What a user sees: the coordinator's metrics and `interleaf watch --metrics-out`.
+    # What a user sees: the coordinator's metrics, the Python API's events and
+    # `interleaf watch --metrics-out`.
     assert _metric(cluster.http_address, "interleaf_data_parallel_replicas", job) == 2
     assert _metric(cluster.http_address, "interleaf_elastic_shrinks_total", job) == 1
     assert _metric(cluster.http_address, "interleaf_elastic_grows_total", job) == 1
     assert [elastic_row(e)["change"] for e in events if elastic_row(e)] == ["shrunk", "grown"]
+    (seen,) = [e for e in Job(client, job).events(timeout_s=60) if isinstance(e, Grow)]
+    assert (seen.step, seen.dp, seen.microbatches, seen.before_dp, seen.before_microbatches, seen.added) == \
+        (grow.step, 2, 4, 1, 8, tuple(grow.added))
     out = tmp_path / "metrics.jsonl"
     metrics = MetricsOut(str(out))
     assert follow(client, job, STEPS, metrics) == 0
