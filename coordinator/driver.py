@@ -355,8 +355,9 @@ class JobDriver(threading.Thread):
         submitted layout, when the idle ones with its own can hold it now, placed and
         admitted as at submit (admission.needed_bytes) and claimed at once, under the
         registry's lock, so no other job takes them meanwhile and none of another job's
-        is offered. None, without waiting, otherwise: the job goes on as it is, and asks
-        again at its next boundary. A server that registered during the steps before is
+        is offered. None, without waiting, otherwise, and while any job waits for servers
+        (a running job's growth never keeps a queued one waiting): the job goes on as it
+        is, and asks again at its next boundary. A server that registered during the steps before is
         simply idle here; one that has since stopped heartbeating is not offered."""
         job = self.job
         if job.cancel_requested.is_set() or not grows_back(job.config, self.config, step):

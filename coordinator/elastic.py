@@ -19,7 +19,9 @@ boundary, once that checkpoint is under way, the job asks for 8 servers among it
 and the idle 4 (placement and admission as at submit) and claims them at once; it lets
 the save finish, tears the dp'=2 attempt down and resumes from step 6 at dp=4, m=4.
 Steps 6-11 run at dp=4 and no step runs twice. Had the replacement registered during
-step 10, the job would have stayed at dp'=2: the step-12 boundary is its end.
+step 10, the job would have stayed at dp'=2: the step-12 boundary is its end. Had another
+job been waiting for servers at step 6, the replacement would have been its: a running
+job grows only when none waits (coordinator/registry.py).
 """
 
 from __future__ import annotations

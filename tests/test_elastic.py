@@ -221,6 +221,10 @@ def test_a_growth_claim_takes_the_jobs_own_and_idle_servers_never_another_jobs_n
     registry.register("127.0.0.1:5", "", "cpu", need - 1)
     assert registry.claim("shrunk", grow, timeout_s=0.0, own=True) is None
     ids["e"] = registry.register("127.0.0.1:6", "", "cpu", need)
+    # A queued job waiting for 4 servers (3 are idle) goes first: no growth meanwhile.
+    assert registry.claim("queued", lambda idle: idle if len(idle) >= 4 else None, timeout_s=0.05) is None
+    assert registry.claim("shrunk", grow, timeout_s=0.0, own=True) is None
+    registry.release("queued")  # it was cancelled
     slots = registry.claim("shrunk", grow, timeout_s=0.0, own=True)
     assert {s.server_id for s in slots} == {ids[n] for n in "abde"}
     holders = {e.server_id: e.job_id for e in registry.servers()}
