@@ -66,7 +66,7 @@ class Project:
         self.ports = {"COORDINATOR_PORT": _free_port(), "COORDINATOR_HTTP_PORT": _free_port(),
                       "PROMETHEUS_PORT": _free_port()}
         # Two cores: one torch thread per server keeps the two busy ones off each other's core.
-        self.env = {**os.environ, "INTERLEAF_TOKEN_FILE": str(token_file), "STAGE_THREADS": "1",
+        self.env = {**os.environ, "TOKEN_FILE": str(token_file), "STAGE_THREADS": "1",
                     **{k: str(v) for k, v in self.ports.items()}}
 
     def compose(self, *args: str, timeout: float = 300) -> str:
@@ -172,7 +172,7 @@ def test_compose_trains_scrapes_and_recovers_in_containers(images, tmp_path):
 
         # Uninterrupted: the single-process reference's losses.
         losses, recoveries, _, _ = _train(client, project)
-        expected_losses = _reference_losses("interleaf:0.1.0")
+        expected_losses = _reference_losses(compose_file.IMAGE)
         assert sorted(losses) == list(range(1, STEPS + 1)) and not recoveries
         for step, loss in losses.items():
             assert loss == pytest.approx(expected_losses[step - 1], rel=LOSS_RTOL), step
