@@ -57,15 +57,17 @@ if [[ "$BASE" == "$DEFAULT_BASE" ]] && { [[ "${REBUILD_BASE:-}" == 1 ]] || ! doc
 fi
 
 # -- the wheels, downloaded by this machine's pip for the image's Python -----------------
-# The Dockerfile's first stage (the base with python3 and a venv) says which Python and C
+# The Dockerfile's first stage (the base with python3) says which Python and C
 # library the wheels must suit; a CUDA base gets its Python there too.
 step "reading the image's Python from the Dockerfile's base stage"
 mkdir -p "$WHEELS"
 docker build --force-rm --target base --build-arg BASE="$BASE" -f docker/Dockerfile --iidfile "$WHEELS/.base-stage" . >&2 \
     || die "building the base stage of docker/Dockerfile on $BASE failed"
 base_stage="$(cat "$WHEELS/.base-stage")"
-read -r py glibc machine < <(docker run --rm "$base_stage" python3 -c \
-    'import platform, sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}", platform.libc_ver()[1], platform.machine())')
+facts="$(docker run --rm "$base_stage" python3 -c \
+    'import platform, sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}", platform.libc_ver()[1], platform.machine())')" \
+    || die "running python3 in the base stage of docker/Dockerfile on $BASE failed"
+read -r py glibc machine <<< "$facts"
 [[ -n "$glibc" ]] || die "the base's Python reports no glibc version: only glibc bases are supported"
 # Every manylinux tag the image's C library runs (pip takes --platform literally).
 platforms=()
