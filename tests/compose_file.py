@@ -10,6 +10,8 @@ import yaml
 
 DOCKER = pathlib.Path(__file__).resolve().parent.parent / "docker"
 COMPOSE = DOCKER / "compose.yaml"
+# The Interleaf image docker/build-images.sh tags and compose and Kubernetes run.
+IMAGE = "interleaf:0.1.0"
 _VARIABLE = re.compile(r"\$\{(\w+)(?::-([^}]*))?\}")
 
 

@@ -32,7 +32,7 @@ from interleaf.common.security import TOKEN_ENV
 from tests import compose_file
 
 DOCKER = compose_file.DOCKER
-IMAGE = "interleaf:latest"
+IMAGE = compose_file.IMAGE
 
 
 class LocalCompose:

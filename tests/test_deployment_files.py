@@ -29,6 +29,7 @@ MANIFESTS = sorted((DOCKER / "k8s").glob("*.yaml"))
 # grpc probes are GA from 1.27; the newest version kubernetes-validate knows.
 K8S_VERSIONS = ("1.27.0", kubernetes_validate.latest_version())
 DEFAULT_JOB = load_config("")
+IMAGE = compose_file.IMAGE
 
 
 def _compose(environ: dict[str, str] | None = None) -> dict:
@@ -83,7 +84,7 @@ def test_compose_runs_the_default_job_on_enough_servers():
     services = _compose()["services"]
     assert load_config((DOCKER / "job.toml").read_text()) == DEFAULT_JOB
     stage = [s for s in services.values() if s.get("command", [""])[0] == "stage-server"]
-    assert len(stage) == DEFAULT_JOB.parallel.world_size
+    assert len(stage) == DEFAULT_JOB.parallel.world_size + 1  # and a spare, for recovery
     # Each registers under its own name, which its peers reach it by.
     assert sorted(_flag(s["command"], "--host") for s in stage) == sorted(
         n for n, s in services.items() if s.get("command", [""])[0] == "stage-server")
@@ -97,7 +98,7 @@ def test_compose_token_only_from_the_secret():
     text = COMPOSE.read_text()
     assert "INTERLEAF_TOKEN" not in text
     for name, service in compose["services"].items():
-        if service.get("image") != "interleaf:latest":
+        if service.get("image") != IMAGE:
             continue
         assert service["secrets"] == ["interleaf_token"], name
         args = [str(a) for a in service["command"]]
@@ -113,9 +114,21 @@ def test_dockerfile_installs_the_package_folders():
     copied = set(re.findall(r"^COPY (\S+) \1$", dockerfile, re.M))
     assert copied == folders
     assert "COPY pyproject.toml README.md ./" in dockerfile
-    assert 'ENTRYPOINT ["interleaf"]' in dockerfile and "ARG BASE=python:3.11-slim" in dockerfile
+    assert 'ENTRYPOINT ["interleaf"]' in dockerfile and "ARG BASE=interleaf-base:bookworm" in dockerfile
     allowed = {line[1:].rstrip("/") for line in (ROOT / ".dockerignore").read_text().split() if line.startswith("!")}
-    assert allowed >= folders | {"pyproject.toml", "README.md"}
+    assert allowed >= folders | {"pyproject.toml", "README.md", "docker/wheels"}
+
+
+def test_one_image_name_everywhere():
+    """The image docker/build-images.sh tags (the project's version) is the one compose runs
+    (tests/test_containers.py builds and runs it) and every Kubernetes manifest names."""
+    assert IMAGE == f"interleaf:{tomllib.loads((ROOT / 'pyproject.toml').read_text())['project']['version']}"
+    assert 'TAG="${INTERLEAF_TAG:-$VERSION}"' in (DOCKER / "build-images.sh").read_text()
+    ours = {s["image"] for s in _compose()["services"].values() if s["image"].startswith("interleaf:")}
+    assert ours == {IMAGE}
+    pods = [d["spec"]["template"]["spec"] for d in _docs() if d["kind"] in ("Deployment", "StatefulSet", "Job")]
+    named = {c["image"] for pod in pods for c in pod["containers"] + pod.get("initContainers", [])}
+    assert {i for i in named if i.split(":")[0] == "interleaf"} == {IMAGE}, named
 
 
 # -- Grafana ---------------------------------------------------------------------------
