@@ -202,12 +202,15 @@ class Job:
 
         logs = RunLogs.open(tensorboard=os.fspath(tensorboard) if tensorboard else None, wandb=wandb,
                             name=self.id, model=self.model, peak_flops=self._rpc.peak_flops)
+        final = None  # the stream's last status: with a small --keep-jobs the job may be gone by GetJob
         try:
             for event in self._rpc.watch(self.id, timeout_s):
                 logs.event(event)
+                if event.HasField("status") and event.status.state in FINAL_STATES:
+                    final = JobStatus.from_message(event.status)
         finally:
             logs.close()
-        status = self.status()
+        status = final if final is not None else self.status()
         if status.state == "FAILED":
             raise JobFailed(status)
         return status

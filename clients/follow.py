@@ -6,6 +6,7 @@ import json
 import sys
 
 from interleaf.clients.progress import Progress
+from interleaf.protos.job_states import FINAL_STATES
 from interleaf.coordinator.run_logs import RunLogs
 
 
@@ -138,8 +139,11 @@ def follow(client, job_id: str, steps: int, metrics: MetricsOut, logs: RunLogs |
     ends; returns the exit status."""
     progress = Progress(steps)
     logs = logs or RunLogs()
+    final = None  # the stream's last status: with a small --keep-jobs the job may be gone by GetJob
     for event in client.watch(job_id):
         logs.event(event)
+        if event.HasField("status") and event.status.state in FINAL_STATES:
+            final = event.status
         if event.HasField("step"):
             s = event.step
             metrics.write(**step_row(s))
@@ -160,7 +164,7 @@ def follow(client, job_id: str, steps: int, metrics: MetricsOut, logs: RunLogs |
         elif event.status.state == "RUNNING":
             print(event.status.layout, file=sys.stderr)
     progress.close()
-    status = client.status(job_id)
+    status = final if final is not None else client.status(job_id)
     if status.state != "SUCCEEDED":
         print(f"job {job_id} {status.state}: {status.error}", file=sys.stderr)
         return 1

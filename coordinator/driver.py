@@ -233,6 +233,7 @@ class JobDriver(threading.Thread):
         did not choose."""
         self._teardown()
         self._forget_attempt()
+        self.silent = {}  # the smaller attempt's ranks: the grown one watches its own
         self.registry.release(self.job.job_id, keep=frozenset(s.server_id for s in grown.slots))
         self.checkpoints.recover()
 

@@ -238,9 +238,11 @@ class JobStore:
 
     def _shrink(self) -> None:
         """The free pages go back to the file system, and the -wal file is emptied. Each
-        step of incremental_vacuum frees one page: fetchall runs it to the end. The
-        checkpoint writes the WAL into the database, whose truncation happens only then."""
-        self._db.execute("PRAGMA incremental_vacuum").fetchall()
+        step of incremental_vacuum frees one page, and sqlite3's execute stops a statement
+        that returns no rows after its first step (fetchall does not go on with it), so it
+        runs as a script, which steps each statement to its end. The checkpoint writes the
+        WAL into the database, whose truncation happens only then."""
+        self._db.executescript("PRAGMA incremental_vacuum;")
         self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
 
     def close(self) -> None:

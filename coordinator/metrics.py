@@ -144,7 +144,10 @@ class CoordinatorMetrics:
             for job_id in job_ids:
                 self._seen.pop(job_id, None)
                 for metric in self._per_job:
-                    metric.remove(job_id)
+                    try:
+                        metric.remove(job_id)
+                    except KeyError:  # a series the job never set (prometheus-client before 0.22 raises)
+                        pass
             self.pruned.inc(len(job_ids))
 
     def update(self) -> None:

@@ -5,6 +5,8 @@ database."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from interleaf.coordinator.config import load_config
@@ -193,6 +195,23 @@ def test_a_smaller_keep_jobs_prunes_when_the_store_opens(tmp_path):
     table.store.close()
     store = JobStore(path, keep_jobs=1)
     assert [store.load(r.job_id) is not None for r in done] == [False, False, False, True]
+
+
+def test_a_prune_gives_every_freed_page_back_to_the_file_system(tmp_path):
+    path = str(tmp_path / "state.db")
+    table = JobTable(JobStore(path, keep_jobs=10))
+    plan, _ = _traced(2, 0.5)
+    for _ in range(4):  # jobs of about 400 KB each: their traces' spans
+        record = table.create(load_config("", SETTINGS), "", SETTINGS)
+        record.traces.add(plan, [pb.StepReport(step=2, rank=r, spans=[pb.ActionSpan(action="F0.0", kind="forward")]
+                                               * 2000) for r in range(8)])
+        record.set_state("SUCCEEDED")
+    table.store.close()
+    before = os.path.getsize(path)
+    store = JobStore(path, keep_jobs=1)  # three of four go at open
+    assert store._db.execute("PRAGMA freelist_count").fetchone()[0] == 0
+    assert os.path.getsize(path) < before / 2, (before, os.path.getsize(path))
+    store.close()
 
 
 def test_keep_jobs_below_one_is_refused_by_name(tmp_path):
