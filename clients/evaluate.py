@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from interleaf.clients.checkpoint import CheckpointError, find, load_parameters, model_config
-from interleaf.stageserver.model.architectures import architecture
+from interleaf.common.model.architectures import architecture
 from interleaf.stageserver.model.chunk import ModelChunk, full_model
 from interleaf.stageserver.model.hf_folder import HFFolder, is_hf_folder
 

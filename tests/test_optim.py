@@ -14,7 +14,7 @@ import math
 import pytest
 import torch
 
-from interleaf.stageserver.lr_schedule import Schedule
+from interleaf.common.lr_schedule import Schedule
 from interleaf.stageserver.optim import SLICE, AdamW, clip_coefficient, squared_norm
 
 STATE_TOL = dict(atol=1e-7, rtol=2.4e-7)

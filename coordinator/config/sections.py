@@ -30,7 +30,7 @@ class DataConfig:
         if not self.source.strip():
             raise ConfigError("data.source='' must be 'builtin' or a token file path")
         # The stage servers' own grammar of a blend.
-        from interleaf.stageserver.data.blend import parse_source
+        from interleaf.common.data.blend import parse_source
 
         try:
             parse_source(self.source)

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from interleaf.coordinator.config.rules import ConfigError, _bounded, _positive
 from interleaf.common.limits import shown
-from interleaf.stageserver.lr_schedule import DECAY_FRACTION, DECAYS, MIN_LR_RATIO
-from interleaf.stageserver.model.recompute import MODES
+from interleaf.common.lr_schedule import DECAYS, DECAY_FRACTION, MIN_LR_RATIO
+from interleaf.common.model.recompute_modes import MODES
+from interleaf.coordinator.config.rules import ConfigError, _bounded, _positive
 
 PRECISION_BYTES = {"fp32": 4, "bf16": 2, "fp64": 8}
 """Bytes per element of the compute dtype of each train.precision."""

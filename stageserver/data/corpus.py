@@ -11,7 +11,7 @@ import pathlib
 import platform
 import sysconfig
 
-from interleaf.stageserver.data.blend import parse_source
+from interleaf.common.data.blend import parse_source
 from interleaf.stageserver.data.text_tokenizer import BytesTokenizer
 from interleaf.stageserver.data.tokenfile import TokenFile, TokenWriter, dtype_for
 from interleaf.stageserver.data.tokenizer import encode

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import pathlib
 
-from interleaf.stageserver.data.blend import parse_source
+from interleaf.common.data.blend import parse_source
 from interleaf.stageserver.data.text_tokenizer import BytesTokenizer, load_tokenizer
 
 

@@ -17,12 +17,12 @@ from types import ModuleType
 import torch
 from safetensors import SafetensorError
 
+from interleaf.common.model.config import ModelShape
+from interleaf.common.model.params import ParamSpec
 from interleaf.stageserver import safetensors
 from interleaf.stageserver.model.chunk import InitialValues
-from interleaf.stageserver.model.config import ModelShape
 from interleaf.stageserver.model.gpt2 import hf as gpt2_hf
 from interleaf.stageserver.model.llama import hf as llama_hf
-from interleaf.stageserver.model.params import ParamSpec
 
 ADAPTERS: dict[str, ModuleType] = {"gpt2": gpt2_hf, "llama": llama_hf}
 """The state-dict adapter of each architecture, by model.arch (= transformers' model_type)."""

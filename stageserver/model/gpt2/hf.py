@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import torch
 
-from interleaf.stageserver.model.config import ModelShape
+from interleaf.common.model.config import ModelShape
 from interleaf.stageserver.model.hf_keys import required_count
 
 ARCHITECTURE = "GPT2LMHeadModel"
