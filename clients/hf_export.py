@@ -20,9 +20,9 @@ import torch
 
 from interleaf.clients.checkpoint import Checkpoint, load_parameters, model_config
 from interleaf.clients.generate import EXPORT_DTYPES
+from interleaf.common.data.text_tokenizer import FileTokenizer, load_tokenizer
 from interleaf.common.model.config import ModelShape
 from interleaf.stageserver import safetensors
-from interleaf.stageserver.data.text_tokenizer import FileTokenizer, load_tokenizer
 from interleaf.stageserver.model.hf_folder import CONFIG, INDEX, WEIGHTS, adapter
 
 MAX_SHARD_BYTES = 5 * 10**9

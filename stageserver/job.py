@@ -16,6 +16,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from interleaf.common.data.vocab_check import data_too_big
 from interleaf.common.model.config import ModelShape
 from interleaf.common.model.recompute_modes import MODES as RECOMPUTE
 from interleaf.protos import interleaf_pb2 as pb
@@ -25,7 +26,6 @@ from interleaf.stageserver.background_writes import BackgroundWrites
 from interleaf.stageserver.data import Sampler, resolve_source
 from interleaf.stageserver.data.holdout import open_eval_set, training_data
 from interleaf.stageserver.data.tokenfile import TokenFile
-from interleaf.stageserver.data.vocab_check import data_too_big
 from interleaf.stageserver.evaluation import EvalStats, Evaluator
 from interleaf.stageserver.executor import Executor, StepStats
 from interleaf.stageserver.init_weights import initial_values

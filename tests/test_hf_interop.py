@@ -29,12 +29,12 @@ from interleaf.clients.evaluate import evaluate, load_for_eval, read_ids
 from interleaf.clients.generate import generate_ids
 from interleaf.clients.hf_export import write_hf_folder
 from interleaf.clients.reference import train
+from interleaf.common.data.text_tokenizer import load_tokenizer
 from interleaf.common.model.config import shape_of
 from interleaf.common.security import TOKEN_ENV
 from interleaf.coordinator.config import ConfigError, load_config
 from interleaf.stageserver import safetensors
 from interleaf.stageserver.data import prepare
-from interleaf.stageserver.data.text_tokenizer import load_tokenizer
 from interleaf.stageserver.init_weights import initial_values
 from interleaf.stageserver.model import full_model
 from interleaf.stageserver.model.hf_folder import HFFolder, HFFolderError

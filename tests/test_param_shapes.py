@@ -1,4 +1,4 @@
-"""The parameters a chunk holds, from the model's shape alone (stageserver/model/shapes.py,
+"""The parameters a chunk holds, from the model's shape alone (common/model/shapes.py,
 which the memory model and the FLOP count read), against the ModelChunk built from that
 shape: the same names in the same order, the same unsharded shapes, tensor-parallel
 dimensions, padded rows, decay and tying, and each tp rank's shard as many elements as

@@ -19,7 +19,7 @@ class DataConfig:
     of them in those proportions (weights: positive finite numbers, normalized),
     deterministically and resumably: each block of 65,536 samples takes each file's
     share, interleaved evenly, and each file walks its own epochs
-    (stageserver/data/blend.py)."""
+    (common/data/blend.py)."""
     tokenizer: str = "bytes"
     """How text becomes tokens (for `interleaf generate` and the check that the data fits
     the model): 'bytes' (one token per UTF-8 byte, vocabulary 256), or the path of a

@@ -31,7 +31,7 @@ class TrainConfig:
     warmup_steps: int = 20
     """Linear warmup steps; then lr_decay's decay to lr*min_lr_ratio at the last step
     (when warmup_steps <= steps - 2; a longer warmup is allowed, and what it does is
-    stated exactly in stageserver/lr_schedule.py)."""
+    stated exactly in common/lr_schedule.py)."""
     betas: tuple[float, float] = (0.9, 0.95)
     """AdamW's (beta1, beta2): the decay rates of the gradient's running mean and of its
     square's; each at least 0 and less than 1. A TOML array, or `--set
@@ -42,7 +42,7 @@ class TrainConfig:
     """After the warmup: cosine (to the floor at the last step), linear (likewise), wsd
     (warmup-stable-decay: the peak held, then the last decay_fraction of the steps fall
     linearly to the floor) or constant (the peak to the end). The rate of every step is
-    a function of the step alone (stageserver/lr_schedule.py, worked example there): the
+    a function of the step alone (common/lr_schedule.py, worked example there): the
     same on every rank and in `interleaf reference`, in each step's `lr`, and continued
     exactly by a resumed run."""
     min_lr_ratio: float = MIN_LR_RATIO

@@ -12,9 +12,9 @@ import platform
 import sysconfig
 
 from interleaf.common.data.blend import parse_source
-from interleaf.stageserver.data.text_tokenizer import BytesTokenizer
+from interleaf.common.data.text_tokenizer import BytesTokenizer
+from interleaf.common.data.tokenizer import encode
 from interleaf.stageserver.data.tokenfile import TokenFile, TokenWriter, dtype_for
-from interleaf.stageserver.data.tokenizer import encode
 
 
 def cache_dir() -> pathlib.Path:

@@ -12,7 +12,7 @@ import json
 import pathlib
 
 from interleaf.common.data.blend import parse_source
-from interleaf.stageserver.data.text_tokenizer import BytesTokenizer, load_tokenizer
+from interleaf.common.data.text_tokenizer import BytesTokenizer, load_tokenizer
 
 
 class VocabError(ValueError):
