@@ -39,7 +39,8 @@ from interleaf.common.model.config import ModelShape, shape_of
 from interleaf.coordinator.checkpoints import Checkpoint, CheckpointError, find, prune, write_manifest
 from interleaf.coordinator.data_split import SplitChanged, job_split, resumed_split
 from interleaf.coordinator.jobs import JobRecord
-from interleaf.protos import interleaf_pb2 as pb, interleaf_pb2_grpc as rpc
+from interleaf.protos import interleaf_pb2 as pb
+from interleaf.protos import interleaf_pb2_grpc as rpc
 
 log = logging.getLogger("interleaf.coordinator")
 

@@ -19,7 +19,8 @@ from interleaf.coordinator.job_store import JobStore
 from interleaf.coordinator.jobs import JobTable
 from interleaf.coordinator.plan import plan_eval_programs, plan_programs
 from interleaf.coordinator.registry import HEARTBEAT_INTERVAL_S, Registry
-from interleaf.protos import interleaf_pb2 as pb, interleaf_pb2_grpc as rpc
+from interleaf.protos import interleaf_pb2 as pb
+from interleaf.protos import interleaf_pb2_grpc as rpc
 
 log = logging.getLogger("interleaf.coordinator")
 

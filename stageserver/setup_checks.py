@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 
-from interleaf.common.limits import MAXIMA, MAX_PIPELINE_SLOTS, MAX_RANKS, MAX_TEXT_CHARS, shown
+from interleaf.common.limits import MAX_PIPELINE_SLOTS, MAX_RANKS, MAX_TEXT_CHARS, MAXIMA, shown
 from interleaf.common.lr_schedule import DECAYS
 from interleaf.common.model.architectures import ARCHITECTURES
 from interleaf.protos import interleaf_pb2 as pb

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from interleaf.common.limits import shown
-from interleaf.common.lr_schedule import DECAYS, DECAY_FRACTION, MIN_LR_RATIO
+from interleaf.common.lr_schedule import DECAY_FRACTION, DECAYS, MIN_LR_RATIO
 from interleaf.common.model.recompute_modes import MODES
 from interleaf.coordinator.config.rules import ConfigError, _bounded, _positive
 
