@@ -82,6 +82,20 @@ class Recovery:
 
 
 @dataclass(frozen=True)
+class Grow:
+    """parallel.elastic: the job, which had shrunk, grew back to its submitted layout at
+    the checkpoint of `step`, taking on the servers `added`."""
+    step: int
+    dp: int                  # data-parallel replicas from here: the submitted parallel.dp
+    microbatches: int
+    before_dp: int           # and until here
+    before_microbatches: int
+    added: tuple[str, ...]
+    seconds: float           # from the boundary until running again
+    reason: str
+
+
+@dataclass(frozen=True)
 class JobStatus:
     job_id: str
     state: str        # PENDING, SETTING_UP, RUNNING, RECOVERING, SUCCEEDED, FAILED, CANCELLED
@@ -122,7 +136,7 @@ class JobFailed(RuntimeError):
         self.status = status
 
 
-Event = Step | Evaluation | Checkpoint | Recovery | JobStatus
+Event = Step | Evaluation | Checkpoint | Recovery | Grow | JobStatus
 
 
 class Job:
@@ -142,7 +156,7 @@ class Job:
 
     def events(self, timeout_s: float | None = None) -> Iterator[Event]:
         """Every event from the job's start, then new ones as they happen, until it ends:
-        Steps, Evaluations, Checkpoints, Recoveries and a JobStatus on each change of state."""
+        Steps, Evaluations, Checkpoints, Recoveries, Grows and a JobStatus on each change of state."""
         for event in self._rpc.watch(self.id, timeout_s):
             kind = event.WhichOneof("event")
             if kind == "step":
@@ -161,6 +175,11 @@ class Job:
                 r = event.recovery
                 yield Recovery(attempt=r.attempt, failure=r.failure, lost=tuple(r.lost),
                                restart_step=r.restart_step, recover_seconds=r.recover_seconds)
+            elif kind == "grow":
+                g = event.grow
+                yield Grow(step=g.step, dp=g.grid.dp, microbatches=g.microbatches, before_dp=g.before.dp,
+                           before_microbatches=g.before_microbatches, added=tuple(g.added), seconds=g.seconds,
+                           reason=g.reason)
 
     def steps(self, timeout_s: float | None = None) -> Iterator[Step]:
         """The job's steps, from its first, until it ends. After a recovery the steps

@@ -16,13 +16,13 @@ def _block_control(s) -> dict:
     return {"block_steps": s.block_steps, "block_control_seconds": s.block_control_seconds}
 
 
-ROW_KINDS = ("step", "eval", "checkpoint", "recovery")
+ROW_KINDS = ("step", "eval", "checkpoint", "recovery", "grow")
 """What a --metrics-out row can be: its "kind", the one key every row carries."""
 
 
 class MetricsOut:
     """--metrics-out FILE.jsonl: one JSON object a line, each with a "kind" (ROW_KINDS)
-    that says which of these it is. `interleaf run` and `interleaf watch` write all four;
+    that says which of these it is. `interleaf run` and `interleaf watch` write all five;
     `interleaf reference` writes steps and evaluations. Every row also has "step", in the
     units its kind states, so rows of all kinds can be put on one axis.
 
@@ -41,6 +41,13 @@ class MetricsOut:
       (the servers' addresses), "step" (steps completed where training went on),
       "recover_seconds", "dp", "pp", "tp", "microbatches" (the layout it went on with)
       and "resized" (why that differs from the one submitted; "" if it does not).
+    - "grow": parallel.elastic: a job that had gone on with fewer data-parallel replicas
+      (a recovery row with "resized") grew back to its submitted layout at a checkpoint
+      boundary (`grow_row`): "step" (steps completed where training went on: the
+      boundary), "grow_seconds" (from the boundary until running again), "dp", "pp",
+      "tp", "microbatches" (the layout it went on with: the submitted one), "from_dp"
+      and "from_microbatches" (the one it left), "added" (the servers it took on) and
+      "reason".
     """
 
     def __init__(self, path: str | None):
@@ -89,6 +96,13 @@ def recovery_row(r) -> dict:
             "tp": r.grid.tp, "microbatches": r.microbatches, "resized": r.resized}
 
 
+def grow_row(g) -> dict:
+    """--metrics-out's row of a GrowEvent; no "loss" key, as a recovery's."""
+    return {"kind": "grow", "step": g.step, "grow_seconds": g.seconds, "dp": g.grid.dp, "pp": g.grid.pp,
+            "tp": g.grid.tp, "microbatches": g.microbatches, "from_dp": g.before.dp,
+            "from_microbatches": g.before_microbatches, "added": list(g.added), "reason": g.reason}
+
+
 def eval_line(e) -> str:
     return (f"eval after step {e.step}: loss {e.loss:.4f}, perplexity {e.perplexity:,.2f} "
             f"({e.samples} held-out samples, {e.seconds:.2f}s)")
@@ -114,6 +128,11 @@ def recovery_line(r) -> str:
             f"tp={r.grid.tp} after {r.recover_seconds:.2f}s{resized}")
 
 
+def grow_line(g) -> str:
+    """The progress output's line for a GrowEvent."""
+    return f"{g.reason}; training went on from step {g.step} after {g.seconds:.2f}s"
+
+
 def follow(client, job_id: str, steps: int, metrics: MetricsOut, logs: RunLogs | None = None) -> int:
     """Shows progress and writes metrics (and `logs`: TensorBoard, W&B) until the job
     ends; returns the exit status."""
@@ -135,6 +154,9 @@ def follow(client, job_id: str, steps: int, metrics: MetricsOut, logs: RunLogs |
         elif event.HasField("recovery"):
             metrics.write(**recovery_row(event.recovery))
             progress.note(recovery_line(event.recovery))
+        elif event.HasField("grow"):
+            metrics.write(**grow_row(event.grow))
+            progress.note(grow_line(event.grow))
         elif event.status.state == "RUNNING":
             print(event.status.layout, file=sys.stderr)
     progress.close()

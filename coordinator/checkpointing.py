@@ -113,8 +113,9 @@ class Checkpointing:
         return checkpoint
 
     def recover(self) -> None:
-        """After a lost server: the next attempt starts from the newest checkpoint this
-        job completed, else from where the job started."""
+        """After a lost server, or to grow back (parallel.elastic): the next attempt
+        starts from the newest checkpoint this job completed, else from where the job
+        started."""
         self.saved_step = None
         if self.job.checkpoint:
             self.restart_from = self.job.checkpoint

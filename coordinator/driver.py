@@ -5,6 +5,8 @@ Anything that fails tears the job down on every server it touched, so a failed o
 cancelled job leaves no server holding state. A failure after which some of the job's
 servers no longer answer is a lost server: the job goes to RECOVERING, forgets them,
 and runs again on registered servers from its newest checkpoint (recovery.max_restarts).
+An elastic job that went on with fewer replicas grows back to its submitted layout at a
+checkpoint boundary once enough servers are free (coordinator/elastic.py).
 """
 
 from __future__ import annotations
@@ -23,9 +25,10 @@ from interleaf.coordinator.job_logs import start_job_logs
 from interleaf.coordinator.jobs import JobRecord
 from interleaf.coordinator.admission import needed_bytes
 from interleaf.coordinator.checkpointing import Checkpointing
-from interleaf.coordinator.elastic import describe_change, smaller_layouts
+from interleaf.coordinator.config import JobConfig
+from interleaf.coordinator.elastic import describe_change, describe_growth, grows_back, smaller_layouts
 from interleaf.coordinator.evaluations import eval_allowance, eval_event, evaluated_in_block
-from interleaf.coordinator.plan import JobPlan, place_servers, plan_job, plan_programs, setup_requests
+from interleaf.coordinator.plan import JobPlan, ServerSlot, place_servers, plan_job, plan_programs, setup_requests
 from interleaf.coordinator.registry import DEAD_AFTER_S, HEARTBEAT_INTERVAL_S, Registry
 from interleaf.coordinator.traces import trace_plan, traced_in_block
 from interleaf.protos import interleaf_pb2 as pb
@@ -47,6 +50,18 @@ class _Recovery:
     lost: list[str]
     detected_unix: float
     started: float  # perf_counter at detection
+
+
+@dataclass
+class _Growth:
+    """An elastic job's way back to its submitted layout, claimed at a checkpoint
+    boundary (parallel.elastic): the servers placed for it and the layout it leaves."""
+    slots: list[ServerSlot]  # by rank of the submitted layout, already the job's in the registry
+    step: int  # the boundary, whose checkpoint the grown layout resumes from
+    before: JobConfig  # the smaller layout it ran with
+    added: list[str]  # the servers it did not hold (address)
+    reason: str
+    started: float  # perf_counter at the boundary
 
 
 class JobFailed(RuntimeError):
@@ -80,6 +95,8 @@ class JobDriver(threading.Thread):
         self.config = job.config  # the layout it runs under: the submitted one, or a smaller (elastic)
         self.resized = ""  # why self.config is not the submitted one (parallel.elastic)
         self.restarted: _Recovery | None = None  # set when resumed after a coordinator restart
+        self._submitted_planned = None  # plan_programs(job.config), made once: each claim offers it
+        self._submitted_need = 0  # the most bytes a rank of it needs (admission), once known
 
     def run(self) -> None:
         job = self.job
@@ -107,12 +124,17 @@ class JobDriver(threading.Thread):
         up again on registered servers from its newest checkpoint (the data order and
         learning rate being functions of the step, the result is the uninterrupted
         run's), up to recovery.max_restarts times."""
-        job, recovery = self.job, self.restarted
+        job, recovery, grown = self.job, self.restarted, None
+        attempts = recovery.attempt if recovery else 0  # recoveries so far (a growth is none)
         while True:
             try:
-                self._attempt(recovery)
-                return
+                grown = self._attempt(recovery, grown)
+                if grown is None:
+                    return
+                recovery = None  # announced by the attempt that ran
+                self._leave_for_growth(grown)
             except Exception as caught:
+                grown = None
                 err = caught
                 if self.silent:  # the cause, rather than what it broke
                     err = JobFailed("; ".join(self.silent[r] for r in sorted(self.silent)))
@@ -121,9 +143,10 @@ class JobDriver(threading.Thread):
                 if job.cancel_requested.is_set():
                     raise err
                 self.registry.forget([slot.server_id for slot in lost])  # whether or not the job goes on
-                attempt = (recovery.attempt if recovery else 0) + 1
+                attempt = attempts + 1
                 if not lost or attempt > job.config.recovery.max_restarts:
                     raise err
+                attempts = attempt
                 addresses = [slot.address for slot in lost]
                 log.warning("job %s lost %s: %s; recovering (attempt %d)", job.job_id, addresses, err, attempt)
                 job.set_state("RECOVERING", reason=f"lost {', '.join(addresses)}: {err}")
@@ -132,20 +155,23 @@ class JobDriver(threading.Thread):
                 self.checkpoints.recover()
                 recovery = _Recovery(attempt, str(err), addresses, detected, started)
 
-    def _attempt(self, recovery: "_Recovery | None") -> None:
+    def _attempt(self, recovery: "_Recovery | None", grown: "_Growth | None" = None) -> "_Growth | None":
+        """One attempt: set up, resume, train. Returns how it grows back when it ended at
+        a checkpoint boundary to do so (parallel.elastic), else None: the job is done."""
         job = self.job
         probes = self.checkpoints.probes()
         # Only a loss shrinks: after a coordinator restart (nothing lost) the servers
         # register again one by one, and the first few must not fix a smaller layout
         # for the rest of the job's life.
-        plan = self._claim_and_plan(shrink=bool(recovery and recovery.lost) and job.config.parallel.elastic)
+        plan = self._claim_and_plan(shrink=bool(recovery and recovery.lost) and job.config.parallel.elastic,
+                                    grown=grown)
         if plan is None:
-            return  # cancelled while waiting for servers
+            return None  # cancelled while waiting for servers
         watch = threading.Event()
         threading.Thread(target=self._watch_heartbeats, args=(plan, watch), daemon=True,
                          name=f"heartbeats-{job.job_id}").start()
         try:
-            self._run_attempt(plan, probes, recovery)
+            return self._run_attempt(plan, probes, recovery, grown)
         except Exception:
             # Before any teardown (which empties the servers' spools), and while the
             # heartbeat watch still ends calls to a silent server.
@@ -171,23 +197,44 @@ class JobDriver(threading.Thread):
             if self.silent:
                 return
 
-    def _run_attempt(self, plan: JobPlan, probes: list[pb.FileRef], recovery: "_Recovery | None") -> None:
+    def _run_attempt(self, plan: JobPlan, probes: list[pb.FileRef], recovery: "_Recovery | None",
+                     grown: "_Growth | None") -> "_Growth | None":
         job = self.job
         self._setup(plan, probes)
         first = self.checkpoints.resume(self.stubs) if self.checkpoints.resume_from else 0
         job.step = self.first_step = first
-        job.set_state("RUNNING", reason=self.resized)
+        job.set_state("RUNNING", reason=self.resized or (grown.reason if grown else ""))
         if recovery is not None:
             grid = pb.Coordinates(dp=plan.grid.dp, pp=plan.grid.pp, tp=plan.grid.tp)
             job.add_recovery(pb.RecoveryEvent(
                 attempt=recovery.attempt, failure=recovery.failure, lost=recovery.lost, restart_step=first,
                 detected_unix=recovery.detected_unix, recover_seconds=time.perf_counter() - recovery.started,
                 grid=grid, microbatches=self.config.parallel.microbatches, resized=self.resized))
-        self._train(plan, first)
+        if grown is not None:
+            b = grown.before.parallel
+            job.add_grow(pb.GrowEvent(
+                step=first, grid=pb.Coordinates(dp=plan.grid.dp, pp=plan.grid.pp, tp=plan.grid.tp),
+                microbatches=self.config.parallel.microbatches, before=pb.Coordinates(dp=b.dp, pp=b.pp, tp=b.tp),
+                before_microbatches=b.microbatches, added=grown.added,
+                seconds=time.perf_counter() - grown.started, reason=grown.reason))
+        growth = self._train(plan, first)
+        if growth is not None:
+            self.checkpoints.finish()  # its manifest is what the grown layout resumes from
+            return growth
         if job.config.checkpoint.dir and not job.cancel_requested.is_set():
             if self.checkpoints.saved_step != job.step:
                 self._save(plan)  # the end, unless a periodic save just took it
             self.checkpoints.finish()
+        return None
+
+    def _leave_for_growth(self, grown: _Growth) -> None:
+        """Ends the smaller attempt on its servers (the grown one loads the checkpoint of
+        the boundary into every rank anew, resharded) and frees those the grown layout
+        did not choose."""
+        self._teardown()
+        self._forget_attempt()
+        self.registry.release(self.job.job_id, keep=frozenset(s.server_id for s in grown.slots))
+        self.checkpoints.recover()
 
     def _forget_attempt(self) -> None:
         for channel in self.channels:
@@ -239,18 +286,24 @@ class JobDriver(threading.Thread):
 
     # -- phases ------------------------------------------------------------------
 
-    def _claim_and_plan(self, shrink: bool = False) -> JobPlan | None:
+    def _claim_and_plan(self, shrink: bool = False, grown: "_Growth | None" = None) -> JobPlan | None:
         """Waits for idle servers that can hold the submitted layout or, when `shrink`
         (an elastic job that lost servers), the largest smaller one they can (coordinator/
         elastic.py): it goes on at once rather than wait for replacements, and waits as
         any job does while none fits. Each time, the submitted layout is tried first; the
-        smaller ones are planned only once it cannot be claimed."""
+        smaller ones are planned only once it cannot be claimed. `grown`: the submitted
+        layout's servers, claimed already at a checkpoint boundary (_claim_growth)."""
         job = self.job
+        if grown is not None:
+            if job.cancel_requested.is_set():
+                return None  # run() frees what was claimed
+            self.config, self.resized = job.config, ""
+            return self._plan(grown.slots, self._submitted_programs(), reason=grown.reason)
         options, planned, choices = [], [], []
         chosen = {}
 
-        def offer(config) -> None:
-            planned.append(plan_programs(config))
+        def offer(config, programs=None) -> None:
+            planned.append(programs or plan_programs(config))
             options.append(config)
             programs = planned[-1][0]
             choices.append(partial(place_servers, config, need_bytes=max(needed_bytes(config, programs))))
@@ -262,7 +315,7 @@ class JobDriver(threading.Thread):
                     return slots
             return None
 
-        offer(job.config)
+        offer(job.config, self._submitted_programs())
         # A job cancelled before its driver started (CancelJob during SubmitJob) claims nothing.
         slots = None if job.cancel_requested.is_set() else self.registry.claim(job.job_id, choose, timeout_s=0.0)
         if slots is None and shrink:  # planned outside the registry's lock: it may take a while
@@ -277,14 +330,49 @@ class JobDriver(threading.Thread):
         self.resized = describe_change(job.config, self.config, chosen["idle"]) if index else ""
         if self.resized:
             log.warning("job %s: %s", job.job_id, self.resized)
-        plan = plan_job(self.config, slots, planned[index])
+        return self._plan(slots, planned[index])
+
+    def _plan(self, slots: list[ServerSlot], planned, reason: str = "") -> JobPlan:
+        """Plans self.config on the claimed `slots` (by rank) and opens their channels."""
+        job = self.job
+        plan = plan_job(self.config, slots, planned)
         self.plan = plan
         job.layout, job.ranks, job.groups = plan.layout(), plan.rank_infos(), plan.groups()
         self.addresses = [s.address for s in plan.servers]
         self.channels = [wire.channel(a) for a in self.addresses]
         self.stubs = [rpc.StageServerStub(c) for c in self.channels]
-        job.set_state("SETTING_UP")
+        job.set_state("SETTING_UP", reason=reason)
         return plan
+
+    def _submitted_programs(self):
+        """plan_programs of the submitted layout, made once for the job's life."""
+        if self._submitted_planned is None:
+            self._submitted_planned = plan_programs(self.job.config)
+        return self._submitted_planned
+
+    def _claim_growth(self, step: int) -> _Growth | None:
+        """At a checkpoint boundary of an elastic job that shrank: the servers for its
+        submitted layout, when the idle ones with its own can hold it now, placed and
+        admitted as at submit (admission.needed_bytes) and claimed at once, under the
+        registry's lock, so no other job takes them meanwhile and none of another job's
+        is offered. None, without waiting, otherwise, and while any job waits for servers
+        (a running job's growth never keeps a queued one waiting): the job goes on as it
+        is, and asks again at its next boundary. A server that registered during the steps before is
+        simply idle here; one that has since stopped heartbeating is not offered."""
+        job = self.job
+        if job.cancel_requested.is_set() or not grows_back(job.config, self.config, step):
+            return None
+        if not self._submitted_need:  # predicted once: a shrunk job asks at every boundary
+            self._submitted_need = max(needed_bytes(job.config, self._submitted_programs()[0]))
+        choose = partial(place_servers, job.config, need_bytes=self._submitted_need)
+        slots = self.registry.claim(job.job_id, choose, timeout_s=0.0, own=True)
+        if slots is None:
+            return None
+        held = set(self.addresses)
+        added = [s.address for s in slots if s.address not in held]
+        reason = describe_growth(job.config, self.config, step, len(added))
+        log.warning("job %s: %s", job.job_id, reason)
+        return _Growth(slots, step, self.config, added, reason, time.perf_counter())
 
     def _setup(self, plan: JobPlan, probes: list[pb.FileRef]) -> None:
         job = self.job
@@ -324,9 +412,10 @@ class JobDriver(threading.Thread):
 
         _fan_out(connect, self.stubs)
 
-    def _train(self, plan: JobPlan, first: int = 0) -> None:
+    def _train(self, plan: JobPlan, first: int = 0) -> _Growth | None:
         """Blocks of up to steps_per_call steps, cut so that one ends at every
-        checkpoint.every-th step, where a checkpoint is saved."""
+        checkpoint.every-th step, where a checkpoint is saved; there an elastic job that
+        shrank stops to grow back when it can (returned), its save under way."""
         job, steps, every = self.job, self.job.config.train.steps, self.job.config.checkpoint.every
         step = first
         while step < steps and not job.cancel_requested.is_set():
@@ -337,6 +426,11 @@ class JobDriver(threading.Thread):
             step += count
             if every and step % every == 0 and not job.cancel_requested.is_set():
                 self._save(plan)
+                # Claimed while the save completes in the background: the servers are
+                # the job's from here, whatever the wait.
+                if (grown := self._claim_growth(step)) is not None:
+                    return grown
+        return None
 
     def _run_block(self, plan: JobPlan, first: int, count: int) -> None:
         """One RunSteps call per server; step events are published as soon as every

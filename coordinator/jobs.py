@@ -93,6 +93,9 @@ class JobRecord:
     def add_recovery(self, event: pb.RecoveryEvent) -> None:
         self._publish(pb.JobEvent(recovery=event))
 
+    def add_grow(self, event: pb.GrowEvent) -> None:
+        self._publish(pb.JobEvent(grow=event))
+
     def add_checkpoint(self, event: pb.CheckpointEvent) -> None:
         self._publish(pb.JobEvent(checkpoint=event))
 

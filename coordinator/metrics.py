@@ -1,6 +1,6 @@
 """The coordinator's Prometheus metrics: each job's progress as its watchers see it
-(every StepEvent, CheckpointEvent and RecoveryEvent), the stage servers by state and the
-jobs by state.
+(every StepEvent, CheckpointEvent, RecoveryEvent and GrowEvent, and the layout each
+RUNNING status names), the stage servers by state and the jobs by state.
 
 Job figures are read from the jobs' event histories when scraped (`update`): no thread
 and no hook in the driver, and a job resumed after a restart replays its history into
@@ -116,6 +116,18 @@ class CoordinatorMetrics:
         self.recover_seconds = Gauge(
             "interleaf_recovery_seconds", "The last recovery: from the failure being seen until the job ran "
             "again.", job, registry=r)
+        self.replicas = Gauge(
+            "interleaf_data_parallel_replicas", "Data-parallel replicas the job runs with, as of its last start "
+            "(RUNNING): its parallel.dp, or fewer while parallel.elastic has it shrunk.", job, registry=r)
+        self.shrinks = Counter(
+            "interleaf_elastic_shrinks_total", "Recoveries in which parallel.elastic had the job go on with fewer "
+            "data-parallel replicas than it was submitted with.", job, registry=r)
+        self.grows = Counter(
+            "interleaf_elastic_grows_total", "Times parallel.elastic had the job grow back to its submitted "
+            "data-parallel replicas, at a checkpoint boundary, once enough servers were free.", job, registry=r)
+        self.grow_seconds = Gauge(
+            "interleaf_elastic_grow_seconds", "The last growth: from its checkpoint boundary until the job ran "
+            "again under the submitted layout.", job, registry=r)
         self.restarts = Counter(
             "interleaf_coordinator_restarts_total", "Times a restarted coordinator took the job over, unfinished, "
             "and set it up again from its newest checkpoint (no server lost).", job, registry=r)
@@ -180,7 +192,16 @@ class CoordinatorMetrics:
             else:
                 self.resumes.labels(job).inc()
                 self.resume_load.labels(job).set(saved.load_seconds)
+        elif which == "status":
+            status = event.status
+            if status.state == "RUNNING" and status.ranks:
+                self.replicas.labels(job).set(1 + max(rank.coordinates.dp for rank in status.ranks))
+        elif which == "grow":
+            self.grows.labels(job).inc()
+            self.grow_seconds.labels(job).set(event.grow.seconds)
         elif which == "recovery":
+            if event.recovery.resized:
+                self.shrinks.labels(job).inc()
             if event.recovery.attempt == 0:  # RecoveryEvent.attempt: 0 after a coordinator restart
                 self.restarts.labels(job).inc()
                 return

@@ -64,6 +64,9 @@ class Registry:
     def __init__(self):
         self._lock = threading.Lock()
         self._servers: dict[str, ServerEntry] = {}
+        # Jobs whose last claim found too few servers, until one succeeds or the job
+        # releases: an elastic job's growth yields to them (claim(own=True)).
+        self._waiting: set[str] = set()
         self.changed = threading.Condition(self._lock)
 
     def register(self, address: str, host: str, device: str, memory_bytes: int, metrics_port: int = 0,
@@ -105,20 +108,31 @@ class Registry:
             if not entry.job_id and entry.last_seen < forgotten:
                 del self._servers[sid]
 
-    def claim(self, job_id: str, choose, timeout_s: float) -> list[ServerSlot] | None:
+    def claim(self, job_id: str, choose, timeout_s: float, own: bool = False) -> list[ServerSlot] | None:
         """Waits until `choose(idle servers)` picks some, marks exactly those busy for
         the job and returns them in the order chosen; None on timeout. `choose` returns
-        None while the idle servers cannot host the job."""
+        None while the idle servers cannot host the job. `own`: the job's own live servers
+        are offered beside the idle ones (an elastic job growing back keeps its servers);
+        a server of another job never is. Those of its own not chosen stay the job's
+        until `release(job_id, keep=...)`: they still hold its running attempt. A job
+        that grows is running already, so it yields to any job waiting for servers: a
+        queued job is never kept waiting by another's growth."""
         deadline = time.monotonic() + timeout_s
         with self._lock:
             while True:
-                idle = sorted((e for e in self._servers.values() if e.alive and not e.job_id),
+                if own and self._waiting - {job_id}:
+                    return None
+                idle = sorted((e for e in self._servers.values()
+                               if e.alive and (not e.job_id or (own and e.job_id == job_id))),
                               key=lambda e: e.address)
                 chosen = choose([e.slot() for e in idle])
                 if chosen is not None:
                     for slot in chosen:
                         self._servers[slot.server_id].job_id = job_id
+                    self._waiting.discard(job_id)
                     return chosen
+                if not own:
+                    self._waiting.add(job_id)
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     return None
@@ -138,9 +152,12 @@ class Registry:
                 self._servers.pop(server_id, None)
             self.changed.notify_all()
 
-    def release(self, job_id: str) -> None:
+    def release(self, job_id: str, keep: frozenset[str] = frozenset()) -> None:
+        """Frees the job's servers, but those whose server_id is in `keep`; the job no
+        longer waits for any."""
         with self._lock:
+            self._waiting.discard(job_id)
             for entry in self._servers.values():
-                if entry.job_id == job_id:
+                if entry.job_id == job_id and entry.server_id not in keep:
                     entry.job_id = ""
             self.changed.notify_all()

@@ -1,6 +1,6 @@
 """Regenerates the *_pb2 modules from the .proto sources.
 
-    python -m interleaf.protos.generate            # rewrite protos/*_pb2*.py
+    python -m interleaf.protos.generate            # rewrite protos/*_pb2*.py and *_pb2.pyi
     python -m interleaf.protos.generate --out DIR  # write them into DIR/protos (the up-to-date test)
 
 protoc names a generated module's imports after the .proto's path under its include root,
@@ -31,11 +31,13 @@ def generate(out: pathlib.Path) -> None:
         for proto in sorted(PROTOS.glob("*.proto")):
             shutil.copy(proto, staged / proto.name)
             sources.append(f"interleaf/protos/{proto.name}")
-        args = ["protoc", f"-I{staging}", f"--python_out={staging}", f"--grpc_python_out={staging}", *sources]
+        # --pyi_out: the messages' type stubs, so type checkers see their classes and fields.
+        args = ["protoc", f"-I{staging}", f"--python_out={staging}", f"--pyi_out={staging}",
+                f"--grpc_python_out={staging}", *sources]
         if protoc.main(args) != 0:
             raise SystemExit(f"protoc failed on {sources}")
         (out / "protos").mkdir(parents=True, exist_ok=True)
-        for made in staged.glob("*_pb2*.py"):
+        for made in [*staged.glob("*_pb2*.py"), *staged.glob("*_pb2.pyi")]:
             shutil.copy(made, out / "protos" / made.name)
 
 

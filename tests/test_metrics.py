@@ -403,3 +403,34 @@ def test_service_discovery_leaves_out_dead_servers():
     dead = next(e for e in servers.servers() if e.address == "127.0.0.1:7002")
     dead.last_seen -= DEAD_AFTER_S + 1
     assert [g["labels"]["server_id"] for g in service_discovery(servers)] == [alive]
+
+
+def test_elastic_shrinks_and_growths_are_counted_and_the_replicas_follow_the_running_layout():
+    """parallel.elastic: the replicas gauge follows each RUNNING status's layout; a
+    recovery under a smaller layout counts a shrink (one that kept the layout does not),
+    a GrowEvent a growth."""
+    record = JobRecord("job-1-00001", load_config("", DATA_PARALLEL + ["parallel.elastic=true"]))
+    metrics = CoordinatorMetrics(Registry(), lambda: [record])
+    job = record.job_id
+
+    def running(dp: int) -> None:
+        record.ranks = [pb.RankInfo(rank=r, coordinates=pb.Coordinates(dp=r)) for r in range(dp)]
+        record.set_state("RUNNING")
+
+    running(2)
+    record.add_recovery(pb.RecoveryEvent(attempt=1, lost=["a:1"], recover_seconds=1.0))  # replaced: same layout
+    metrics.update()
+    assert _counted(metrics, "interleaf_data_parallel_replicas", job) == 2
+    assert _counted(metrics, "interleaf_elastic_shrinks_total", job) == 0
+    running(1)
+    record.add_recovery(pb.RecoveryEvent(attempt=2, lost=["b:2"], resized="parallel.elastic: dp=1, ..."))
+    metrics.update()
+    assert _counted(metrics, "interleaf_data_parallel_replicas", job) == 1
+    assert _counted(metrics, "interleaf_elastic_shrinks_total", job) == 1
+    running(2)
+    record.add_grow(pb.GrowEvent(step=6, grid=pb.Coordinates(dp=2, pp=1, tp=1), seconds=1.5))
+    metrics.update()
+    assert _counted(metrics, "interleaf_data_parallel_replicas", job) == 2
+    assert _counted(metrics, "interleaf_elastic_grows_total", job) == 1
+    assert _counted(metrics, "interleaf_elastic_grow_seconds", job) == 1.5
+    assert _counted(metrics, "interleaf_recoveries_total", job) == 2  # a growth is no recovery

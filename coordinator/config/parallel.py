@@ -57,8 +57,10 @@ class ParallelConfig:
     up again, go on at once with the largest smaller dp that they hold (tp and pp
     unchanged; microbatches grown so that dp*microbatches stays the same, and with it
     the rows, and so the activations, of a replica's microbatch; a step's samples do not
-    depend on the layout) instead of waiting for replacements. Needs dp >= 2 and such a
-    smaller layout within every rule (refused at submit otherwise)."""
+    depend on the layout) instead of waiting for replacements. Once enough servers are
+    free again it grows back to this dp at its next checkpoint boundary (a multiple of
+    checkpoint.every), from that checkpoint. Needs dp >= 2 and such a smaller layout
+    within every rule (refused at submit otherwise)."""
 
     sequence_parallel: bool = False
     """Megatron-LM's sequence parallelism (Korthikanti et al. 2022) over the tensor
