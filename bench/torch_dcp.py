@@ -43,8 +43,9 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
+from interleaf.common.model.config import shape_of
 from interleaf.coordinator.config import JobConfig
-from interleaf.stageserver.model import full_model, shape_of
+from interleaf.stageserver.model import full_model
 
 import data_parallel  # siblings in bench/
 import torch_training

@@ -12,8 +12,9 @@ import contextlib
 
 from torch.nn.parallel import DistributedDataParallel
 
+from interleaf.common.model.config import shape_of
 from interleaf.coordinator.config import JobConfig
-from interleaf.stageserver.model import full_model, shape_of
+from interleaf.stageserver.model import full_model
 
 import data_parallel  # siblings in bench/
 import memory

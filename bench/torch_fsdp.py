@@ -33,8 +33,9 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
+from interleaf.common.model.config import shape_of
 from interleaf.coordinator.config import JobConfig
-from interleaf.stageserver.model import full_model, shape_of
+from interleaf.stageserver.model import full_model
 
 import data_parallel  # siblings in bench/
 import memory

@@ -22,9 +22,10 @@ from torch.distributed.pipelining import (
 )
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti
 
+from interleaf.common.model.config import shape_of
 from interleaf.coordinator.config import JobConfig
 from interleaf.coordinator.partition import chunks_of, partition
-from interleaf.stageserver.model import ModelChunk, shape_of
+from interleaf.stageserver.model import ModelChunk
 from interleaf.stageserver.transport import SoloTransport
 
 import torch_training  # sibling in bench/

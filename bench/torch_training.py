@@ -12,10 +12,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from interleaf.common.lr_schedule import Schedule
 from interleaf.coordinator.config import JobConfig
 from interleaf.stageserver.data import Sampler, resolve_source
 from interleaf.stageserver.model import ModelChunk
-from interleaf.stageserver.lr_schedule import Schedule
 from interleaf.stageserver.optim import BETAS, EPS, clip_coefficient
 
 

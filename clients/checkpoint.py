@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
+from interleaf.common.model.config import ModelShape
 from interleaf.coordinator.checkpoints import Checkpoint, CheckpointError, find
-from interleaf.stageserver.model import ModelShape
 from interleaf.stageserver.state_io import Pieces
 
 __all__ = ["Checkpoint", "CheckpointError", "find", "load_parameters", "model_config"]

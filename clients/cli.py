@@ -11,11 +11,11 @@ import sys
 
 from interleaf.clients.data_commands import add_data_commands
 from interleaf.clients.follow import ROW_KINDS, MetricsOut, eval_line, eval_row, follow
-from interleaf.coordinator.job_store import DEFAULT_KEEP_JOBS
-from interleaf.coordinator.run_logs import RunLogs, check_wandb
 from interleaf.clients.parent_death import die_with_parent_if_asked
 from interleaf.clients.usage import UsageError
 from interleaf.clients.weights_commands import add_weights_commands
+from interleaf.coordinator.job_store import DEFAULT_KEEP_JOBS
+from interleaf.coordinator.run_logs import RunLogs, check_wandb
 
 DEFAULT_COORDINATOR = os.environ.get("INTERLEAF_COORDINATOR", "127.0.0.1:50051")
 
@@ -185,8 +185,8 @@ def _run_logs(args, name: str, config=None, client=None) -> RunLogs:
 def _check_vocab_locally(config) -> None:
     """The coordinator's vocabulary check, made before any local process starts; here,
     where the job runs, data.tokenizer must load."""
+    from interleaf.common.data.vocab_check import check_eval_source, check_vocab
     from interleaf.stageserver.data.tokenfile import TokenFile
-    from interleaf.stageserver.data.vocab_check import check_eval_source, check_vocab
 
     try:
         check_vocab(config.model.vocab_size, config.data.source, config.data.tokenizer, tokenizer_needed=True)
@@ -256,9 +256,9 @@ def cmd_reference(args) -> int:
 
 def cmd_schedule(args) -> int:
     from interleaf.coordinator.grid import RankGrid
+    from interleaf.coordinator.memory_model import memory_table, predict
     from interleaf.coordinator.partition import describe, partition
     from interleaf.coordinator.plan import describe_state, plan_programs
-    from interleaf.coordinator.memory_model import memory_table, predict
     from interleaf.coordinator.schedule import CostModel, DeadlockError, simulate, timeline_table, write_png
     from interleaf.coordinator.schedule.zero import max_gathered
     from interleaf.protos.actions import format_program
@@ -439,7 +439,7 @@ def _checkpoint(path: str):
 def cmd_generate(args) -> int:
     from interleaf.clients.checkpoint import CheckpointError
     from interleaf.clients.generate import check_sampling, generate, load_model
-    from interleaf.stageserver.data.text_tokenizer import load_tokenizer
+    from interleaf.common.data.text_tokenizer import load_tokenizer
 
     try:
         check_sampling(args.tokens, args.temperature, args.top_k)

@@ -11,9 +11,9 @@ from interleaf.clients.usage import UsageError
 
 
 def cmd_prepare(args) -> int:
+    from interleaf.common.data.text_tokenizer import TokenizerError, load_tokenizer
     from interleaf.stageserver.data.preparation import prepare
     from interleaf.stageserver.data.readers import InputError
-    from interleaf.stageserver.data.text_tokenizer import TokenizerError, load_tokenizer
 
     try:
         tokenizer = load_tokenizer(args.tokenizer, field="--tokenizer")

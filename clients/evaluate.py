@@ -17,9 +17,10 @@ import numpy as np
 import torch
 
 from interleaf.clients.checkpoint import CheckpointError, find, load_parameters, model_config
-from interleaf.stageserver.model.architectures import architecture
+from interleaf.common.model.architectures import architecture
+from interleaf.common.model.hf_folder import HFFolder, is_hf_folder
 from interleaf.stageserver.model.chunk import ModelChunk, full_model
-from interleaf.stageserver.model.hf_folder import HFFolder, is_hf_folder
+from interleaf.stageserver.model.hf_weights import folder_values
 
 LOGITS_BYTES = 1 << 28
 """Rows are scored a group at a time, so that the group's float32 logits stay within
@@ -33,7 +34,7 @@ def load_for_eval(path: str) -> ModelChunk:
     if is_hf_folder(path):
         folder = HFFolder(path)
         shape = folder.shape()
-        return full_model(shape, seed=0, initial=folder.initial(shape)).eval()
+        return full_model(shape, seed=0, initial=folder_values(folder, shape)).eval()
     try:
         checkpoint = find(path)
     except CheckpointError as err:

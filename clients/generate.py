@@ -10,8 +10,8 @@ import pathlib
 import torch
 
 from interleaf.clients.checkpoint import Checkpoint, CheckpointError, load_parameters, model_config
+from interleaf.common.data.text_tokenizer import load_tokenizer
 from interleaf.stageserver import safetensors
-from interleaf.stageserver.data.text_tokenizer import load_tokenizer
 from interleaf.stageserver.model.attention import LayerCache
 from interleaf.stageserver.model.chunk import ModelChunk, full_model, next_token_logits
 
@@ -61,7 +61,7 @@ def check_sampling(tokens: int, temperature: float, top_k: int) -> None:
 def generate(model: ModelChunk, prompt: str, tokens: int, temperature: float = 0.0, top_k: int = 0,
              seed: int = 0, tokenizer=None) -> str:
     """The text that follows `prompt` (see generate_ids), encoded and decoded by
-    `tokenizer` (stageserver/data/text_tokenizer.py; default: bytes)."""
+    `tokenizer` (common/data/text_tokenizer.py; default: bytes)."""
     tokenizer = tokenizer or load_tokenizer("bytes")
     (ids,) = tokenizer.encode_batch([prompt])
     out = generate_ids(model, [int(i) for i in ids], tokens, temperature, top_k, seed, stop=tokenizer.eos_id)

@@ -5,8 +5,8 @@ safetensors (sharded with model.safetensors.index.json above a size, as
 save_pretrained does) and the tokenizer files.
 
 The weights are the checkpoint's master weights, unpadded, converted by the
-architecture's state-dict adapter (stageserver/model/*/hf.py), in their own precision
-or cast to --dtype. `transformers` is not needed to write any of it.
+architecture's state-dict adapter (stageserver/model/*/hf.py; the config.json by
+common/model/*_hf_config.py), in their own precision or cast to --dtype. `transformers` is not needed to write any of it.
 """
 
 from __future__ import annotations
@@ -20,10 +20,11 @@ import torch
 
 from interleaf.clients.checkpoint import Checkpoint, load_parameters, model_config
 from interleaf.clients.generate import EXPORT_DTYPES
+from interleaf.common.data.text_tokenizer import FileTokenizer, load_tokenizer
+from interleaf.common.model.config import ModelShape
+from interleaf.common.model.hf_folder import CONFIG, INDEX, WEIGHTS, config_adapter
 from interleaf.stageserver import safetensors
-from interleaf.stageserver.data.text_tokenizer import FileTokenizer, load_tokenizer
-from interleaf.stageserver.model.config import ModelShape
-from interleaf.stageserver.model.hf_folder import CONFIG, INDEX, WEIGHTS, adapter
+from interleaf.stageserver.model.hf_weights import tensor_adapter
 
 MAX_SHARD_BYTES = 5 * 10**9
 """transformers' own default shard size (save_pretrained's max_shard_size="5GB")."""
@@ -57,14 +58,14 @@ def write_hf_folder(params: dict[str, torch.Tensor], shape: ModelShape, out: str
     """The folder of `shape`'s model with parameters `params` (Interleaf's names, full
     unpadded tensors)."""
     out, tok = _checked(out, dtype, max_shard_bytes, tokenizer)
-    convert = adapter(shape.arch)
+    convert = tensor_adapter(shape.arch)
     weights: dict[str, torch.Tensor] = {}
     for name, tensor in params.items():
         weights.update(convert.to_hf(name, tensor.to(EXPORT_DTYPES[dtype]) if dtype else tensor, shape))
     out.mkdir(parents=True, exist_ok=True)
     files = _write_weights(out, weights, max_shard_bytes)
     special = _special_ids(tok) if tok else {}
-    config = {**convert.hf_config(shape, DTYPE_NAMES[next(iter(weights.values())).dtype]), **special}
+    config = {**config_adapter(shape.arch).hf_config(shape, DTYPE_NAMES[next(iter(weights.values())).dtype]), **special}
     _write_json(out / CONFIG, config)
     _write_json(out / "generation_config.json", special)
     if tok:

@@ -14,16 +14,17 @@ from dataclasses import dataclass
 import torch
 
 from interleaf.clients.api import Evaluation
+from interleaf.common.buckets import BucketLayout
+from interleaf.common.lr_schedule import Schedule
+from interleaf.common.model.config import shape_of
 from interleaf.coordinator.config import JobConfig, eval_points
 from interleaf.coordinator.evaluations import perplexity
 from interleaf.stageserver.data import Sampler, resolve_source
 from interleaf.stageserver.data.holdout import EvalSet, open_eval_set, training_data
-from interleaf.stageserver.buckets import BucketLayout
 from interleaf.stageserver.init_weights import initial_values
 from interleaf.stageserver.memory import MemoryLedger
-from interleaf.stageserver.model import full_model, shape_of
+from interleaf.stageserver.model import full_model
 from interleaf.stageserver.model_state import DTYPES, MASTER_DTYPES
-from interleaf.stageserver.lr_schedule import Schedule
 from interleaf.stageserver.optim import clip_coefficient, squared_norm
 from interleaf.stageserver.sharded_bucket import ShardedBucket
 from interleaf.stageserver.transport import SoloTransport

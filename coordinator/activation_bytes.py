@@ -152,7 +152,7 @@ def chunk_activation_bytes(
 ) -> int:
     """Bytes one tp rank keeps from a chunk's forward of `rows` samples of model.seq_len
     tokens until its backward (recompute=none, or per block `block_modes`, one of
-    stageserver/model/recompute.py's block_modes), counting the chunk's input and
+    common/model/recompute_modes.py's block_modes), counting the chunk's input and
     output; `model` has ModelShape's fields. Also the transient peak of saved
     activations while recompute=full reruns the forward in the backward."""
     a, f = _dtype_bytes(precision)

@@ -35,12 +35,12 @@ from typing import Callable
 
 import grpc
 
+from interleaf.common.model.config import ModelShape, shape_of
 from interleaf.coordinator.checkpoints import Checkpoint, CheckpointError, find, prune, write_manifest
 from interleaf.coordinator.data_split import SplitChanged, job_split, resumed_split
 from interleaf.coordinator.jobs import JobRecord
 from interleaf.protos import interleaf_pb2 as pb
 from interleaf.protos import interleaf_pb2_grpc as rpc
-from interleaf.stageserver.model.config import ModelShape, shape_of
 
 log = logging.getLogger("interleaf.coordinator")
 

@@ -26,8 +26,8 @@ from __future__ import annotations
 
 import math
 
-from interleaf.stageserver.model.architectures import architecture
-from interleaf.stageserver.model.config import shape_of
+from interleaf.common.model.architectures import architecture
+from interleaf.common.model.config import shape_of
 
 
 def matrix_parameters(model) -> int:

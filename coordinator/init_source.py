@@ -16,11 +16,10 @@ import dataclasses
 import pathlib
 from dataclasses import dataclass
 
+from interleaf.common.model.config import JOB_OWN, ModelShape
+from interleaf.common.model.hf_folder import HFFolder, HFFolderError, is_hf_folder
 from interleaf.coordinator.checkpoints import CheckpointError, find
 from interleaf.coordinator.config import ConfigError, InitNotFound, ModelConfig
-from interleaf.stageserver.init_weights import JOB_OWN
-from interleaf.stageserver.model.config import ModelShape
-from interleaf.stageserver.model.hf_folder import HFFolder, HFFolderError, is_hf_folder
 
 
 @dataclass(frozen=True)

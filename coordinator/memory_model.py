@@ -32,17 +32,17 @@ the optimizer step.
 
 from __future__ import annotations
 
+from interleaf.common.buckets import BucketLayout, clip_segments
+from interleaf.common.memory import MemoryLedger
+from interleaf.common.model.config import shape_of
+from interleaf.common.model.params import TIED
+from interleaf.common.model.recompute_modes import block_modes
+from interleaf.common.model.shapes import chunk_param_specs, local_numel
+from interleaf.common.pipeline_message_modes import message_mode
 from interleaf.coordinator.activation_bytes import chunk_activation_bytes, chunk_input_bytes
 from interleaf.coordinator.config import MASTER_BYTES, PRECISION_BYTES, JobConfig
 from interleaf.coordinator.partition import Chunk, chunks_of, partition
-from interleaf.stageserver.model.recompute import block_modes
 from interleaf.protos.actions import RECVS, SENDS, Action, Kind
-from interleaf.common.memory import MemoryLedger
-from interleaf.stageserver.buckets import BucketLayout, clip_segments
-from interleaf.stageserver.model.config import shape_of
-from interleaf.stageserver.pipeline_messages import message_mode
-from interleaf.stageserver.model.params import TIED
-from interleaf.stageserver.model.shapes import chunk_param_specs, local_numel
 
 
 def bucket_sizes(config: JobConfig, chunk: Chunk) -> list[int]:

@@ -8,19 +8,19 @@ import time
 
 import grpc
 
+from interleaf.common import wire
+from interleaf.common.data.vocab_check import check_eval_source, check_vocab
+from interleaf.common.limits import shown
+from interleaf.coordinator.admission import check_fits, needed_bytes
 from interleaf.coordinator.checkpoints import CheckpointError, find
 from interleaf.coordinator.config import load_config
-from interleaf.common.limits import shown
 from interleaf.coordinator.driver import JobDriver
-from interleaf.coordinator.admission import check_fits, needed_bytes
 from interleaf.coordinator.job_store import JobStore
 from interleaf.coordinator.jobs import JobTable
 from interleaf.coordinator.plan import plan_eval_programs, plan_programs
 from interleaf.coordinator.registry import HEARTBEAT_INTERVAL_S, Registry
 from interleaf.protos import interleaf_pb2 as pb
 from interleaf.protos import interleaf_pb2_grpc as rpc
-from interleaf.common import wire
-from interleaf.stageserver.data.vocab_check import check_eval_source, check_vocab
 
 log = logging.getLogger("interleaf.coordinator")
 

@@ -18,15 +18,12 @@ import pathlib
 
 import torch
 
+from interleaf.common.model.config import JOB_OWN, ModelShape
+from interleaf.common.model.hf_folder import HFFolder, is_hf_folder
+from interleaf.common.model.params import ParamSpec
 from interleaf.stageserver.model.chunk import InitialValues
-from interleaf.stageserver.model.config import ModelShape
-from interleaf.stageserver.model.hf_folder import HFFolder, is_hf_folder
-from interleaf.stageserver.model.params import ParamSpec
+from interleaf.stageserver.model.hf_weights import folder_values
 from interleaf.stageserver.state_io import Pieces
-
-JOB_OWN = ("seq_len", "pad_vocab_to")
-"""Model fields a job keeps whatever it starts from: the training length, and the
-padding of its vocabulary (never part of saved weights)."""
 
 
 def initial_values(location: str, shape: ModelShape) -> InitialValues:
@@ -36,7 +33,7 @@ def initial_values(location: str, shape: ModelShape) -> InitialValues:
     if is_hf_folder(location):
         folder = HFFolder(location)
         _check_same(folder.model_fields(), shape, location)
-        return folder.initial(shape)
+        return folder_values(folder, shape)
     return CheckpointWeights(pathlib.Path(location), shape)
 
 

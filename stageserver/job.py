@@ -16,23 +16,23 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from interleaf.protos.actions import parse
+from interleaf.common.data.vocab_check import data_too_big
+from interleaf.common.model.config import ModelShape
+from interleaf.common.model.recompute_modes import MODES as RECOMPUTE
 from interleaf.protos import interleaf_pb2 as pb
+from interleaf.protos.actions import parse
 from interleaf.stageserver import safetensors, state_io
-from interleaf.stageserver.data import Sampler, resolve_source
-from interleaf.stageserver.data.vocab_check import data_too_big
 from interleaf.stageserver.background_writes import BackgroundWrites
-from interleaf.stageserver.setup_checks import SetupError, check_setup
+from interleaf.stageserver.data import Sampler, resolve_source
 from interleaf.stageserver.data.holdout import open_eval_set, training_data
 from interleaf.stageserver.data.tokenfile import TokenFile
 from interleaf.stageserver.evaluation import EvalStats, Evaluator
 from interleaf.stageserver.executor import Executor, StepStats
 from interleaf.stageserver.init_weights import initial_values
-from interleaf.stageserver.model import ModelShape
-from interleaf.stageserver.model.recompute import MODES as RECOMPUTE
-from interleaf.stageserver.spool import Spool, default_root
 from interleaf.stageserver.model_state import DTYPES, ChunkPlan, ModelState, TrainPlan
 from interleaf.stageserver.profiling import ProfilingRejected, StepProfiler
+from interleaf.stageserver.setup_checks import SetupError, check_setup
+from interleaf.stageserver.spool import Spool, default_root
 from interleaf.stageserver.transport.groups import TRANSPORTS, connect_group, make_group_id
 from interleaf.stageserver.transport.metered import CommMeter, metered
 

@@ -13,18 +13,20 @@ from dataclasses import dataclass
 
 import torch
 
+from interleaf.common.buckets import BucketLayout, clip_segments
+from interleaf.common.lr_schedule import DECAY_FRACTION, MIN_LR_RATIO, Schedule
+from interleaf.common.model.config import ModelShape
+from interleaf.common.model.params import TIED
+from interleaf.common.pipeline_message_modes import message_mode
 from interleaf.protos.actions import Action
 from interleaf.stageserver.data import Sampler
-from interleaf.stageserver.buckets import BucketLayout, clip_segments
 from interleaf.stageserver.memory import MemoryLedger, nbytes
-from interleaf.stageserver.model import ModelChunk, ModelShape
+from interleaf.stageserver.model import ModelChunk
 from interleaf.stageserver.model.chunk import InitialValues
-from interleaf.stageserver.model.params import TIED
 from interleaf.stageserver.model.recompute import BlockRecompute
-from interleaf.stageserver.lr_schedule import DECAY_FRACTION, MIN_LR_RATIO, Schedule
 from interleaf.stageserver.optim import BETAS, EPS, clip_coefficient, squared_norm
+from interleaf.stageserver.pipeline_messages import PipelineMessages
 from interleaf.stageserver.sharded_bucket import Pending, ShardedBucket
-from interleaf.stageserver.pipeline_messages import PipelineMessages, message_mode
 from interleaf.stageserver.transport import Transport
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}

@@ -11,7 +11,8 @@ Three cases, by how the tensor ranks of a stage hold the hidden states [b, s, d]
     a node) before computing: each message crosses the link once;
   - sequence parallel: the ranks hold different slices of the sequence, [b, s/tp, d],
     and each sends its own: the same 1/tp bytes, with no gather at the receiver.
-Pure data movement: the gathered tensor is the one a rank would have received whole,
+Which case a stage is in is message_mode (common/pipeline_message_modes.py), which
+the coordinator's memory model reads too. Pure data movement: the gathered tensor is the one a rank would have received whole,
 bit for bit (the ranks' copies are identical, being all-reduced).
 
 Worked example, tp=2, b=1, s=4, d=2 in fp32 (a 32-byte message): plain sends 32 bytes
@@ -24,18 +25,8 @@ from __future__ import annotations
 
 import torch
 
+from interleaf.common.pipeline_message_modes import MODES
 from interleaf.stageserver.transport import Transport
-
-MODES = ("plain", "scatter_gather", "sequence_parallel")
-
-
-def message_mode(tp_size: int, sequence_parallel: bool, scatter_gather: bool) -> str:
-    """The case for a stage of `tp_size` tensor ranks (with one, all three are plain)."""
-    if tp_size == 1:
-        return "plain"
-    if sequence_parallel:
-        return "sequence_parallel"
-    return "scatter_gather" if scatter_gather else "plain"
 
 
 class PipelineMessages:

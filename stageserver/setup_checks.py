@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import math
 
-from interleaf.protos import interleaf_pb2 as pb
 from interleaf.common.limits import MAX_PIPELINE_SLOTS, MAX_RANKS, MAX_TEXT_CHARS, MAXIMA, shown
-from interleaf.stageserver.lr_schedule import DECAYS
-from interleaf.stageserver.model.architectures import ARCHITECTURES
+from interleaf.common.lr_schedule import DECAYS
+from interleaf.common.model.architectures import ARCHITECTURES
+from interleaf.protos import interleaf_pb2 as pb
 
 MAX_JOB_ID_CHARS = 128
 """Job ids name spool folders and log lines; the coordinator's are job-N-NNNNN."""

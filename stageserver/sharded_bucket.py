@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from interleaf.stageserver.buckets import BucketLayout, clip_segments
+from interleaf.common.buckets import BucketLayout, clip_segments
 from interleaf.stageserver.memory import MemoryLedger, nbytes
 from interleaf.stageserver.optim import BETAS, EPS, AdamW
 from interleaf.stageserver.transport import Transport

@@ -31,8 +31,9 @@ import math
 
 import torch
 
+from interleaf.common.model.params import true_rows
 from interleaf.stageserver import safetensors
-from interleaf.stageserver.model.params import shard, true_rows
+from interleaf.stageserver.model.params import shard
 from interleaf.stageserver.model_state import ModelState
 
 KINDS = ("master", "exp_avg", "exp_avg_sq")

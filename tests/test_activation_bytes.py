@@ -19,13 +19,15 @@ import pytest
 import torch
 from tests.gloo_world import run_world
 
+from interleaf.common.model.config import ModelShape
+from interleaf.common.model.recompute_modes import block_modes
 from interleaf.coordinator.activation_bytes import block_activation_bytes, chunk_activation_bytes, chunk_input_bytes
 from interleaf.stageserver.activation_meter import ActivationMeter, parameter_storages
 from interleaf.stageserver.data.corpus import resolve_source
 from interleaf.stageserver.data.sampler import Sampler
 from interleaf.stageserver.data.tokenfile import write_tokens
-from interleaf.stageserver.model import ModelChunk, ModelShape
-from interleaf.stageserver.model.recompute import BlockRecompute, block_modes
+from interleaf.stageserver.model import ModelChunk
+from interleaf.stageserver.model.recompute import BlockRecompute
 from interleaf.stageserver.transport import SoloTransport
 from interleaf.stageserver.transport.metered import CommMeter, metered
 

@@ -13,10 +13,11 @@ import pytest
 import torch
 from tests.gloo_world import run_world
 
-from interleaf.stageserver.model import ModelChunk, ModelShape, full_model
+from interleaf.common.model.config import ModelShape
+from interleaf.common.model.params import HEAD, TIED
+from interleaf.stageserver.model import ModelChunk, full_model
 from interleaf.stageserver.model.attention import LayerCache
 from interleaf.stageserver.model.chunk import all_logits, next_token_logits
-from interleaf.stageserver.model.params import HEAD, TIED
 from interleaf.stageserver.model.tensor_parallel import tp_shard
 
 GRAD_TOL = dict(rtol=1e-4, atol=1e-6)

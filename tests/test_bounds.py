@@ -6,15 +6,15 @@ from __future__ import annotations
 
 import pytest
 
+from interleaf.common import wire
+from interleaf.common.model.config import shape_of
 from interleaf.coordinator.config import ConfigError, load_config
 from interleaf.coordinator.jobs import MAX_EVENTS, JobRecord
 from interleaf.coordinator.plan import ServerSlot, plan_job, setup_requests
 from interleaf.coordinator.registry import DEAD_AFTER_S, FORGET_DEAD_AFTER_S, Registry
 from interleaf.coordinator.service import _registration_refused, _submission_refused
 from interleaf.protos import interleaf_pb2 as pb
-from interleaf.common import wire
 from interleaf.stageserver.job import model_shape
-from interleaf.stageserver.model import shape_of
 from interleaf.stageserver.setup_checks import SetupError, check_setup
 from tests.conftest import TINY
 

@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 import torch
 
-from interleaf.stageserver.data import (TokenFile, builtin_corpus, decode, encode, prepare,
-                              resolve_source, write_tokens)
+from interleaf.common.data.tokenizer import decode, encode
+from interleaf.stageserver.data import TokenFile, builtin_corpus, prepare, resolve_source, write_tokens
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 

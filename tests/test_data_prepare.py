@@ -24,11 +24,11 @@ import pyarrow.parquet as pq
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 
+from interleaf.common.data.text_tokenizer import TokenizerError, load_tokenizer
+from interleaf.common.data.vocab_check import VocabError, check_vocab
 from interleaf.stageserver.data import TokenFile, prepare
 from interleaf.stageserver.data.readers import BATCH_BYTES, InputError, documents, open_inputs
-from interleaf.stageserver.data.text_tokenizer import TokenizerError, load_tokenizer
 from interleaf.stageserver.data.train_tokenizer import EOS, train_bpe
-from interleaf.stageserver.data.vocab_check import VocabError, check_vocab
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 

@@ -21,9 +21,10 @@ import pytest
 import torch
 
 from interleaf.clients.reference import train
+from interleaf.common.lr_schedule import Schedule
+from interleaf.common.model.config import shape_of
 from interleaf.coordinator.config import load_config
-from interleaf.stageserver.lr_schedule import Schedule
-from interleaf.stageserver.model import full_model, shape_of
+from interleaf.stageserver.model import full_model
 from tests.conftest import TINY, arch_setup, layout_free, load_parameters, reference, run_job
 
 LOSS_RTOL = 1e-5

@@ -14,10 +14,10 @@ import torch.nn.functional as F
 
 from interleaf.clients.checkpoint import CheckpointError, find, load_parameters
 from interleaf.clients.generate import generate, generate_ids, load_model
+from interleaf.common.model.config import ModelShape, shape_of
 from interleaf.coordinator.config import load_config
 from interleaf.stageserver import safetensors
 from interleaf.stageserver.data import Sampler, resolve_source
-from interleaf.stageserver.model import ModelShape, shape_of
 from interleaf.stageserver.model.chunk import full_model, next_token_logits
 from tests.conftest import TINY, layout_free, reference, run_job
 

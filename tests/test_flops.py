@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import pytest
 
+from interleaf.common.model.config import ModelShape
+from interleaf.common.model.params import TIED
 from interleaf.coordinator.config import load_config
 from interleaf.coordinator.flops import flops_per_token, matrix_parameters
-from interleaf.stageserver.model import ModelShape
 from interleaf.stageserver.model.chunk import full_model
-from interleaf.stageserver.model.params import TIED
 
 MODELS = {
     "gpt2": ModelShape(n_layers=3, d_model=64, n_heads=4, seq_len=32, vocab_size=256),

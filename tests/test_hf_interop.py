@@ -29,14 +29,16 @@ from interleaf.clients.evaluate import evaluate, load_for_eval, read_ids
 from interleaf.clients.generate import generate_ids
 from interleaf.clients.hf_export import write_hf_folder
 from interleaf.clients.reference import train
-from interleaf.coordinator.config import ConfigError, load_config
+from interleaf.common.data.text_tokenizer import load_tokenizer
+from interleaf.common.model.config import shape_of
+from interleaf.common.model.hf_folder import HFFolder, HFFolderError
 from interleaf.common.security import TOKEN_ENV
+from interleaf.coordinator.config import ConfigError, load_config
 from interleaf.stageserver import safetensors
 from interleaf.stageserver.data import prepare
-from interleaf.stageserver.data.text_tokenizer import load_tokenizer
 from interleaf.stageserver.init_weights import initial_values
-from interleaf.stageserver.model import full_model, shape_of
-from interleaf.stageserver.model.hf_folder import HFFolder, HFFolderError
+from interleaf.stageserver.model import full_model
+from interleaf.stageserver.model.hf_weights import folder_values
 from interleaf.stageserver.model.llama.rope import inverse_frequencies
 from tests.conftest import run_job
 from tests.test_equivalence import LOSS_RTOL
@@ -152,7 +154,7 @@ def test_hugging_face_to_interleaf_and_back_reproduces_every_tensor(made, tmp_pa
     transformers loads to the same loss."""
     folder = HFFolder(made[arch])
     shape = folder.shape()
-    values = folder.initial(shape)
+    values = folder_values(folder, shape)
     specs = full_model(shape, 0, values).param_specs()
     params = {name: values(name, spec) for name, spec in specs.items()}
     total = sum(t.numel() * t.element_size() for t in params.values())
@@ -245,7 +247,7 @@ def test_llama3_rope_scaling_turns_each_pair_as_transformers_does(made):
     kept, slowed, blended = mine == plain, mine == plain / 8, (plain / 8 < mine) & (mine < plain)
     assert (int(kept.sum()), int(blended.sum()), int(slowed.sum())) == (1, 1, 6)
     scaled_loss, _ = evaluate(load_for_eval(str(made["llama3"])), made["ids"])
-    unscaled_loss, _ = evaluate(full_model(unscaled, 0, folder.initial(unscaled)).eval(), made["ids"])
+    unscaled_loss, _ = evaluate(full_model(unscaled, 0, folder_values(folder, unscaled)).eval(), made["ids"])
     assert abs(scaled_loss - unscaled_loss) > 1e-3 * scaled_loss, (scaled_loss, unscaled_loss)
 
 

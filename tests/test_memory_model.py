@@ -26,12 +26,13 @@ from interleaf.coordinator.memory_model import (
     predict_rank,
     sent_bytes_per_step,
 )
+from interleaf.common.buckets import BucketLayout
+from interleaf.common.model.config import shape_of
+from interleaf.common.model.params import TIED
 from interleaf.coordinator.partition import chunks_of, partition
 from interleaf.coordinator.plan import plan_programs
-from interleaf.stageserver.buckets import BucketLayout
 from interleaf.stageserver.memory import KINDS, MemoryLedger, reset_rss_peak, rss_peak_bytes
-from interleaf.stageserver.model import ModelChunk, shape_of
-from interleaf.stageserver.model.params import TIED
+from interleaf.stageserver.model import ModelChunk
 from interleaf.stageserver.sharded_bucket import ShardedBucket
 from interleaf.stageserver.transport import SoloTransport
 

@@ -10,8 +10,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from interleaf.stageserver.model import ModelChunk, ModelShape, ParamSpec, full_model
-from interleaf.stageserver.model.config import INIT_STD
+from interleaf.common.model.config import ModelShape
+from interleaf.common.model.params import ParamSpec
+from interleaf.stageserver.model import ModelChunk, full_model
+from interleaf.common.model.config import INIT_STD
 from interleaf.stageserver.model.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,

@@ -14,7 +14,7 @@ import math
 import pytest
 import torch
 
-from interleaf.stageserver.lr_schedule import Schedule
+from interleaf.common.lr_schedule import Schedule
 from interleaf.stageserver.optim import SLICE, AdamW, clip_coefficient, squared_norm
 
 STATE_TOL = dict(atol=1e-7, rtol=2.4e-7)
@@ -172,7 +172,7 @@ def test_the_default_schedule_is_the_cosine_it_always_was():
 
 
 def test_wsd_worked_example():
-    """stageserver/lr_schedule.py's docstring, and the acceptance run's schedule."""
+    """common/lr_schedule.py's docstring, and the acceptance run's schedule."""
     s = Schedule(lr=1e-3, warmup_steps=2, steps=8, decay="wsd", min_lr_ratio=0.2, decay_fraction=0.5)
     expected = [5e-4, 1e-3, 1e-3, 1e-3, 8e-4, 6e-4, 4e-4, 2e-4]
     for step, want in enumerate(expected):

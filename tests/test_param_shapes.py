@@ -1,4 +1,4 @@
-"""The parameters a chunk holds, from the model's shape alone (stageserver/model/shapes.py,
+"""The parameters a chunk holds, from the model's shape alone (common/model/shapes.py,
 which the memory model and the FLOP count read), against the ModelChunk built from that
 shape: the same names in the same order, the same unsharded shapes, tensor-parallel
 dimensions, padded rows, decay and tying, and each tp rank's shard as many elements as
@@ -12,8 +12,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from interleaf.stageserver.model import ModelChunk, ModelShape
-from interleaf.stageserver.model.shapes import chunk_param_specs, local_numel
+from interleaf.common.model.config import ModelShape
+from interleaf.common.model.shapes import chunk_param_specs, local_numel
+from interleaf.stageserver.model import ModelChunk
 
 # (arch, d_model, n_heads, n_kv_heads, ffn_hidden, vocab_size, pad_vocab_to): grouped
 # queries 1, 2 and 4 to a key/value head, MLP widths off the 4·d rule, vocabularies that

@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from interleaf.clients.reference import train
+from interleaf.common.data.blend import BLOCK, apportion, block_order, parse_source
 from interleaf.coordinator.config import ConfigError, load_config
 from interleaf.stageserver.data import Sampler, resolve_source, write_tokens
-from interleaf.stageserver.data.blend import BLOCK, apportion, block_order, parse_source
 from tests.conftest import TINY, layout_free, reference, run_job
 from tests.test_equivalence import LOSS_RTOL
 

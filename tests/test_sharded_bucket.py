@@ -28,7 +28,7 @@ import torch.distributed as dist
 from tests.gloo_world import TIMEOUT_S, run_world
 from torch import nn
 
-from interleaf.stageserver.buckets import BucketLayout, clip_segments
+from interleaf.common.buckets import BucketLayout, clip_segments
 from interleaf.stageserver.memory import KINDS, MemoryLedger
 from interleaf.stageserver.sharded_bucket import ShardedBucket
 from interleaf.stageserver.transport import SoloTransport, connect_gloo

@@ -15,7 +15,8 @@ import torch.nn.functional as F
 from tests.gloo_world import run_world
 from torch import nn
 
-from interleaf.stageserver.model import ModelChunk, ModelShape, full_model
+from interleaf.common.model.config import ModelShape
+from interleaf.stageserver.model import ModelChunk, full_model
 from interleaf.stageserver.model.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,

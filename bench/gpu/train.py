@@ -46,10 +46,10 @@ from interleaf.clients.client import Client  # noqa: E402
 from interleaf.clients.launcher import LocalCluster  # noqa: E402
 from interleaf.coordinator.flops import flops_per_token, matrix_parameters  # noqa: E402
 from interleaf_run import run_job  # noqa: E402
+from interleaf.common.lr_schedule import Schedule  # noqa: E402
+from interleaf.common.model.config import ModelShape  # noqa: E402
 from interleaf.stageserver.data import Sampler, resolve_source  # noqa: E402
-from interleaf.stageserver.model import ModelShape  # noqa: E402
 from interleaf.stageserver.model import full_model  # noqa: E402
-from interleaf.stageserver.lr_schedule import Schedule  # noqa: E402
 from interleaf.stageserver.optim import BETAS, EPS  # noqa: E402
 from torch_training import param_groups  # noqa: E402
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from interleaf.coordinator.config.rules import ConfigError, _bounded, _positive
 from interleaf.common.limits import shown
-from interleaf.stageserver.model.config import padded_vocab, resolve_defaults
+from interleaf.common.model.config import padded_vocab, resolve_defaults
+from interleaf.coordinator.config.rules import ConfigError, _bounded, _positive
 
 ARCHS = ("gpt2", "llama")
 ROPE_SCALING = ("rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_positions")

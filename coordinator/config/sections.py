@@ -19,7 +19,7 @@ class DataConfig:
     of them in those proportions (weights: positive finite numbers, normalized),
     deterministically and resumably: each block of 65,536 samples takes each file's
     share, interleaved evenly, and each file walks its own epochs
-    (stageserver/data/blend.py)."""
+    (common/data/blend.py)."""
     tokenizer: str = "bytes"
     """How text becomes tokens (for `interleaf generate` and the check that the data fits
     the model): 'bytes' (one token per UTF-8 byte, vocabulary 256), or the path of a
@@ -30,7 +30,7 @@ class DataConfig:
         if not self.source.strip():
             raise ConfigError("data.source='' must be 'builtin' or a token file path")
         # The stage servers' own grammar of a blend.
-        from interleaf.stageserver.data.blend import parse_source
+        from interleaf.common.data.blend import parse_source
 
         try:
             parse_source(self.source)

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from interleaf.coordinator.config.rules import ConfigError, _bounded, _positive
 from interleaf.common.limits import shown
-from interleaf.stageserver.lr_schedule import DECAY_FRACTION, DECAYS, MIN_LR_RATIO
-from interleaf.stageserver.model.recompute import MODES
+from interleaf.common.lr_schedule import DECAY_FRACTION, DECAYS, MIN_LR_RATIO
+from interleaf.common.model.recompute_modes import MODES
+from interleaf.coordinator.config.rules import ConfigError, _bounded, _positive
 
 PRECISION_BYTES = {"fp32": 4, "bf16": 2, "fp64": 8}
 """Bytes per element of the compute dtype of each train.precision."""
@@ -31,7 +31,7 @@ class TrainConfig:
     warmup_steps: int = 20
     """Linear warmup steps; then lr_decay's decay to lr*min_lr_ratio at the last step
     (when warmup_steps <= steps - 2; a longer warmup is allowed, and what it does is
-    stated exactly in stageserver/lr_schedule.py)."""
+    stated exactly in common/lr_schedule.py)."""
     betas: tuple[float, float] = (0.9, 0.95)
     """AdamW's (beta1, beta2): the decay rates of the gradient's running mean and of its
     square's; each at least 0 and less than 1. A TOML array, or `--set
@@ -42,7 +42,7 @@ class TrainConfig:
     """After the warmup: cosine (to the floor at the last step), linear (likewise), wsd
     (warmup-stable-decay: the peak held, then the last decay_fraction of the steps fall
     linearly to the floor) or constant (the peak to the end). The rate of every step is
-    a function of the step alone (stageserver/lr_schedule.py, worked example there): the
+    a function of the step alone (common/lr_schedule.py, worked example there): the
     same on every rank and in `interleaf reference`, in each step's `lr`, and continued
     exactly by a resumed run."""
     min_lr_ratio: float = MIN_LR_RATIO

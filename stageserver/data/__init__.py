@@ -1,7 +1,7 @@
 """Tokens on disk and the order samples are drawn in.
 
 These names are imported on first use, as `interleaf`'s own are: the data tools
-(`interleaf data prepare`, readers, tokenizers) then run without loading torch, which
+(`interleaf data prepare`, readers) then run without loading torch, which
 only the sampler needs (measured: 2 s of start-up and 200 MiB of prepare's resident set).
 """
 
@@ -9,8 +9,6 @@ _EXPORTS = {
     "Sampler": "sampler",
     "TokenFile": "tokenfile",
     "builtin_corpus": "corpus",
-    "decode": "tokenizer",
-    "encode": "tokenizer",
     "prepare": "preparation",
     "resolve_source": "corpus",
     "write_tokens": "tokenfile",

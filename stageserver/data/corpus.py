@@ -11,10 +11,10 @@ import pathlib
 import platform
 import sysconfig
 
-from interleaf.stageserver.data.blend import parse_source
-from interleaf.stageserver.data.text_tokenizer import BytesTokenizer
+from interleaf.common.data.blend import parse_source
+from interleaf.common.data.text_tokenizer import BytesTokenizer
+from interleaf.common.data.tokenizer import encode
 from interleaf.stageserver.data.tokenfile import TokenFile, TokenWriter, dtype_for
-from interleaf.stageserver.data.tokenizer import encode
 
 
 def cache_dir() -> pathlib.Path:

@@ -15,15 +15,15 @@ import sys
 
 import numpy as np
 
+from interleaf.common.data.text_tokenizer import BytesTokenizer
 from interleaf.stageserver.data.readers import documents, open_inputs
-from interleaf.stageserver.data.text_tokenizer import BytesTokenizer
 from interleaf.stageserver.data.tokenfile import TokenWriter, dtype_for
 
 
 def prepare(inputs: list[str | os.PathLike], out: str | os.PathLike, tokenizer=None, text_field: str = "text",
             progress: bool = False) -> dict:
     """Writes `out` and its sidecar; returns the sidecar. `tokenizer`: a loaded one
-    (stageserver/data/text_tokenizer.py; None: bytes). `progress`: a bar on stderr."""
+    (common/data/text_tokenizer.py; None: bytes). `progress`: a bar on stderr."""
     from tqdm import tqdm
 
     tokenizer = tokenizer or BytesTokenizer()

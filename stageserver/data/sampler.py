@@ -35,7 +35,7 @@ import threading
 import numpy as np
 import torch
 
-from interleaf.stageserver.data.blend import BLOCK, apportion, block_order
+from interleaf.common.data.blend import BLOCK, apportion, block_order
 from interleaf.stageserver.data.tokenfile import TokenFile
 
 

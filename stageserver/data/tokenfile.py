@@ -5,7 +5,7 @@ can prove it reads the same tokens and the coordinator can check they fit the mo
   dtype, count, sha256      the array itself
   documents                 how many documents it concatenates
   vocab_size, eos_id        the tokenizer's vocabulary and end-of-document id (or null)
-  tokenizer                 the tokenizer's fingerprint (stageserver/data/text_tokenizer.py)
+  tokenizer                 the tokenizer's fingerprint (common/data/text_tokenizer.py)
 
 Sidecars written before `count` was named `tokens` (and recorded only the first three
 fields) are still read.

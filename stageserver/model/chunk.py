@@ -15,10 +15,12 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from interleaf.stageserver.model.architectures import architecture
+from interleaf.common.model.architectures import architecture
+from interleaf.stageserver.model.architectures import architecture_modules
 from interleaf.stageserver.model.attention import LayerCache
-from interleaf.stageserver.model.config import ModelShape
-from interleaf.stageserver.model.params import HEAD, TIED, ParamSpec, init_full, shard
+from interleaf.common.model.config import ModelShape
+from interleaf.common.model.params import HEAD, TIED, ParamSpec
+from interleaf.stageserver.model.params import init_full, shard
 from interleaf.stageserver.model.recompute import BlockRecompute
 from interleaf.stageserver.model.tensor_parallel import (
     VocabParallelEmbedding,
@@ -83,7 +85,7 @@ class ModelChunk(nn.Module):
         if sequence_parallel and config.seq_len % tp.size:
             raise ValueError(f"seq_len={config.seq_len} must be divisible by the tensor-parallel size {tp.size} "
                              f"for sequence parallelism")
-        arch = architecture(config.arch)
+        arch, modules = architecture(config.arch), architecture_modules(config.arch)
         self.config = config
         self.has_embedding = has_embedding
         self.has_head = has_head
@@ -95,9 +97,9 @@ class ModelChunk(nn.Module):
             self.wte = VocabParallelEmbedding(self.rows, config.d_model, tp, self.sequence_parallel)
         if has_embedding and arch.LEARNED_POSITIONS:
             self.wpe = nn.Embedding(config.seq_len, config.d_model)
-        self.h = nn.ModuleDict({str(i): arch.Block(config, tp, self.sequence_parallel) for i in layers})
+        self.h = nn.ModuleDict({str(i): modules.Block(config, tp, self.sequence_parallel) for i in layers})
         if has_head:
-            self.ln_f = arch.final_norm(config)
+            self.ln_f = modules.final_norm(config)
             if not config.tie_embeddings:
                 self.lm_head = VocabParallelHead(self.rows, config.d_model, tp)
         self._specs = self._describe_params()

@@ -25,13 +25,9 @@ sequence parallelism the column-parallel products too; coordinator/activation_by
 rerun whole (recompute_layers) keeps only its input and issues its forward collectives
 again in the rerun, as full recompute does.
 
-recompute_layers = K (with selective): torchtitan's layer-wise option instead of the
-operator-level one. The blocks whose global index i has (i + 1) % K == 0 keep only their
-input and rerun whole in the backward; the others keep everything, as without recompute.
-
-Worked example, 6 layers: selective recomputes part of every block; selective with
-recompute_layers=2 reruns blocks 1, 3 and 5 whole and none of 0, 2 and 4; with
-recompute_layers=1 every block whole (full recompute, block by block).
+recompute_layers = K: which blocks rerun whole is block_modes's choice
+(common/model/recompute_modes.py, worked example there), shared with the coordinator's
+memory model.
 """
 
 from __future__ import annotations
@@ -46,9 +42,8 @@ import torch
 from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from interleaf.common.model.recompute_modes import block_modes
 from interleaf.stageserver.model.collective_replay import Tape
-
-MODES = ("none", "selective", "full")
 
 _aten = torch.ops.aten
 SAVED_OPS = frozenset({
@@ -64,17 +59,6 @@ and the fused attention kernels (their output and softmax statistics)."""
 
 def _policy(ctx, func, *args, **kwargs) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if func in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
-
-
-def block_modes(layers: range, recompute: str, recompute_layers: int = 0) -> list[str]:
-    """How each block of `layers` (global indices) is run: "none", "selective" or
-    "full" (kept input only). train.recompute=full reruns the whole chunk instead, so its
-    blocks run plainly inside that rerun."""
-    if recompute != "selective":
-        return ["none"] * len(layers)
-    if not recompute_layers:
-        return ["selective"] * len(layers)
-    return ["full" if (i + 1) % recompute_layers == 0 else "none" for i in layers]
 
 
 class Kept:

@@ -1,5 +1,6 @@
 """Llama's blocks and final norm, as the chunk builder (stageserver/model/chunk.py)
-asks an architecture for them. Positions enter through rotary embeddings inside
+asks an architecture for them; their parameters as shapes are common/model/llama.py.
+Positions enter through rotary embeddings inside
 attention, so there is no position table and seq_len bounds only the training length."""
 
 from __future__ import annotations
@@ -8,14 +9,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from interleaf.common.model.config import ModelShape
 from interleaf.stageserver.model.attention import LayerCache, causal_attention
-from interleaf.stageserver.model.config import ModelShape
 from interleaf.stageserver.model.llama.rope import apply_rotary, rotary_tables
-from interleaf.stageserver.model.params import Shapes
 from interleaf.stageserver.model.tensor_parallel import ColumnParallelLinear, RowParallelLinear, column_parallel
 from interleaf.stageserver.transport import Transport
-
-LEARNED_POSITIONS = False
 
 
 class RMSNorm(nn.Module):
@@ -103,28 +101,3 @@ class Block(nn.Module):
 
 def final_norm(config: ModelShape) -> nn.Module:
     return RMSNorm(config.d_model, config.norm_eps)
-
-
-def norm_parameters(config: ModelShape) -> Shapes:
-    """An RMSNorm's parameters (a scale, no bias), as `final_norm` and ln_1/ln_2 hold them."""
-    return {"weight": ((config.d_model,), None)}
-
-
-def block_parameters(config: ModelShape) -> Shapes:
-    """Block's parameters without building it, for the coordinator's memory model and
-    FLOP count (stageserver/model/shapes.py): q, k, v, gate and up split along their
-    outputs (dim 0), proj and down along their inputs (dim 1), the norms replicated.
-    Llama-2 7B's (d=4096, 32 heads and key/value heads, ffn_hidden=11008):
-    4*4096^2 + 3*11008*4096 + 2*4096 = 202,383,360 parameters."""
-    d, hd, f = config.d_model, config.head_dim, config.ffn_hidden
-    norm = norm_parameters(config)
-    return {
-        **{f"ln_1.{n}": shape for n, shape in norm.items()},
-        "attn.q.weight": ((config.n_heads * hd, d), 0),
-        "attn.k.weight": ((config.n_kv_heads * hd, d), 0),
-        "attn.v.weight": ((config.n_kv_heads * hd, d), 0),
-        "attn.proj.weight": ((d, config.n_heads * hd), 1),
-        **{f"ln_2.{n}": shape for n, shape in norm.items()},
-        "mlp.gate.weight": ((f, d), 0), "mlp.up.weight": ((f, d), 0),
-        "mlp.down.weight": ((d, f), 1),
-    }

@@ -8,7 +8,7 @@ import math
 
 import torch
 
-from interleaf.stageserver.model.config import ModelShape
+from interleaf.common.model.config import ModelShape
 
 
 def inverse_frequencies(config: ModelShape, work: torch.dtype, device: torch.device) -> torch.Tensor:

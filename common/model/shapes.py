@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import math
 
-from interleaf.stageserver.model.architectures import architecture
-from interleaf.stageserver.model.config import ModelShape
-from interleaf.stageserver.model.params import HEAD, TIED, ParamSpec, Shapes
+from interleaf.common.model.architectures import architecture
+from interleaf.common.model.config import ModelShape
+from interleaf.common.model.params import HEAD, TIED, ParamSpec, Shapes
 
 
 def chunk_param_specs(config: ModelShape, layers: range, has_embedding: bool, has_head: bool,

@@ -11,8 +11,8 @@ from __future__ import annotations
 import json
 import pathlib
 
-from interleaf.stageserver.data.blend import parse_source
-from interleaf.stageserver.data.text_tokenizer import BytesTokenizer, load_tokenizer
+from interleaf.common.data.blend import parse_source
+from interleaf.common.data.text_tokenizer import BytesTokenizer, load_tokenizer
 
 
 class VocabError(ValueError):

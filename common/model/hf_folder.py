@@ -1,11 +1,11 @@
-"""A Hugging Face model folder, read lazily: `config.json`, and the safetensors weights
-(`model.safetensors`, or the shards that `model.safetensors.index.json` maps), of which
-only the tensors asked for are read. Stage servers read the parameters their chunks
-hold, `interleaf eval` and the reference trainer the whole model, through the same
-`initial` values (stageserver/model/chunk.py).
+"""A Hugging Face model folder, described: `config.json` as the `[model]` fields it fixes,
+and which safetensors file (`model.safetensors`, or the shards that
+`model.safetensors.index.json` maps) holds each tensor, from the files' headers alone.
+The coordinator checks checkpoint.init with it; stage servers, `interleaf eval` and the
+reference trainer read the tensors it locates (stageserver/model/hf_weights.py).
 
-Each architecture's state-dict adapter (`gpt2/hf.py`, `llama/hf.py`) says how its
-config and tensors convert; this module only finds files and tensors.
+Each architecture's config adapter (`gpt2_hf_config.py`, `llama_hf_config.py`) says how
+its config.json converts; this module only finds files and tensor names.
 """
 
 from __future__ import annotations
@@ -14,18 +14,13 @@ import json
 import pathlib
 from types import ModuleType
 
-import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 
-from interleaf.stageserver import safetensors
-from interleaf.stageserver.model.chunk import InitialValues
-from interleaf.stageserver.model.config import ModelShape
-from interleaf.stageserver.model.gpt2 import hf as gpt2_hf
-from interleaf.stageserver.model.llama import hf as llama_hf
-from interleaf.stageserver.model.params import ParamSpec
+from interleaf.common.model import gpt2_hf_config, llama_hf_config
+from interleaf.common.model.config import ModelShape
 
-ADAPTERS: dict[str, ModuleType] = {"gpt2": gpt2_hf, "llama": llama_hf}
-"""The state-dict adapter of each architecture, by model.arch (= transformers' model_type)."""
+ADAPTERS: dict[str, ModuleType] = {"gpt2": gpt2_hf_config, "llama": llama_hf_config}
+"""The config adapter of each architecture, by model.arch (= transformers' model_type)."""
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -39,7 +34,7 @@ def is_hf_folder(path: str | pathlib.Path) -> bool:
     return (pathlib.Path(path).expanduser() / CONFIG).is_file()
 
 
-def adapter(arch: str) -> ModuleType:
+def config_adapter(arch: str) -> ModuleType:
     if arch not in ADAPTERS:
         raise HFFolderError(f"model.arch={arch!r} has no Hugging Face adapter (known: {', '.join(ADAPTERS)})")
     return ADAPTERS[arch]
@@ -79,7 +74,8 @@ class HFFolder:
             raise HFFolderError(f"{self.path} holds neither {WEIGHTS} nor {INDEX} (only safetensors weights are "
                                 f"read, never pickled .bin files)")
         try:
-            with safetensors.open(self.path / WEIGHTS) as f:
+            # The header's names only: no tensor is read, and no framework's type is needed.
+            with safe_open(str(self.path / WEIGHTS), framework="numpy") as f:
                 return {name: self.path / WEIGHTS for name in f.keys()}
         except (OSError, SafetensorError) as err:
             raise HFFolderError(f"{self.path / WEIGHTS} is not a readable safetensors file: {err}") from None
@@ -96,27 +92,3 @@ class HFFolder:
         """The model, trained (or scored) seq_len tokens at a time: by default as many as
         the folder's positions."""
         return ModelShape(seq_len=seq_len or self.max_positions, **self.model_fields())
-
-    def tensor(self, name: str) -> torch.Tensor:
-        """One tensor by its transformers name. Checkpoints saved by older transformers
-        leave out the base model's prefix (GPT-2's `h.0...` for `transformer.h.0...`)."""
-        key = name if name in self.files else name.partition(".")[2]
-        if key not in self.files:
-            raise HFFolderError(f"{self.path} holds no tensor {name!r}")
-        try:
-            with safetensors.open(self.files[key]) as f:
-                return f.get_tensor(key)
-        except (OSError, SafetensorError) as err:
-            raise HFFolderError(f"{self.files[key]}: tensor {key!r} cannot be read: {err}") from None
-
-    def initial(self, shape: ModelShape) -> InitialValues:
-        """Each parameter of `shape`'s model from this folder, read when asked for."""
-
-        def value(name: str, spec: ParamSpec) -> torch.Tensor:
-            tensor = self.adapter.from_hf(name, self.tensor, shape)
-            if tuple(tensor.shape) != spec.full_shape:
-                raise HFFolderError(f"{self.path}: parameter {name!r} ({self.adapter.hf_name(name)}) has shape "
-                                    f"{list(tensor.shape)}, the model of {CONFIG} needs {list(spec.full_shape)}")
-            return tensor
-
-        return value

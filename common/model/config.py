@@ -1,7 +1,7 @@
 """The model's shape, as the stage server receives it (see protos: ModelSpec).
 
 The fields and their defaults mirror the job config's `[model]` section
-(coordinator/config.py), which validates them for users; a checkpoint's manifest records
+(coordinator/config/model.py), which validates them for users; a checkpoint's manifest records
 them by name, so `ModelShape(**manifest["model"])` rebuilds the model it holds."""
 
 from __future__ import annotations
@@ -10,6 +10,10 @@ from dataclasses import dataclass, fields
 
 INIT_STD = 0.02
 """GPT-2's initializer scale; residual output projections use INIT_STD/sqrt(2*n_layers)."""
+
+JOB_OWN = ("seq_len", "pad_vocab_to")
+"""Model fields a job keeps whatever it starts from: the training length, and the
+padding of its vocabulary (never part of saved weights)."""
 
 
 def default_ffn_hidden(arch: str, d_model: int) -> int:
@@ -55,7 +59,7 @@ class ModelShape:
     vocab_size: int
     """Token ids are in [0, vocab_size): the true vocabulary, unpadded."""
     arch: str = "gpt2"
-    """gpt2 or llama (stageserver/model/architectures.py)."""
+    """gpt2 or llama (common/model/architectures.py)."""
     n_kv_heads: int = 0
     """Key/value heads (grouped-query attention); 0: n_heads."""
     ffn_hidden: int = 0

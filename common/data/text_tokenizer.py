@@ -1,4 +1,4 @@
-"""Tokenizers as data.tokenizer names them: 'bytes' (stageserver/data/tokenizer.py), or
+"""Tokenizers as data.tokenizer names them: 'bytes' (common/data/tokenizer.py), or
 the path of a `tokenizers` tokenizer.json or of a Hugging Face model folder holding one.
 
 Both offer the same five things prepare, the vocabulary check and generation need:
@@ -16,7 +16,7 @@ import pathlib
 
 import numpy as np
 
-from interleaf.stageserver.data import tokenizer as byte_tokenizer
+from interleaf.common.data import tokenizer as byte_tokenizer
 
 EOS_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>")
 """End-of-document tokens by the names GPT-2, Llama 3, Llama 2/Mistral and Gemma give
