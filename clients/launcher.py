@@ -91,7 +91,7 @@ class LocalCluster:
         # coordinator's admission check sees what the machine can really hold.
         self.memory_per_server = memory_per_server or memory_per_local_server(self.devices)
         self.processes: list[subprocess.Popen] = []
-        self._log_of: dict[int, str] = {}  # pid -> its stderr's file
+        self._log_of: dict[int, tuple[str, int]] = {}  # pid -> its stderr's file, where its own lines begin
         self.address = ""
         self.http_address = ""  # the coordinator's HTTP endpoint (/metrics, /sd), HOST:PORT
         # The coordinator's job state (--state-db): given, or in a folder of this
@@ -110,26 +110,29 @@ class LocalCluster:
                command: Callable[[list[str]], list[str]] = lambda c: c) -> subprocess.Popen:
         log = os.path.join(self._logs(), f"{name}.log")
         with open(log, "ab") as stderr:  # the child holds its own copy of the descriptor
+            start = stderr.tell()  # a given --log-dir or a restarted coordinator appends
             process = subprocess.Popen(
                 command([sys.executable, "-m", "interleaf.clients.cli", *args, *self.security.tls_flags()]),
                 stdout=stdout, stderr=stderr, start_new_session=True,
                 env={**os.environ, TOKEN_ENV: self.security.token, PARENT_ENV: str(os.getpid())},
             )
-        self._log_of[process.pid] = log
+        self._log_of[process.pid] = (log, start)
         self.processes.append(process)
         return process
 
     def _died(self, process: subprocess.Popen) -> str:
         """What a child that ended during start left: its command, exit code and log's tail."""
-        log = self._log_of.get(process.pid, "")
+        log, start = self._log_of.get(process.pid, ("", 0))
         try:
             with open(log, "rb") as f:
-                f.seek(max(0, os.path.getsize(log) - LOG_TAIL_BYTES))
+                f.seek(max(start, os.path.getsize(log) - LOG_TAIL_BYTES))
                 tail = f.read().decode(errors="replace").strip()
         except OSError:
             tail = ""
-        quoted = "\n".join("    " + line for line in tail.splitlines()) if tail else "    (its log is empty)"
-        return f"{' '.join(map(str, process.args))} (exit code {process.returncode}; {log}):\n{quoted}"
+        quoted = "\n".join("    " + line for line in tail.splitlines()) if tail else "    (it wrote nothing)"
+        # A folder of the cluster's own goes at stop: then the quote is all there is.
+        where = "" if self._own_log_dir else f"; {log}"
+        return f"{' '.join(map(str, process.args))} (exit code {process.returncode}{where}):\n{quoted}"
 
     def start(self, timeout_s: float = 120.0) -> "LocalCluster":
         try:

@@ -46,14 +46,22 @@ if [[ "$BASE" == "$DEFAULT_BASE" ]] && { [[ "${REBUILD_BASE:-}" == 1 ]] || ! doc
     command -v mmdebstrap >/dev/null || die "mmdebstrap is missing (apt-get install mmdebstrap)"
     step "making $BASE with mmdebstrap"
     mirror=http://deb.debian.org/debian
-    # pipefail: a failed mmdebstrap fails the import, so no half-made base is tagged.
+    # Into a file first: a pipe would have `docker import` tag whatever part of the tar
+    # arrived before a failed mmdebstrap ended; then the base must run its python3.
+    tarball="$(mktemp --suffix=.tar)"
+    trap 'rm -f "$tarball"' EXIT
     mmdebstrap --variant=minbase --include=python3,python3-venv,ca-certificates \
         --dpkgopt='path-exclude=/usr/share/man/*' --dpkgopt='path-exclude=/usr/share/doc/*' \
         --dpkgopt='path-include=/usr/share/doc/*/copyright' --dpkgopt='path-exclude=/usr/share/locale/*' \
-        "$SUITE" - "deb $mirror $SUITE main" "deb $mirror $SUITE-updates main" \
+        "$SUITE" "$tarball" "deb $mirror $SUITE main" "deb $mirror $SUITE-updates main" \
         "deb http://deb.debian.org/debian-security $SUITE-security main" \
-        | docker import --change 'CMD ["/bin/bash"]' --message "mmdebstrap $SUITE minbase + python3" - "$BASE" >/dev/null \
-        || die "making $BASE failed (mmdebstrap | docker import)"
+        || die "making $BASE failed: mmdebstrap $SUITE"
+    docker import --change 'CMD ["/bin/bash"]' --message "mmdebstrap $SUITE minbase + python3" "$tarball" "$BASE.partial" >/dev/null \
+        || die "making $BASE failed: docker import"
+    docker run --rm "$BASE.partial" python3 -c 'import venv' >/dev/null \
+        || { docker rmi "$BASE.partial" >/dev/null; die "the base made for $BASE has no working python3"; }
+    docker tag "$BASE.partial" "$BASE" && docker rmi "$BASE.partial" >/dev/null
+    rm -f "$tarball"
 fi
 
 # -- the wheels, downloaded by this machine's pip for the image's Python -----------------

@@ -21,7 +21,12 @@ STOP_TIMEOUT_S = 60
 def answers() -> bool:
     """Whether an engine answers on the default socket (False: no docker command either)."""
     docker = shutil.which("docker")
-    return bool(docker) and subprocess.run([docker, "info"], capture_output=True, timeout=60).returncode == 0
+    if not docker:
+        return False
+    try:
+        return subprocess.run([docker, "info"], capture_output=True, timeout=60).returncode == 0
+    except subprocess.TimeoutExpired:  # an engine that hangs is one that does not answer
+        return False
 
 
 @contextlib.contextmanager

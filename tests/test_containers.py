@@ -112,19 +112,24 @@ def _ranks(client: Client, job_id: str) -> list[str]:
     return [r.server_address for r in client.rpc.status(job_id).ranks]
 
 
-def _train(client: Client, project: Project, kill_rank: int | None = None):
+def _train(client: Client, project: Project, kill_rank: int | None = None, reached: list[int] | None = None):
     """Runs the job (a checkpoint folder of its own); with `kill_rank`, that rank's
     container is killed once step KILL_AT is under way. Returns the last loss of each step
     (after a recovery the steps from the checkpoint on come again), the recoveries, and
-    the ranks' servers before the kill and at the end."""
+    the ranks' servers before the kill and at the end; `reached` gets, per recovery, the
+    steps that had ended when it was reported."""
+    reached = [] if reached is None else reached
     # Each stage server's container, found before the job starts so the kill is quick.
     containers = {s: project.compose("ps", "-q", s).strip() for s in STAGE_SERVERS}
     # Checkpoints on the volume the coordinator and servers share.
     job = client.submit("", JOB + [f"checkpoint.dir=/checkpoints/{secrets.token_hex(4)}", f"checkpoint.every={EVERY}"])
-    losses, recoveries, before = {}, [], None
+    losses: dict[int, float] = {}
+    recoveries: list[Recovery] = []
+    before: list[str] | None = None
     for event in job.events(timeout_s=600):
         if isinstance(event, Recovery):
             recoveries.append(event)
+            reached.append(max(losses, default=0) + 1)  # steps are 0-based: how many had ended
         elif isinstance(event, Step):
             losses[event.step] = event.loss
             if kill_rank is not None and before is None and event.step == KILL_AT - 1:
@@ -185,12 +190,17 @@ def test_compose_trains_scrapes_and_recovers_in_containers(images, tmp_path):
             time.sleep(2)
 
         # The same job, its second pipeline stage killed mid-job: it moves onto the spare.
-        again, recoveries, before, after = _train(client, project, kill_rank=1)
+        reached: list[int] = []
+        again, recoveries, before, after = _train(client, project, kill_rank=1, reached=reached)
         assert before, "the victim was never killed"
         killed, (spare,) = before[1], {f"{s}:50061" for s in STAGE_SERVERS} - set(before)
         assert recoveries, f"no recovery: did the job end before the kill after step {KILL_AT - 1} landed?"
         assert [list(r.lost) for r in recoveries] == [[killed]], recoveries
-        assert 0 < recoveries[0].restart_step < KILL_AT, recoveries  # from a checkpoint, not from scratch
+        # From a checkpoint, not from scratch: the newest one saved before the kill landed
+        # (the kill follows step KILL_AT - 1 by the time a status call and `docker kill`
+        # take, in which a step or two more may end: the checkpoint of step 8, not 4).
+        restart = recoveries[0].restart_step
+        assert restart > 0 and restart % EVERY == 0 and restart <= reached[0], (recoveries, reached)
         assert sorted(after) == sorted([before[0], spare]), (before, after)
         assert sorted(again) == sorted(losses)
         for step, loss in again.items():
