@@ -81,7 +81,8 @@ def test_every_row_of_a_checkpointed_resumed_evaluated_run_has_its_kind(tmp_path
 
 def test_a_row_without_a_known_kind_is_refused_by_name(tmp_path):
     metrics = MetricsOut(str(tmp_path / "m.jsonl"))
-    with pytest.raises(ValueError, match=r"^kind='status' must be one of step, eval, checkpoint, recovery, grow for a --metrics-out row$"):
+    refused = r"^kind='status' must be one of step, eval, checkpoint, recovery, grow for a --metrics-out row$"
+    with pytest.raises(ValueError, match=refused):
         metrics.write("status", state="RUNNING")
     metrics.close()
     assert (tmp_path / "m.jsonl").read_text() == ""
