@@ -1,13 +1,19 @@
 """The step program's vocabulary: one small action per thing a rank does.
 
 A program is a list of `Action`s per pipeline rank. Chunks are numbered globally
-(0 .. pp*vpp-1): chunk c lives on pipeline rank c % pp, so rank 1 of pp=4, vpp=2
-holds chunks 1 and 5. Peers are pipeline-group ranks.
+(0 .. pp*vpp-1). Which pipeline rank holds a chunk is the schedule's placement
+(coordinator/schedule/placement.py): chunk c on rank c % pp for every schedule but
+zbv, whose V puts chunks r and 2*pp-1-r on rank r. Peers are pipeline-group ranks.
 
 Every action has a compact string form that round-trips through `parse`:
 
     F3.1        forward of chunk 3 on microbatch 1
-    B3.1        backward of chunk 3 on microbatch 1
+    B3.1        backward of chunk 3 on microbatch 1 (input and weight gradients at once)
+    I3.1        the input-gradient half of B3.1: the gradient of chunk 3's input (sent
+                upstream at once) and every activation gradient inside the chunk
+    W3.1        the weight-gradient half of B3.1, from what I3.1 left (each linear's
+                input and output gradient); needed only by the optimizer step, so a
+                zero-bubble schedule runs it wherever a rank would otherwise idle
     SA3.1>2     send chunk 3's output activation of microbatch 1 to pipeline rank 2
     RA4.1<1     receive chunk 4's input activation of microbatch 1 from pipeline rank 1
     SG4.1>1     send the gradient of chunk 4's input, microbatch 1, to pipeline rank 1
@@ -37,6 +43,8 @@ from dataclasses import dataclass
 class Kind(enum.Enum):
     FORWARD = "F"
     BACKWARD = "B"
+    BACKWARD_INPUT = "I"
+    BACKWARD_WEIGHT = "W"
     SEND_ACT = "SA"
     RECV_ACT = "RA"
     SEND_GRAD = "SG"
@@ -50,7 +58,15 @@ class Kind(enum.Enum):
     EXCHANGE = "X"
 
 
-COMPUTE = frozenset({Kind.FORWARD, Kind.BACKWARD})
+COMPUTE = frozenset({Kind.FORWARD, Kind.BACKWARD, Kind.BACKWARD_INPUT, Kind.BACKWARD_WEIGHT})
+INPUT_GRADS = frozenset({Kind.BACKWARD, Kind.BACKWARD_INPUT})
+"""Backwards that consume the chunk's output gradient and make its input gradient."""
+WEIGHT_GRADS = frozenset({Kind.BACKWARD, Kind.BACKWARD_WEIGHT})
+"""Backwards that write the chunk's parameter gradients (and end its microbatch's
+activations)."""
+READS_PARAMS = frozenset({Kind.FORWARD, Kind.BACKWARD, Kind.BACKWARD_INPUT})
+"""Computes that read the chunk's parameters (a ZeRO-3 chunk must be gathered for
+them). A weight-gradient pass reads only saved activations and output gradients."""
 SENDS = frozenset({Kind.SEND_ACT, Kind.SEND_GRAD})
 RECVS = frozenset({Kind.RECV_ACT, Kind.RECV_GRAD})
 P2P = SENDS | RECVS
@@ -60,13 +76,14 @@ REDUCTIONS = frozenset({Kind.REDUCE_GRADS, Kind.REDUCE_SCATTER_GRADS})
 
 CATEGORIES = {
     Kind.FORWARD: "forward", Kind.BACKWARD: "backward", Kind.OPTIMIZER_STEP: "update",
+    Kind.BACKWARD_INPUT: "input-grad", Kind.BACKWARD_WEIGHT: "weight-grad",
     Kind.SEND_ACT: "send", Kind.SEND_GRAD: "send", Kind.RECV_ACT: "recv", Kind.RECV_GRAD: "recv",
     Kind.EXCHANGE: "exchange", Kind.REDUCE_GRADS: "collective", Kind.REDUCE_TIED_GRADS: "collective",
     Kind.REDUCE_SCATTER_GRADS: "zero", Kind.GATHER_PARAMS: "zero", Kind.RELEASE_PARAMS: "zero",
 }
 """What each kind of action is, as traces and timeline pictures tell them apart: compute
-(forward, backward, the weight update), point-to-point (send, recv, exchange), the
-data-parallel and tied-embedding all-reduces (collective), and ZeRO's reduce-scatters,
+(forward, backward or its input- and weight-gradient halves, the weight update),
+point-to-point (send, recv, exchange), the data-parallel and tied-embedding all-reduces (collective), and ZeRO's reduce-scatters,
 gathers and releases (zero)."""
 
 
@@ -128,7 +145,7 @@ class Action:
         raise ValueError(f"{self} moves no tensor")
 
 
-_PATTERN = re.compile(r"^(SA|RA|SG|RG|DP|RS|AG|RP|TIE|OPT|F|B)(\d+)?(?:\.(\d+))?(?:[<>](\d+))?$")
+_PATTERN = re.compile(r"^(SA|RA|SG|RG|DP|RS|AG|RP|TIE|OPT|F|B|I|W)(\d+)?(?:\.(\d+))?(?:[<>](\d+))?$")
 
 
 def parse(text: str) -> Action:
