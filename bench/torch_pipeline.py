@@ -60,7 +60,7 @@ def train(rank: int, config: JobConfig) -> dict:
     if p.pp != 2 or dist.get_world_size() != 2 or p.dp != 1 or p.tp != 1:
         raise ValueError("the pipeline peer runs pp=2, dp=tp=1 on 2 processes")
     shape = shape_of(m)
-    held = chunks_of(partition(m.n_layers, p.pp, p.vpp), rank)
+    held = chunks_of(partition(m.n_layers, p.pp, p.vpp, p.schedule), rank)
     chunks = [ModelChunk(shape, c.layers, c.has_embedding, c.has_head, SoloTransport(), t.seed) for c in held]
     stages = [
         PipelineStage(LogitsHead(chunk) if c.has_head else chunk, c.index, p.pp * p.vpp, torch.device("cpu"))

@@ -1,6 +1,7 @@
 """Splitting the layers into pp*vpp chunks (Megatron-LM's virtual pipeline stages).
 
-Chunk c holds a contiguous run of layers and lives on pipeline rank c % pp; the first
+Chunk c holds a contiguous run of layers and lives on the pipeline rank the schedule's
+placement gives it (schedule/placement.py: c % pp, or zbv's V); the first
 chunk also holds the embedding, the last the final norm, head and loss. When the layers
 do not divide evenly the first chunks take one extra each, since the last chunk already
 carries the head and loss (the costliest single matmul in a small-vocabulary model is
@@ -10,6 +11,8 @@ cheaper than a layer, in a large one it is not: the report shows what was chosen
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from interleaf.coordinator.schedule.placement import chunk_ranks
 
 
 @dataclass(frozen=True)
@@ -21,15 +24,16 @@ class Chunk:
     has_head: bool
 
 
-def partition(n_layers: int, pp: int, vpp: int) -> list[Chunk]:
+def partition(n_layers: int, pp: int, vpp: int, schedule: str = "interleaved-1f1b") -> list[Chunk]:
     count = pp * vpp
+    ranks = chunk_ranks(schedule, pp, vpp)
     if not 1 <= count <= n_layers:
         raise ValueError(f"cannot split {n_layers} layers into {count} non-empty chunks")
     base, extra = divmod(n_layers, count)
     chunks, start = [], 0
     for c in range(count):
         size = base + (1 if c < extra else 0)
-        chunks.append(Chunk(c, range(start, start + size), c % pp, c == 0, c == count - 1))
+        chunks.append(Chunk(c, range(start, start + size), ranks[c], c == 0, c == count - 1))
         start += size
     return chunks
 

@@ -114,7 +114,7 @@ def plan_job(config: JobConfig, servers: list[ServerSlot],
     return JobPlan(
         transport=transport,
         grid=RankGrid(p.dp, p.pp, p.tp),
-        chunks=partitioning.partition(config.model.n_layers, p.pp, p.vpp),
+        chunks=partitioning.partition(config.model.n_layers, p.pp, p.vpp, p.schedule),
         programs=programs,
         servers=list(servers),
         predicted_bubble=bubble,
