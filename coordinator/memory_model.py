@@ -16,9 +16,11 @@ fp32 and bf16, 8 for fp64):
 fp32 gradient shard that the optimizer reads; in fp32 stage 1 writes that shard back
 into its slice of the full gradient). Peaks come from walking the
 rank's program in the order the executor runs it: activations per (chunk, microbatch)
-from `activation_bytes`, received tensors until consumed, full-size gradients from a
-chunk's first backward to its reduction, gathered parameters from AG to RP, and the
-staging buffers of reductions and gathers until they are waited.
+from `activation_bytes` (from the forward to its backward B, or to its input-gradient
+half I, after which what the weight-gradient half W reads is held until W), received
+tensors until consumed, full-size gradients from a chunk's first B, I or W to its
+reduction, gathered parameters from AG to RP, and the staging buffers of reductions and
+gathers until they are waited.
 
 Pipeline messages (stageserver/pipeline_messages.py): with tp > 1 and scatter/gather or
 sequence parallelism, what a send holds and a receive buffer takes is 1/tp of the
@@ -39,7 +41,7 @@ from interleaf.common.model.params import TIED
 from interleaf.common.model.recompute_modes import block_modes
 from interleaf.common.model.shapes import chunk_param_specs, local_numel
 from interleaf.common.pipeline_message_modes import message_mode
-from interleaf.coordinator.activation_bytes import chunk_activation_bytes, chunk_input_bytes
+from interleaf.coordinator.activation_bytes import chunk_activation_bytes, chunk_input_bytes, weight_grad_bytes
 from interleaf.coordinator.config import MASTER_BYTES, PRECISION_BYTES, JobConfig
 from interleaf.coordinator.partition import Chunk, chunks_of, partition
 from interleaf.protos.actions import RECVS, SENDS, Action, Kind
@@ -87,6 +89,7 @@ class _ProgramWalk:
         self.pending: list[tuple[int, int, bool]] = []  # (chunk, staged bytes, frees grads)
         self.handlers = {
             Kind.FORWARD: self._forward, Kind.BACKWARD: self._backward,
+            Kind.BACKWARD_INPUT: self._backward_input, Kind.BACKWARD_WEIGHT: self._backward_weight,
             Kind.RECV_ACT: self._receive, Kind.RECV_GRAD: self._receive,
             Kind.SEND_ACT: self._send, Kind.SEND_GRAD: self._send, Kind.EXCHANGE: self._exchange,
             Kind.REDUCE_GRADS: self._reduce, Kind.REDUCE_SCATTER_GRADS: self._reduce,
@@ -130,17 +133,45 @@ class _ProgramWalk:
             self.ledger.free("communication", self.message)  # the received input, now in use
         self.ledger.add("activations", self._activations(c)[0])
 
-    def _backward(self, action: Action) -> None:
-        c = action.chunk
+    def _weight_grad_bytes(self, c: int) -> int:
+        """What chunk c's I keeps of a microbatch for its W."""
+        chunk = self.chunks[c]
+        return weight_grad_bytes(self.model, len(chunk.layers), chunk.has_embedding, chunk.has_head,
+                                 self.rows, self.tp, self.precision, self.sequence_parallel)
+
+    def _hold_grads(self, c: int) -> None:
+        """Any backward half of c: its reduction's last use of the full-size gradient is
+        waited first, then that gradient is held (again) until the next reduction."""
         self._finish(c)
         if not self.grads_held[c]:
             self.ledger.add("gradients", self.a * self.full[c])
             self.grads_held[c] = True
+
+    def _backward(self, action: Action) -> None:
+        self._hold_grads(action.chunk)
+        self._input_gradient(action.chunk, for_weight=0)
+
+    def _backward_input(self, action: Action) -> None:
+        self._hold_grads(action.chunk)
+        self._input_gradient(action.chunk, for_weight=self._weight_grad_bytes(action.chunk))
+
+    def _backward_weight(self, action: Action) -> None:
+        self._hold_grads(action.chunk)
+        self.ledger.free("activations", self._weight_grad_bytes(action.chunk))
+
+    def _input_gradient(self, c: int, for_weight: int) -> None:
+        """B or I: the activations (rerun first under recompute) are freed but for
+        `for_weight` bytes kept for a W; the output's gradient is consumed and the
+        input's made. The forward's are freed before W's are counted: autograd frees
+        each saved tensor as its backward passes it, while the gradients W keeps are
+        made one by one on the way, so the most held during I is about the larger of
+        the two, not their sum."""
         kept, held = self._activations(c)
         self.ledger.add("activations", held - kept)  # recompute's rerun
         if not self.chunks[c].has_head:  # the output's gradient, handed over or received
             self.ledger.free("communication", self.hidden if c + 1 in self.chunks else self.message)
         self.ledger.free("activations", held)
+        self.ledger.add("activations", for_weight)
         if not self.chunks[c].has_embedding and c - 1 in self.chunks:
             self.ledger.add("communication", self.hidden)  # the input's gradient, handed over
 
