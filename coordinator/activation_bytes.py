@@ -224,10 +224,13 @@ def block_weight_grad_bytes(model, rows: int, tp: int, precision: str, sequence_
                       residual stream's; under sequence parallelism as gathered in the
                       backward, every token)
       down            input b*s*F/t (GELU's output, or SiLU(gate)*up); output gradient b*s*d
-    Biases read their linear's output gradient: a row-parallel bias's under sequence
-    parallelism is this rank's tokens of the gathered one, nothing more to keep. The
-    same whatever the recompute mode: I reruns what recompute dropped, and W reads the
-    same tensors."""
+      proj.bias,      (gpt2, sequence parallel) added after the reduce-scatter, they read
+      down.bias       its output gradient, this rank's b*s_local*d of it, each a storage
+                      apart from the gathered copy; without sequence parallelism that
+                      is the linear's own output gradient, and the column-parallel
+                      biases read their linear's
+    The same whatever the recompute mode: I reruns what recompute dropped, and W reads
+    the same tensors."""
     a, _ = _dtype_bytes(precision)
     s, d, hd = model.seq_len, model.d_model, model.head_dim
     bs = rows * s
@@ -236,13 +239,22 @@ def block_weight_grad_bytes(model, rows: int, tp: int, precision: str, sequence_
     kv_heads = model.n_heads if model.arch == "gpt2" else model.n_kv_heads
     attention_columns = (model.n_heads // tp + 2 * (kv_heads // tp)) * hd
     mlp_columns = ffn if model.arch == "gpt2" else 2 * ffn
+    row_biases = 2 * local * d * a if model.arch == "gpt2" and sequence_parallel else 0
     return (
         2 * _norm_weight_grad_bytes(model.arch, local, d, a)
         + 2 * bs * d * a  # the attention's and the MLP's column-parallel input
         + bs * (attention_columns + mlp_columns) * a  # their output gradients
         + bs * (model.n_heads // tp * hd + ffn) * a  # proj's and down's inputs
         + 2 * bs * d * a  # proj's and down's output gradients
+        + row_biases
     )
+
+
+def weight_grads_read_input(model) -> bool:
+    """Whether W reads a chunk's input hidden states themselves: gpt2's first LayerNorm
+    keeps its input for its weight gradient; llama's RMSNorm keeps its normalised copy
+    instead."""
+    return model.arch == "gpt2"
 
 
 def weight_grad_bytes(model, layers: int, has_embedding: bool, has_head: bool, rows: int, tp: int,

@@ -18,8 +18,8 @@ into its slice of the full gradient). Peaks come from walking the
 rank's program in the order the executor runs it: activations per (chunk, microbatch)
 from `activation_bytes` (from the forward to its backward B, or to its input-gradient
 half I, after which what the weight-gradient half W reads is held until W), received
-tensors until consumed, full-size gradients from a chunk's first B, I or W to its
-reduction, gathered parameters from AG to RP, and the staging buffers of reductions and
+tensors until consumed, full-size gradients from a chunk's first B or W (I writes none)
+to its reduction, gathered parameters from AG to RP, and the staging buffers of reductions and
 gathers until they are waited.
 
 Pipeline messages (stageserver/pipeline_messages.py): with tp > 1 and scatter/gather or
@@ -41,7 +41,12 @@ from interleaf.common.model.params import TIED
 from interleaf.common.model.recompute_modes import block_modes
 from interleaf.common.model.shapes import chunk_param_specs, local_numel
 from interleaf.common.pipeline_message_modes import message_mode
-from interleaf.coordinator.activation_bytes import chunk_activation_bytes, chunk_input_bytes, weight_grad_bytes
+from interleaf.coordinator.activation_bytes import (
+    chunk_activation_bytes,
+    chunk_input_bytes,
+    weight_grad_bytes,
+    weight_grads_read_input,
+)
 from interleaf.coordinator.config import MASTER_BYTES, PRECISION_BYTES, JobConfig
 from interleaf.coordinator.partition import Chunk, chunks_of, partition
 from interleaf.protos.actions import RECVS, SENDS, Action, Kind
@@ -134,14 +139,20 @@ class _ProgramWalk:
         self.ledger.add("activations", self._activations(c)[0])
 
     def _weight_grad_bytes(self, c: int) -> int:
-        """What chunk c's I keeps of a microbatch for its W."""
+        """What chunk c's I keeps of a microbatch for its W. An input handed over locally
+        is the previous chunk's output, counted there as in the forward (where W reads
+        it: gpt2's first LayerNorm)."""
         chunk = self.chunks[c]
-        return weight_grad_bytes(self.model, len(chunk.layers), chunk.has_embedding, chunk.has_head,
+        kept = weight_grad_bytes(self.model, len(chunk.layers), chunk.has_embedding, chunk.has_head,
                                  self.rows, self.tp, self.precision, self.sequence_parallel)
+        if not self.recompute and c - 1 in self.chunks and weight_grads_read_input(self.model):
+            kept -= self.hidden
+        return kept
 
     def _hold_grads(self, c: int) -> None:
-        """Any backward half of c: its reduction's last use of the full-size gradient is
-        waited first, then that gradient is held (again) until the next reduction."""
+        """B or W, which write c's full-size gradient: its reduction's last read of it
+        is waited first, then it is held (again) until the next reduction. I writes
+        none, so at ZeRO-2/3 a split backward holds it from the chunk's first W."""
         self._finish(c)
         if not self.grads_held[c]:
             self.ledger.add("gradients", self.a * self.full[c])
@@ -152,7 +163,6 @@ class _ProgramWalk:
         self._input_gradient(action.chunk, for_weight=0)
 
     def _backward_input(self, action: Action) -> None:
-        self._hold_grads(action.chunk)
         self._input_gradient(action.chunk, for_weight=self._weight_grad_bytes(action.chunk))
 
     def _backward_weight(self, action: Action) -> None:
@@ -171,9 +181,9 @@ class _ProgramWalk:
         if not self.chunks[c].has_head:  # the output's gradient, handed over or received
             self.ledger.free("communication", self.hidden if c + 1 in self.chunks else self.message)
         self.ledger.free("activations", held)
-        self.ledger.add("activations", for_weight)
         if not self.chunks[c].has_embedding and c - 1 in self.chunks:
             self.ledger.add("communication", self.hidden)  # the input's gradient, handed over
+        self.ledger.add("activations", for_weight)
 
     def _receive(self, action: Action) -> None:
         self.ledger.add("communication", self.message)

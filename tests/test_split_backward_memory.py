@@ -1,7 +1,8 @@
 """The memory a split backward holds: what a chunk's input-gradient half I keeps for its
 weight-gradient half W (coordinator/activation_bytes.py's weight_grad_bytes), and the
 memory model's walk of programs with I and W (coordinator/memory_model.py). Programs
-are the planned ones with each B split by hand, so these need no zero-bubble schedule.
+are the planned ones with each B split by hand (tests/split_backward.py), so these need
+no zero-bubble schedule.
 All figures are integers of bytes: compared exactly.
 """
 
@@ -17,10 +18,11 @@ from interleaf.coordinator.activation_bytes import (
     weight_grad_bytes,
 )
 from interleaf.coordinator.config import load_config
-from interleaf.coordinator.memory_model import predict, predict_rank
+from interleaf.coordinator.memory_model import bucket_sizes, predict, predict_rank
 from interleaf.coordinator.partition import chunks_of, partition
 from interleaf.coordinator.plan import plan_programs
-from interleaf.protos.actions import REDUCTIONS, Action, Kind
+from interleaf.protos.actions import Action, Kind
+from tests.split_backward import split_backwards
 
 BYTES = {"fp32": 4, "bf16": 2, "fp64": 8}
 
@@ -55,6 +57,8 @@ def _kept_by_op(model: ModelShape, rows: int, tp: int, precision: str, sp: bool,
         }
         if gpt2:
             block |= {"qkv output grad": bs * 3 * h * hd * a, "up output grad": bs * ffn * a}
+            if sp:  # the row-parallel biases' output gradients, this rank's tokens
+                block |= {"proj.bias output grad": local * d * a, "down.bias output grad": local * d * a}
         else:
             block |= {"q output grad": bs * h * hd * a, "k output grad": bs * kv * hd * a,
                       "v output grad": bs * kv * hd * a, "gate output grad": bs * ffn * a,
@@ -91,13 +95,21 @@ def test_the_llama_2_7b_worked_example():
 
 def test_sequence_parallelism_keeps_the_gathered_inputs_whole():
     """The norms' terms shrink with t, the column-parallel inputs and the row-parallel
-    output gradients, gathered, do not: a gpt2 block at t=2 keeps 4*b*s*d*a fewer bytes
-    with sequence parallelism (its two norms' input and output gradient halved), not half."""
-    rows, a, bs, d = 2, 4, 2 * GPT2.seq_len, GPT2.d_model
+    output gradients, gathered, do not: at t=2 a llama block keeps its two norms'
+    normalised input and output gradient halved with sequence parallelism, 2*b*s*d*a
+    fewer bytes, not half; a gpt2 block its norms' input, statistics and output
+    gradient halved, 2*b*s*d*a + 2*b*s*a fewer, less the b*s*d*a its row-parallel
+    biases then keep, their halves of the sums' gradients."""
+    rows, a = 2, 4
+    bs = rows * LLAMA.seq_len
+    plain = block_weight_grad_bytes(LLAMA, rows, 2, "fp32")
+    split = block_weight_grad_bytes(LLAMA, rows, 2, "fp32", sequence_parallel=True)
+    assert plain - split == 2 * bs * LLAMA.d_model * a
+    assert split > plain // 2
+    bs = rows * GPT2.seq_len
     plain = block_weight_grad_bytes(GPT2, rows, 2, "fp32")
     split = block_weight_grad_bytes(GPT2, rows, 2, "fp32", sequence_parallel=True)
-    assert plain - split == 2 * (2 * bs * d * a + 2 * bs * a) // 2
-    assert split > plain // 2
+    assert plain - split == 2 * bs * GPT2.d_model * a + 2 * bs * a - bs * GPT2.d_model * a
 
 
 # --- the memory model's walk of split programs ------------------------------------------------
@@ -114,41 +126,28 @@ def _config(n_layers: int, pp: int, vpp: int, *extra: str):
                                     f"parallel.schedule={schedule}", *batch, *extra])
 
 
-def _split(program: list[Action], deferred: bool) -> list[Action]:
-    """Each B as I, with its W right after it or, deferred, all of a chunk's W's just
-    before the chunk's (last) reduction, or before the tie reduction or optimizer step
-    where a chunk is never reduced."""
-    split, waiting = [], {}
-    for action in program:
-        if action.kind is Kind.BACKWARD:
-            split.append(Action(Kind.BACKWARD_INPUT, action.chunk, action.microbatch))
-            weight = Action(Kind.BACKWARD_WEIGHT, action.chunk, action.microbatch)
-            waiting.setdefault(action.chunk, []).append(weight) if deferred else split.append(weight)
-            continue
-        if action.kind in REDUCTIONS:
-            split += waiting.pop(action.chunk, [])
-        elif action.kind in (Kind.REDUCE_TIED_GRADS, Kind.OPTIMIZER_STEP):
-            split += [w for chunk in sorted(waiting) for w in waiting.pop(chunk)]
-        split.append(action)
-    assert not waiting
-    return split
-
-
 @pytest.mark.parametrize("arch", [[], ["model.arch=llama", "model.n_kv_heads=1"]], ids=["gpt2", "llama"])
 @pytest.mark.parametrize("zero", [0, 1, 2, 3])
 @pytest.mark.parametrize("deferred", [False, True], ids=["w-at-once", "w-deferred"])
 def test_a_split_backward_holds_the_state_and_gradients_a_fused_one_does(deferred, zero, arch):
-    """The full-size gradient lives from the chunk's first I to its reduction, after its
-    last W, as from its first B: the state at the step's end and the gradient and
-    parameter peaks are B's; the activations come back to nothing by the step's end."""
+    """The full-size gradient lives from the chunk's first W (I writes none) to its
+    reduction, after its last W: the state at the step's end and the parameter peak are
+    B's; so is the gradient peak with each W right after its I, while W's deferred to
+    each chunk's reduction hold one chunk's full-size gradient at a time at ZeRO-2/3,
+    where B's interleaved order held both of a rank's."""
     config = _config(4, 2, 2, "parallel.dp=2", f"parallel.zero={zero}", "train.precision=bf16", *arch)
     programs, _ = plan_programs(config)
     fused = predict(config, programs)
-    split = predict(config, [_split(program, deferred) for program in programs])
-    same = ("parameters_bytes", "gradients_bytes", "optimizer_bytes", "parameters_peak_bytes",
-            "gradients_peak_bytes")
+    split = predict(config, [split_backwards(program, deferred) for program in programs])
+    same = ("parameters_bytes", "gradients_bytes", "optimizer_bytes", "parameters_peak_bytes")
     for rank, (b, iw) in enumerate(zip(fused, split)):
         assert {k: iw[k] for k in same} == {k: b[k] for k in same}, f"pipeline rank {rank}"
+        if deferred and zero >= 2:
+            chunks = chunks_of(partition(4, 2, 2), rank)
+            full = min(2 * sum(-(-n // 2) * 2 for n in bucket_sizes(config, c)) for c in chunks)  # bf16, padded
+            assert iw["gradients_peak_bytes"] <= b["gradients_peak_bytes"] - full, f"pipeline rank {rank}"
+        else:
+            assert iw["gradients_peak_bytes"] == b["gradients_peak_bytes"], f"pipeline rank {rank}"
         assert iw["activations_peak_bytes"] >= b["activations_peak_bytes"] > 0
 
 
@@ -170,12 +169,12 @@ def test_deferred_weight_gradients_hold_what_w_reads_until_w(arch, recompute):
                                                  config.train.recompute_layers))
     w = weight_grad_bytes(model, 2, True, True, rows, 1, "fp32")
     programs, _ = plan_programs(config)
-    split = _split(programs[0], deferred=True)
+    split = split_backwards(programs[0], deferred=True)
     assert [str(a) for a in split if a.kind in (Kind.FORWARD, Kind.BACKWARD_INPUT, Kind.BACKWARD_WEIGHT)] == \
         "F0.0 I0.0 F0.1 I0.1 F0.2 I0.2 W0.0 W0.1 W0.2".split()
     assert predict_rank(config, split, 0)["activations_peak_bytes"] == 2 * w + max(forward, w)
     # W at once after each I: one microbatch at a time.
-    at_once = predict_rank(config, _split(programs[0], deferred=False), 0)
+    at_once = predict_rank(config, split_backwards(programs[0], deferred=False), 0)
     assert at_once["activations_peak_bytes"] == max(forward, w)
 
 
@@ -194,9 +193,33 @@ def test_zero3_weight_gradients_need_no_gathered_parameters():
     config = _config(4, 2, 2, "parallel.dp=2", "parallel.zero=3")
     programs, _ = plan_programs(config)
     for rank, program in enumerate(programs):
-        split = _split(program, deferred=True)
+        split = split_backwards(program, deferred=True)
         for chunk in chunks_of(partition(4, 2, 2), rank):
             release = max(i for i, a in enumerate(split) if a.kind is Kind.RELEASE_PARAMS and a.chunk == chunk.index)
             assert any(a.kind is Kind.BACKWARD_WEIGHT for a in split[release:])
         assert predict_rank(config, split, rank)["parameters_peak_bytes"] == \
             predict_rank(config, program, rank)["parameters_peak_bytes"]
+
+
+@pytest.mark.parametrize("arch", [[], ["model.arch=llama", "model.n_kv_heads=1"]], ids=["gpt2", "llama"])
+def test_an_input_handed_over_locally_is_counted_by_the_chunk_that_made_it(arch):
+    """pp=1, two chunks: chunk 1's input is chunk 0's output, counted among chunk 0's
+    activations, so neither chunk 1's forward nor its W's (gpt2's first LayerNorm reads
+    it) count it again. F0.0 F1.0 I1.0 I0.0 W1.0 W0.0: the most held is after both
+    forwards, or after I1.0 (chunk 0's forward and W1's), or after I0.0 (both W's)."""
+    config = _config(4, 1, 2, "parallel.microbatches=1", "train.global_batch=2", *arch)
+    model, rows, a = shape_of(config.model), 2, 4
+    hidden = rows * model.seq_len * model.d_model * a
+    first, second = partition(4, 1, 2)
+    forward = [chunk_activation_bytes(model, 2, c.has_embedding, c.has_head, rows, 1, "fp32") for c in (first, second)]
+    forward[1] -= hidden
+    w = [weight_grad_bytes(model, 2, c.has_embedding, c.has_head, rows, 1, "fp32") for c in (first, second)]
+    if config.model.arch == "gpt2":
+        w[1] -= hidden
+    program = [Action(Kind.FORWARD, 0, 0), Action(Kind.FORWARD, 1, 0), Action(Kind.BACKWARD_INPUT, 1, 0),
+               Action(Kind.BACKWARD_INPUT, 0, 0), Action(Kind.BACKWARD_WEIGHT, 1, 0),
+               Action(Kind.BACKWARD_WEIGHT, 0, 0), Action(Kind.OPTIMIZER_STEP)]
+    peak = predict_rank(config, program, 0)["activations_peak_bytes"]
+    assert peak == max(forward[0] + forward[1], forward[0] + w[1], w[0] + w[1])
+    if config.model.arch == "gpt2":  # chunk 1's W decides it: counting its input twice would show
+        assert peak > forward[0] + forward[1]
