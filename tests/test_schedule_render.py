@@ -158,3 +158,24 @@ def test_png_shades_i_and_w_by_virtual_stage(tmp_path):
                     _bar_pixel(fig, ax, rank, span))
     assert len(colours) == 6 and all(len(found) == 1 for found in colours.values())
     assert len({c for found in colours.values() for c in found}) == 6
+
+
+def test_png_of_zbv_shades_each_rank_s_two_chunks_apart(tmp_path):
+    """zbv's V puts chunks 0 and 3 on rank 0 and 1 and 2 on rank 1 (pp=2): each rank
+    draws its first chunk as virtual stage 0 and its way back up as stage 1."""
+    programs = build_programs("zbv", 2, 2, 4, dp=1)
+    result = simulate(programs, CostModel())
+    fig = write_png(str(tmp_path / "zbv.png"), programs, result)
+    (ax,) = fig.axes
+    assert [t.get_text() for t in fig.legends[0].get_texts()][:6] == [
+        f"{kind} (virtual stage {v})" for kind in ("forward", "input gradient I", "weight gradient W") for v in (0, 1)]
+    fig.canvas.draw()
+    shades = {}
+    for rank, spans in enumerate(result.timeline):
+        for span in spans:
+            if span.action.kind in SPLIT:
+                shades.setdefault(_bar_pixel(fig, ax, rank, span), set()).add((span.action.kind, span.action.chunk))
+    # One colour per kind and virtual stage: chunks 0 and 1 going down, 2 and 3 back up.
+    assert {frozenset(found) for found in shades.values()} == {
+        frozenset((kind, c) for c in chunks) for kind in SPLIT for chunks in ((0, 1), (2, 3))}
+    assert timeline_table(programs, result).splitlines()[1].split()[2:5] == ["F0.0", "F0.1", "F0.2"]

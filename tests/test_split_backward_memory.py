@@ -223,3 +223,37 @@ def test_an_input_handed_over_locally_is_counted_by_the_chunk_that_made_it(arch)
     assert peak == max(forward[0] + forward[1], forward[0] + w[1], w[0] + w[1])
     if config.model.arch == "gpt2":  # chunk 1's W decides it: counting its input twice would show
         assert peak > forward[0] + forward[1]
+
+
+# --- the zero-bubble schedules' own programs --------------------------------------------------
+
+
+def test_zb_h1_holds_its_forwards_and_the_ws_it_owes():
+    """zb-h1, pp=2, 4 microbatches (coordinator/schedule/zero_bubble.py's example):
+    rank 0 runs each W right after its I, so it holds its two warmup forwards, or one
+    forward and one W's bytes; rank 1 runs each W a microbatch late, so it holds one W
+    beside a forward, or two W's."""
+    config = _config(4, 2, 1, "parallel.schedule=zb-h1")
+    model, rows = shape_of(config.model), 8 // 4
+    programs, _ = plan_programs(config)
+    for rank, chunk in enumerate(partition(4, 2, 1, "zb-h1")):
+        forward = chunk_activation_bytes(model, 2, chunk.has_embedding, chunk.has_head, rows, 1, "fp32")
+        w = weight_grad_bytes(model, 2, chunk.has_embedding, chunk.has_head, rows, 1, "fp32")
+        expected = forward + max(forward, w) if rank == 0 else w + max(forward, w)
+        assert predict_rank(config, programs[rank], rank)["activations_peak_bytes"] == expected, f"rank {rank}"
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+def test_zbv_holds_the_state_of_the_chunks_its_v_places(zero):
+    """zbv, pp=2: rank 0 holds chunks 0 and 3 (the embedding and the head), rank 1
+    chunks 1 and 2; the state each rank ends the step with is that of its chunks as
+    the V places them, whatever the order of their computes."""
+    config = _config(4, 2, 2, "parallel.schedule=zbv", "parallel.dp=2", f"parallel.zero={zero}")
+    chunks = partition(4, 2, 2, "zbv")
+    assert [[c.index for c in chunks_of(chunks, rank)] for rank in (0, 1)] == [[0, 3], [1, 2]]
+    programs, _ = plan_programs(config)
+    for rank, prediction in enumerate(predict(config, programs)):
+        psi = sum(-(-n // 2) * 2 for c in chunks_of(chunks, rank) for n in bucket_sizes(config, c))
+        assert prediction["parameters_bytes"] == 4 * (psi // 2 if zero == 3 else psi), f"rank {rank}"
+        assert prediction["gradients_bytes"] == 4 * (psi if zero < 2 else psi // 2), f"rank {rank}"
+        assert prediction["activations_peak_bytes"] > 0
