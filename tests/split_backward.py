@@ -13,7 +13,8 @@ def split_backwards(program: list[Action], deferred: bool) -> list[Action]:
 
         F0.0 F0.1 B0.0 B0.1 OPT  ->  F0.0 F0.1 I0.0 I0.1 W0.0 W0.1 OPT
     """
-    split, waiting = [], {}
+    split: list[Action] = []
+    waiting: dict[int, list[Action]] = {}
     for action in program:
         if action.kind is Kind.BACKWARD:
             split.append(Action(Kind.BACKWARD_INPUT, action.chunk, action.microbatch))
