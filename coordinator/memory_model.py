@@ -92,6 +92,9 @@ class _ProgramWalk:
         self.ledger = MemoryLedger()
         self.grads_held = {c: p.zero < 2 for c in self.chunks}
         self.pending: list[tuple[int, int, bool]] = []  # (chunk, staged bytes, frees grads)
+        # (chunk, microbatch) of each I whose W has not run -> [bytes counted for that W,
+        # bytes of its input it reads that the previous chunk still counts].
+        self.weights_owed: dict[tuple[int, int], list[int]] = {}
         self.handlers = {
             Kind.FORWARD: self._forward, Kind.BACKWARD: self._backward,
             Kind.BACKWARD_INPUT: self._backward_input, Kind.BACKWARD_WEIGHT: self._backward_weight,
@@ -138,16 +141,19 @@ class _ProgramWalk:
             self.ledger.free("communication", self.message)  # the received input, now in use
         self.ledger.add("activations", self._activations(c)[0])
 
-    def _weight_grad_bytes(self, c: int) -> int:
-        """What chunk c's I keeps of a microbatch for its W. An input handed over locally
-        is the previous chunk's output, counted there as in the forward (where W reads
-        it: gpt2's first LayerNorm)."""
+    def _weight_grad_bytes(self, c: int) -> tuple[int, int]:
+        """What chunk c's I keeps of a microbatch for its W: (bytes counted for it, bytes
+        of an input handed over locally that it reads). Such an input is the previous
+        chunk's output, counted there as in the forward until that chunk's own B or I
+        frees its activations; the input then moves to this W's account (the
+        executor's stageserver/deferred_grads.py). Only gpt2's W reads it, in its first
+        LayerNorm."""
         chunk = self.chunks[c]
         kept = weight_grad_bytes(self.model, len(chunk.layers), chunk.has_embedding, chunk.has_head,
                                  self.rows, self.tp, self.precision, self.sequence_parallel)
         if not self.recompute and c - 1 in self.chunks and weight_grads_read_input(self.model):
-            kept -= self.hidden
-        return kept
+            return kept - self.hidden, self.hidden
+        return kept, 0
 
     def _hold_grads(self, c: int) -> None:
         """B or W, which write c's full-size gradient: its reduction's last read of it
@@ -160,30 +166,40 @@ class _ProgramWalk:
 
     def _backward(self, action: Action) -> None:
         self._hold_grads(action.chunk)
-        self._input_gradient(action.chunk, for_weight=0)
+        self._input_gradient(action)
 
     def _backward_input(self, action: Action) -> None:
-        self._input_gradient(action.chunk, for_weight=self._weight_grad_bytes(action.chunk))
+        self._input_gradient(action)
+        counted, borrowed = self._weight_grad_bytes(action.chunk)
+        self.ledger.add("activations", counted)
+        self.weights_owed[(action.chunk, action.microbatch)] = [counted, borrowed]
 
     def _backward_weight(self, action: Action) -> None:
+        owed = self.weights_owed.pop((action.chunk, action.microbatch), None)
+        if owed is None:
+            raise ValueError(f"{action} has no I before it: nothing is kept for it")
         self._hold_grads(action.chunk)
-        self.ledger.free("activations", self._weight_grad_bytes(action.chunk))
+        self.ledger.free("activations", owed[0])
 
-    def _input_gradient(self, c: int, for_weight: int) -> None:
-        """B or I: the activations (rerun first under recompute) are freed but for
-        `for_weight` bytes kept for a W; the output's gradient is consumed and the
-        input's made. The forward's are freed before W's are counted: autograd frees
-        each saved tensor as its backward passes it, while the gradients W keeps are
-        made one by one on the way, so the most held during I is about the larger of
-        the two, not their sum."""
+    def _input_gradient(self, action: Action) -> None:
+        """B or I: the activations (rerun first under recompute) are freed, the
+        output's gradient is consumed and the input's made. I then counts what it
+        keeps for W: after the forward's are freed, as autograd frees each saved
+        tensor as its backward passes it while the gradients W keeps are made one by
+        one on the way, so the most held during I is about the larger of the two, not
+        their sum."""
+        c = action.chunk
         kept, held = self._activations(c)
         self.ledger.add("activations", held - kept)  # recompute's rerun
         if not self.chunks[c].has_head:  # the output's gradient, handed over or received
             self.ledger.free("communication", self.hidden if c + 1 in self.chunks else self.message)
         self.ledger.free("activations", held)
+        owed = self.weights_owed.get((c + 1, action.microbatch))
+        if owed and owed[1]:  # this chunk's output, which the next chunk's W still reads
+            self.ledger.add("activations", owed[1])
+            owed[0], owed[1] = owed[0] + owed[1], 0
         if not self.chunks[c].has_embedding and c - 1 in self.chunks:
             self.ledger.add("communication", self.hidden)  # the input's gradient, handed over
-        self.ledger.add("activations", for_weight)
 
     def _receive(self, action: Action) -> None:
         self.ledger.add("communication", self.message)
