@@ -63,6 +63,19 @@ LAYOUTS = {
     "llama-selective-k2-tp2-pp2-v2": ["model.arch=llama", "model.n_kv_heads=2", "model.vocab_size=300",
                                       "parallel.tp=2", "parallel.pp=2", "parallel.vpp=2",
                                       "train.recompute=selective", "train.recompute_layers=2"],
+    # Zero-bubble schedules: each I keeps what its W reads until that W; the full-size
+    # gradient from a chunk's first W; zbv's V (chunks 0 and 3 on rank 0), at pp=1 with
+    # the turn of the V handed over locally.
+    "zbh1-zero2-dp2-pp2": ["parallel.dp=2", "parallel.pp=2", "parallel.vpp=1", "parallel.schedule=zb-h1",
+                           "parallel.zero=2"],
+    "zbv-zero3-dp2-tp2-pp2": ["parallel.dp=2", "parallel.tp=2", "parallel.pp=2", "parallel.vpp=2",
+                              "parallel.schedule=zbv", "parallel.zero=3"],
+    "llama-zbv-sp-bf16-tp2-pp2-recompute": ["model.arch=llama", "model.n_kv_heads=2", "model.vocab_size=300",
+                                            "parallel.tp=2", "parallel.pp=2", "parallel.vpp=2",
+                                            "parallel.schedule=zbv", "parallel.sequence_parallel=true",
+                                            "train.precision=bf16", "train.recompute=full"],
+    "zbv-selective-dp2-pp1": ["parallel.dp=2", "parallel.pp=1", "parallel.vpp=2", "parallel.schedule=zbv",
+                              "parallel.zero=1", "train.recompute=selective"],
 }
 
 
