@@ -269,7 +269,7 @@ def cmd_schedule(args) -> int:
         # Planning validates the programs, which includes running them under rendezvous
         # semantics: a program that deadlocks there is never shipped.
         programs, _ = plan_programs(config)
-        result = simulate(programs, CostModel(forward_s=1.0, backward_s=1.0), links=args.links)
+        result = simulate(programs, CostModel(), links=args.links)
     except DeadlockError as err:
         print(f"{_LINKS[args.links]}: deadlock")
         for blocked in err.blocked:

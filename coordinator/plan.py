@@ -10,6 +10,7 @@ from interleaf.coordinator.grid import RankGrid, place
 from interleaf.coordinator.config.eval import eval_microbatches
 from interleaf.coordinator.schedule import CostModel, build_programs, simulate, validate_programs
 from interleaf.coordinator.schedule.forward_only import build_eval_programs
+from interleaf.coordinator.schedule.placement import chunk_ranks
 from interleaf.protos.actions import Action
 from interleaf.protos import interleaf_pb2 as pb
 
@@ -41,7 +42,7 @@ class JobPlan:
                 partitioning.describe(self.chunks, pp),
                 self.grid.describe(),
                 f"{self.state}; transport {self.transport}",
-                f"simulated bubble fraction (uniform costs): {self.predicted_bubble:.3f}",
+                f"simulated bubble fraction (a backward costing two forwards): {self.predicted_bubble:.3f}",
             ]
         )
 
@@ -65,13 +66,14 @@ class JobPlan:
 
 def plan_programs(config: JobConfig) -> tuple[list[list[Action]], float]:
     """Lowers the schedule into one validated program per pipeline rank (deadlock-free
-    under rendezvous semantics, or `DeadlockError`) and simulates it with uniform
-    costs (forward = backward, free communication)."""
+    under rendezvous semantics, or `DeadlockError`) and simulates it with the cost
+    model's default costs: a backward twice a forward (its FLOPs), each of its halves
+    one forward, free communication."""
     p = config.parallel
     programs = build_programs(p.schedule, p.pp, p.vpp, p.microbatches, p.dp, p.zero, p.zero_prefetch,
                               tied=config.model.tie_embeddings)
-    validate_programs(programs, p.pp, p.vpp, p.microbatches, p.zero)
-    result = simulate(programs, CostModel(forward_s=1.0, backward_s=1.0))
+    validate_programs(programs, p.pp, p.vpp, p.microbatches, p.zero, placement=chunk_ranks(p.schedule, p.pp, p.vpp))
+    result = simulate(programs, CostModel())
     return programs, result.bubble_fraction
 
 
@@ -83,8 +85,9 @@ def plan_eval_programs(config: JobConfig) -> list[list[Action]]:
         return []
     count = eval_microbatches(e.samples, config.train.global_batch, p.microbatches)
     programs = build_eval_programs(p.schedule, p.pp, p.vpp, count, p.zero, p.zero_prefetch)
-    validate_programs(programs, p.pp, p.vpp, count, p.zero, forward_only=True)
-    simulate(programs, CostModel(forward_s=1.0, backward_s=1.0))
+    validate_programs(programs, p.pp, p.vpp, count, p.zero, forward_only=True,
+                      placement=chunk_ranks(p.schedule, p.pp, p.vpp))
+    simulate(programs, CostModel())
     return programs
 
 

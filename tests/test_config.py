@@ -47,9 +47,11 @@ BAD_CONFIGS = [
      "their bounds are blended"),
     (["parallel.dp=3"], "train.global_batch=16 must be divisible by parallel.dp*parallel.microbatches=12"),
     (["parallel.schedule=zigzag"],
-     "parallel.schedule='zigzag' must be one of gpipe, 1f1b, interleaved-1f1b"),
+     "parallel.schedule='zigzag' must be one of gpipe, 1f1b, interleaved-1f1b, zb-h1, zbv"),
     (["parallel.schedule=gpipe"],
-     "parallel.vpp=2 needs parallel.schedule='interleaved-1f1b' (gpipe runs one chunk per rank)"),
+     "parallel.vpp=2 needs parallel.schedule='interleaved-1f1b' or 'zbv' (gpipe runs one chunk per rank)"),
+    (["parallel.schedule=zbv", "parallel.vpp=3", "model.n_layers=12"],
+     "parallel.vpp=3 must be 2 for parallel.schedule='zbv': its V places two chunks on each rank"),
     (["parallel.sequence_parallel=true"],
      "parallel.sequence_parallel=true needs parallel.tp>=2, not parallel.tp=1: it splits the sequence over the "
      "tensor-parallel ranks"),

@@ -23,6 +23,7 @@ from interleaf.coordinator.schedule import (
 )
 from interleaf.coordinator.schedule.fuse import place_p2p
 from interleaf.coordinator.schedule.links import link_of
+from interleaf.coordinator.schedule.placement import round_robin
 from interleaf.coordinator.schedule.lowering import add_gradient_sync, add_p2p
 from interleaf.protos.actions import Action, Kind, format_program, parse, parse_program
 from tests.conftest import TINY
@@ -34,8 +35,8 @@ X = Kind.EXCHANGE
 def _old_placement(schedule, pp, vpp, m, dp=1):
     """The programs as lowered before exchanges existed: each receive right before its
     consumer, each send right after its producer."""
-    programs = add_p2p(compute_order(schedule, pp, vpp, m), pp, vpp)
-    return [add_gradient_sync(p, r, pp, vpp, dp, tied_embedding_pipeline=True)
+    programs = add_p2p(compute_order(schedule, pp, vpp, m), round_robin(pp, vpp))
+    return [add_gradient_sync(p, r, round_robin(pp, vpp), dp, tied_embedding_pipeline=True)
             for r, p in enumerate(programs)]
 
 

@@ -14,6 +14,7 @@ from interleaf.coordinator.schedule import (CostModel, build_programs, compute_o
                                   peak_activations, simulate, validate_programs)
 from interleaf.protos.actions import (Action, Kind, format_program, parse,
                                           parse_program)
+from interleaf.coordinator.schedule.placement import round_robin
 from interleaf.coordinator.schedule.lowering import add_gradient_sync, add_p2p
 
 F, B = Kind.FORWARD, Kind.BACKWARD
@@ -35,7 +36,8 @@ def _compute(program):
 # --- the action vocabulary -------------------------------------------------------------
 
 def test_every_kind_round_trips_through_its_string():
-    actions = [Action(F, 3, 1), Action(B, 3, 1), Action(Kind.SEND_ACT, 3, 1, 2),
+    actions = [Action(F, 3, 1), Action(B, 3, 1), Action(Kind.BACKWARD_INPUT, 3, 1),
+               Action(Kind.BACKWARD_WEIGHT, 3, 1), Action(Kind.SEND_ACT, 3, 1, 2),
                Action(Kind.RECV_ACT, 4, 1, 1), Action(Kind.SEND_GRAD, 4, 1, 1),
                Action(Kind.RECV_GRAD, 3, 1, 2), Action(Kind.REDUCE_GRADS, 3),
                Action(Kind.REDUCE_SCATTER_GRADS, 3), Action(Kind.GATHER_PARAMS, 5),
@@ -44,7 +46,7 @@ def test_every_kind_round_trips_through_its_string():
                Action(Kind.EXCHANGE, members=(Action(Kind.SEND_ACT, 3, 1, 2),
                                               Action(Kind.RECV_GRAD, 3, 0, 2)))]
     assert {a.kind for a in actions} == set(Kind)
-    assert [str(a) for a in actions] == ["F3.1", "B3.1", "SA3.1>2", "RA4.1<1", "SG4.1>1",
+    assert [str(a) for a in actions] == ["F3.1", "B3.1", "I3.1", "W3.1", "SA3.1>2", "RA4.1<1", "SG4.1>1",
                                          "RG3.1<2", "DP3", "RS3", "AG5", "RP5", "TIE", "OPT",
                                          "SA3.1>2+RG3.0<2"]
     assert [parse(str(a)) for a in actions] == actions
@@ -97,7 +99,7 @@ def test_invalid_combinations_are_refused(args, words):
 # --- lowering passes ---------------------------------------------------------------------
 
 def test_p2p_wraps_compute_in_receives_and_sends():
-    programs = add_p2p(compute_order("1f1b", 2, 1, 2), 2, 1)
+    programs = add_p2p(compute_order("1f1b", 2, 1, 2), round_robin(2, 1))
     assert format_program(programs[0]) == \
         "F0.0 SA0.0>1 F0.1 SA0.1>1 RG0.0<1 B0.0 RG0.1<1 B0.1"
     assert format_program(programs[1]) == \
@@ -106,7 +108,7 @@ def test_p2p_wraps_compute_in_receives_and_sends():
 
 def test_p2p_chunks_at_the_ends_talk_only_inward():
     # pp=2, vpp=2: chunk 3 is last (no SA, no RG); chunk 0 is first (no RA, no SG).
-    programs = add_p2p(compute_order("interleaved-1f1b", 2, 2, 2), 2, 2)
+    programs = add_p2p(compute_order("interleaved-1f1b", 2, 2, 2), round_robin(2, 2))
     kinds_by_chunk = {}
     for program in programs:
         for a in program:
@@ -119,7 +121,7 @@ def test_p2p_chunks_at_the_ends_talk_only_inward():
 
 
 def test_single_rank_hands_tensors_over_locally():
-    (program,) = add_p2p(compute_order("interleaved-1f1b", 1, 3, 2), 1, 3)
+    (program,) = add_p2p(compute_order("interleaved-1f1b", 1, 3, 2), round_robin(1, 3))
     assert program == compute_order("interleaved-1f1b", 1, 3, 2)[0]
 
 
@@ -163,15 +165,15 @@ def test_tie_only_on_first_and_last_rank_and_optimizer_last(pp):
 
 
 def test_untied_model_gets_no_tie_reduction():
-    program = add_p2p(compute_order("1f1b", 2, 1, 2), 2, 1)[0]
-    synced = add_gradient_sync(program, 0, 2, 1, 1, tied_embedding_pipeline=False)
+    program = add_p2p(compute_order("1f1b", 2, 1, 2), round_robin(2, 1))[0]
+    synced = add_gradient_sync(program, 0, round_robin(2, 1), 1, tied_embedding_pipeline=False)
     assert synced == program + [Action(Kind.OPTIMIZER_STEP)]
 
 
 def test_gradient_sync_refuses_a_program_missing_an_owned_chunk():
     program = [Action(F, 0, 0), Action(B, 0, 0)]  # rank 0 of pp=2, vpp=2 also owns chunk 2
     with pytest.raises(ValueError, match="owns chunk 2"):
-        add_gradient_sync(program, 0, 2, 2, 2, tied_embedding_pipeline=True)
+        add_gradient_sync(program, 0, round_robin(2, 2), 2, tied_embedding_pipeline=True)
 
 
 # --- every layout validates and runs ------------------------------------------------------

@@ -26,7 +26,7 @@ def test_status_reports_coordinates_groups_and_layout(client):
     addresses = {r.server_address for r in final.ranks}
     assert len(addresses) == 8
     assert "pipeline rank 1: chunk 1 [layers 2-3], chunk 3 [layers 6-7 + head]" in final.layout
-    assert "simulated bubble fraction (uniform costs): 0.111" in final.layout
+    assert "simulated bubble fraction (a backward costing two forwards): 0.111" in final.layout
 
 
 def test_schedule_command_prints_grid_programs_and_bubble(tmp_path):

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from interleaf.coordinator.config.rules import ConfigError, _bounded, _positive
 from interleaf.common import limits
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zbv")
 TRANSPORTS = ("auto", "gloo", "nccl")
 MAX_ZERO_PREFETCH = 4
 
@@ -16,8 +16,9 @@ MAX_ZERO_PREFETCH = 4
 @dataclass(frozen=True)
 class ParallelConfig:
     """[parallel]: the layout. A job needs dp*tp*pp stage servers, one per rank. Its
-    n_layers are cut into pp*vpp chunks (chunk c on pipeline rank c mod pp); layers that
-    do not divide evenly are spread, the first chunks taking one more. No value here
+    n_layers are cut into pp*vpp chunks (chunk c on pipeline rank c mod pp, or, under
+    zbv, chunks r and 2*pp-1-r on rank r); layers that do not divide evenly are spread,
+    the first chunks taking one more. No value here
     changes what is trained on: every layout's losses are the single-process
     reference's (docs/parallelism.md)."""
 
@@ -30,9 +31,14 @@ class ParallelConfig:
     """Pipeline ranks."""
     vpp: int = 2
     """Model chunks per pipeline rank (interleaved 1F1B's virtual stages); more than 1
-    needs schedule interleaved-1f1b."""
+    needs schedule interleaved-1f1b, and zbv needs exactly 2."""
     schedule: str = "interleaved-1f1b"
-    """One of gpipe, 1f1b, interleaved-1f1b."""
+    """One of gpipe, 1f1b, interleaved-1f1b, zb-h1, zbv (docs/parallelism.md, "Which
+    schedule"). zb-h1 and zbv are zero-bubble schedules (Qi et al. 2024): each backward
+    runs as its input-gradient half, sent upstream at once, and its weight-gradient
+    half, moved into what would be bubbles. zb-h1 keeps one chunk per rank and 1F1B's
+    peak activation memory; zbv places two chunks per rank in a V (rank r holds chunks
+    r and 2*pp-1-r) for a bubble near zero at the same memory."""
     microbatches: int = 4
     """Microbatches per step (gradient accumulation through the pipeline); a multiple
     of pp for interleaved-1f1b."""
@@ -92,9 +98,14 @@ class ParallelConfig:
             raise ConfigError(
                 f"parallel.schedule={self.schedule!r} must be one of {', '.join(SCHEDULES)}"
             )
-        if self.vpp > 1 and self.schedule != "interleaved-1f1b":
+        if self.schedule == "zbv" and self.vpp != 2:
             raise ConfigError(
-                f"parallel.vpp={self.vpp} needs parallel.schedule='interleaved-1f1b' "
+                f"parallel.vpp={self.vpp} must be 2 for parallel.schedule='zbv': its V places "
+                f"two chunks on each rank"
+            )
+        if self.vpp > 1 and self.schedule not in ("interleaved-1f1b", "zbv"):
+            raise ConfigError(
+                f"parallel.vpp={self.vpp} needs parallel.schedule='interleaved-1f1b' or 'zbv' "
                 f"({self.schedule} runs one chunk per rank)"
             )
         if self.schedule == "interleaved-1f1b" and self.microbatches % self.pp:

@@ -1,7 +1,8 @@
 """Pass 1 of lowering: the order in which each pipeline rank runs forwards and backwards.
 
-Only FORWARD and BACKWARD actions come out of here; communication, gradient reduction
-and the optimizer step are added by the passes in `lowering.py`.
+Only computes come out of here: FORWARD and BACKWARD, or for the zero-bubble schedules
+(zero_bubble.py) FORWARD, BACKWARD_INPUT and BACKWARD_WEIGHT; communication, gradient
+reduction and the optimizer step are added by the passes in `lowering.py`.
 """
 
 from __future__ import annotations
@@ -10,7 +11,13 @@ from collections.abc import Callable
 
 from interleaf.protos.actions import Action, Kind
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
+from .placement import chunk_ranks
+from .zero_bubble import zb_h1_order, zero_bubble_orders
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zbv")
+CHUNKS_PER_RANK = {"zbv": 2}
+"""Schedules that run a fixed number of chunks per rank (vpp); interleaved-1f1b takes
+any, the others one."""
 
 
 def compute_order(schedule: str, pp: int, vpp: int, microbatches: int) -> list[list[Action]]:
@@ -23,6 +30,11 @@ def compute_order(schedule: str, pp: int, vpp: int, microbatches: int) -> list[l
     _check(schedule, pp, vpp, microbatches)
     if schedule == "gpipe":
         return [_gpipe(rank, microbatches) for rank in range(pp)]
+    if schedule == "zb-h1":
+        return [zb_h1_order(rank, pp, microbatches) for rank in range(pp)]
+    if schedule == "zbv":
+        # The same bytes: 2*pp microbatches of chunks half the size.
+        return zero_bubble_orders(chunk_ranks(schedule, pp, vpp), microbatches, [2 * pp] * pp)
     if schedule == "1f1b" or vpp == 1:
         # Interleaving one chunk per rank is plain 1F1B; Megatron's interleaved warmup
         # formula would only add needless in-flight microbatches here.
@@ -37,9 +49,11 @@ def _check(schedule: str, pp: int, vpp: int, microbatches: int) -> None:
     for name, value in (("pp", pp), ("vpp", vpp), ("microbatches", microbatches)):
         if value < 1:
             raise ValueError(f"{name}={value} must be at least 1")
-    if schedule != "interleaved-1f1b" and vpp != 1:
-        raise ValueError(f"vpp={vpp} must be 1 for {schedule}; only interleaved-1f1b "
-                         f"runs several chunks per rank")
+    if schedule in CHUNKS_PER_RANK and vpp != CHUNKS_PER_RANK[schedule]:
+        raise ValueError(f"vpp={vpp} must be {CHUNKS_PER_RANK[schedule]} for {schedule}")
+    if schedule not in CHUNKS_PER_RANK and schedule != "interleaved-1f1b" and vpp != 1:
+        raise ValueError(f"vpp={vpp} must be 1 for {schedule}; only interleaved-1f1b and zbv "
+                         f"run several chunks per rank")
     if schedule == "interleaved-1f1b" and vpp > 1 and microbatches % pp:
         raise ValueError(f"microbatches={microbatches} must be a multiple of pp={pp} "
                          f"for interleaved-1f1b")

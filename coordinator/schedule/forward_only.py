@@ -3,8 +3,8 @@ no backward, so no gradient buffers, reductions or optimizer step.
 
 The compute order is the training schedule's own with its backwards dropped (Megatron's
 `forward_only=True`): 1F1B and GPipe run each rank's forwards in microbatch order,
-interleaved 1F1B sweeps its chunks in groups of pp microbatches, so the pipeline fills as
-in training. Point-to-point goes through the same passes (`add_p2p`, then
+interleaved 1F1B sweeps its chunks in groups of pp microbatches, the zero-bubble
+schedules keep their greedy order's forwards, so the pipeline fills as in training. Point-to-point goes through the same passes (`add_p2p`, then
 `fuse.place_p2p` at each message's tick, which keeps the programs free of deadlock under
 rendezvous semantics), and ZeRO-3 gathers each chunk's parameters around its runs of
 forwards and releases them after, as `zero.add_param_gathers` does for training; ZeRO-1
@@ -25,6 +25,7 @@ from interleaf.protos.actions import Action, Kind
 from .compute_order import compute_order
 from .fuse import place_p2p
 from .lowering import add_p2p
+from .placement import chunk_ranks
 from .zero import add_param_gathers
 
 
@@ -36,7 +37,7 @@ def forward_order(schedule: str, pp: int, vpp: int, microbatches: int) -> list[l
 def build_eval_programs(schedule: str, pp: int, vpp: int, microbatches: int, zero: int = 0,
                         prefetch: int = 1) -> list[list[Action]]:
     """One forward-only program per pipeline rank (its DP and TP replicas run the same)."""
-    programs = place_p2p(add_p2p(forward_order(schedule, pp, vpp, microbatches), pp, vpp))
+    programs = place_p2p(add_p2p(forward_order(schedule, pp, vpp, microbatches), chunk_ranks(schedule, pp, vpp)))
     if zero == 3:
         programs = [add_param_gathers(program, prefetch) for program in programs]
     return programs

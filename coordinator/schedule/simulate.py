@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from interleaf.protos.actions import COMPUTE, REDUCTIONS, Action, Kind
+from interleaf.protos.actions import COMPUTE, REDUCTIONS, WEIGHT_GRADS, Action, Kind
 
 from .links import make_links, partner_of
 
@@ -26,6 +26,10 @@ class CostModel:
     """Seconds for one chunk's forward on one microbatch."""
     backward_s: float = 2.0
     """Seconds for one chunk's backward on one microbatch."""
+    input_s: float | None = None
+    """Seconds for its input-gradient half (I); None: half of backward_s."""
+    weight_s: float | None = None
+    """Seconds for its weight-gradient half (W); None: half of backward_s."""
     latency_s: float = 0.0
     """Seconds from a send until the first byte lands."""
     bandwidth_bytes_per_s: float = math.inf
@@ -42,9 +46,9 @@ class CostModel:
     """Seconds for the optimizer step."""
 
     def __post_init__(self) -> None:
-        for name in ("forward_s", "backward_s", "latency_s", "message_bytes", "reduce_s",
-                     "gather_s", "optimizer_s"):
-            if getattr(self, name) < 0:
+        for name in ("forward_s", "backward_s", "input_s", "weight_s", "latency_s", "message_bytes",
+                     "reduce_s", "gather_s", "optimizer_s"):
+            if (getattr(self, name) or 0) < 0:
                 raise ValueError(f"CostModel.{name}={getattr(self, name)} must be >= 0")
         if self.bandwidth_bytes_per_s <= 0:
             raise ValueError(f"CostModel.bandwidth_bytes_per_s="
@@ -52,6 +56,16 @@ class CostModel:
 
     def transfer_s(self) -> float:
         return self.latency_s + self.message_bytes / self.bandwidth_bytes_per_s
+
+    def compute_s(self, kind: Kind) -> float:
+        """Seconds for one forward, backward or backward half."""
+        if kind is Kind.FORWARD:
+            return self.forward_s
+        if kind is Kind.BACKWARD_INPUT:
+            return self.backward_s / 2 if self.input_s is None else self.input_s
+        if kind is Kind.BACKWARD_WEIGHT:
+            return self.backward_s / 2 if self.weight_s is None else self.weight_s
+        return self.backward_s
 
 
 class Span(NamedTuple):
@@ -68,7 +82,8 @@ class SimResult:
     """Time from the first action until the last rank finishes."""
     busy_s: list[float]
     """Per rank, seconds spent computing: forwards, backwards and the weight update (the
-    actions a stage server's idle time leaves out, so that the two bubbles compare)."""
+    actions a stage server's idle time leaves out, so that the two bubbles compare),
+    the input- and weight-gradient halves of split backwards included."""
     timeline: list[list[Span]]
     """Per rank, every action with its start and end, in program order."""
 
@@ -119,7 +134,10 @@ def simulate(programs: list[list[Action]], cost: CostModel = CostModel(),
     the interleaving in which ranks are stepped here.
     """
     pp = len(programs)
-    tie_group = sorted({0, pp - 1})
+    # The ranks holding the tied embedding's copies are those whose programs sum them
+    # (placement.tie_ranks: one rank where the first and last chunk share it).
+    tie_group = [r for r, program in enumerate(programs)
+                 if any(a.kind is Kind.REDUCE_TIED_GRADS for a in program)]
     clock = [0.0] * pp
     position = [0] * pp
     timeline: list[list[Span]] = [[] for _ in range(pp)]
@@ -136,7 +154,7 @@ def simulate(programs: list[list[Action]], cost: CostModel = CostModel(),
         if action.kind in COMPUTE:
             start = max(start, gathers[rank].get(action.chunk, start))
             if own is None:
-                own = cost.forward_s if action.kind is Kind.FORWARD else cost.backward_s
+                own = cost.compute_s(action.kind)
             end = start + own
         elif action.kind is Kind.GATHER_PARAMS:
             gathers[rank][action.chunk] = start + cost.gather_s
@@ -188,10 +206,8 @@ def simulate(programs: list[list[Action]], cost: CostModel = CostModel(),
 def _tie_end(rank: int, start: float, group: list[int], arrivals: list[list[float]],
              done: int, reduce_s: float) -> float | None:
     """When this rank's next tie reduction (its `done`-th) ends, or None while a partner
-    has not reached it yet. The rank's arrival is recorded on its first try only."""
-    if rank not in group:
-        raise ValueError(f"rank {rank} issues REDUCE_TIED_GRADS but only ranks {group} "
-                         f"hold the tied embedding")
+    has not reached it yet. The rank's arrival is recorded on its first try only. (Which
+    ranks belong to the group is the validator's check, against the placement.)"""
     if len(arrivals[rank]) == done:
         arrivals[rank].append(start)
     if any(len(arrivals[r]) <= done for r in group):
@@ -200,13 +216,14 @@ def _tie_end(rank: int, start: float, group: list[int], arrivals: list[list[floa
 
 
 def peak_activations(program: list[Action]) -> int:
-    """The most (chunk, microbatch) pairs whose forward has run and backward has not:
-    how many microbatches' activations the rank must hold at once."""
+    """The most (chunk, microbatch) pairs whose forward has run and whose backward (B,
+    or the weight-gradient half W, which keeps part of them alive) has not: how many
+    microbatches' activations the rank must hold at once."""
     in_flight = peak = 0
     for action in program:
         if action.kind is Kind.FORWARD:
             in_flight += 1
             peak = max(peak, in_flight)
-        elif action.kind is Kind.BACKWARD:
+        elif action.kind in WEIGHT_GRADS:
             in_flight -= 1
     return peak

@@ -8,28 +8,33 @@ fails at run time.
 
 from __future__ import annotations
 
-from interleaf.protos.actions import COMPUTE, PER_CHUNK, RECVS, SENDS, Action, Kind
+from interleaf.protos.actions import COMPUTE, INPUT_GRADS, PER_CHUNK, RECVS, SENDS, WEIGHT_GRADS, Action, Kind
 
 from .errors import ProgramError
 from .links import link_of
+from .placement import chunks_on, round_robin, tie_ranks
 from .simulate import CostModel, simulate
 from .zero_rules import check_zero
 
 
 def validate_programs(programs: list[list[Action]], pp: int, vpp: int,
-                      microbatches: int, zero: int = 0, forward_only: bool = False) -> None:
+                      microbatches: int, zero: int = 0, forward_only: bool = False,
+                      placement: tuple[int, ...] | None = None) -> None:
     """Raises ProgramError on the first rule a program breaks:
 
-    - every action's chunk lives on its rank, and every send/receive names the rank
-      that owns the neighbouring chunk;
-    - each (chunk, microbatch) has exactly one forward and one backward, forward first;
+    - every action's chunk lives on its rank under `placement` (placement.py; None:
+      round-robin, chunk c on rank c % pp), and every send/receive names the rank that
+      owns the neighbouring chunk;
+    - each (chunk, microbatch) has exactly one forward and either one backward (B) or
+      one input-gradient backward (I) and one weight-gradient backward (W), in the
+      order F, I, W;
     - every send has exactly one matching receive on its peer and vice versa, an
       exchange's members included, and between any two ranks the messages one way are
       received in the order they are sent (NCCL matches point-to-point messages by
       order, not by tag: two same-sized tensors swapped would arrive silently swapped);
     - a receive comes before the compute that consumes it, a send after the one that
       produces it; a chunk's REDUCE_GRADS comes once, after all of its backwards;
-    - REDUCE_TIED_GRADS is only on the first and last rank; OPTIMIZER_STEP appears once,
+    - REDUCE_TIED_GRADS is only on the ranks of the first and last chunk; OPTIMIZER_STEP appears once,
       last (under ZeRO-1/2 followed only by the gathers of the updated parameters);
     - the ZeRO rules of `zero_rules.check_zero` for the stage: the reductions and
       gathers it uses, no use of a parameter before its gather or after its release;
@@ -44,14 +49,20 @@ def validate_programs(programs: list[list[Action]], pp: int, vpp: int,
     """
     if len(programs) != pp:
         raise ValueError(f"got {len(programs)} programs for pp={pp}")
+    placement = round_robin(pp, vpp) if placement is None else placement
+    if len(placement) != pp * vpp or set(placement) != set(range(pp)):
+        raise ValueError(f"placement {placement} does not put pp*vpp={pp * vpp} chunks on {pp} ranks")
     for rank, program in enumerate(programs):
         if forward_only:
             _check_forward_only(program, rank)
-        _check_placement(program, rank, pp, vpp, optimizer_steps=0 if forward_only else 1)
-        _check_compute(program, rank, pp, vpp, microbatches,
-                       (Kind.FORWARD,) if forward_only else (Kind.FORWARD, Kind.BACKWARD))
-        _check_ordering(program, rank, pp, vpp)
-        check_zero(program, rank, pp, vpp, zero, forward_only)
+        _check_placement(program, rank, placement, optimizer_steps=0 if forward_only else 1)
+        _check_compute(program, rank, chunks_on(placement, rank), microbatches, forward_only)
+        _check_ordering(program, rank, placement)
+        check_zero(program, rank, chunks_on(placement, rank), zero, forward_only)
+    tying = {r for r, program in enumerate(programs) if any(a.kind is Kind.REDUCE_TIED_GRADS for a in program)}
+    if tying and tying != set(tie_ranks(placement)):
+        raise ProgramError(min(tying), None, None, f"the tied embedding is summed on ranks {sorted(tying)}, "
+                                                   f"but its copies live on ranks {sorted(set(tie_ranks(placement)))}")
     _check_matching(programs)
     _check_pair_order(programs)
     simulate(programs, CostModel(), links="rendezvous")
@@ -68,11 +79,12 @@ def _check_forward_only(program: list[Action], rank: int) -> None:
                 raise ProgramError(rank, i, a, f"{_member(b, a)}a forward-only program has no {b.kind.name}")
 
 
-def _check_placement(program: list[Action], rank: int, pp: int, vpp: int, optimizer_steps: int = 1) -> None:
+def _check_placement(program: list[Action], rank: int, placement: tuple[int, ...],
+                     optimizer_steps: int = 1) -> None:
     for i, a in enumerate(program):
         for b in (a.p2p_ops() or (a,)):
-            _check_chunk_and_peer(b, rank, pp, vpp, i, a)
-        if a.kind is Kind.REDUCE_TIED_GRADS and (pp * vpp == 1 or rank not in (0, pp - 1)):
+            _check_chunk_and_peer(b, rank, placement, i, a)
+        if a.kind is Kind.REDUCE_TIED_GRADS and (len(placement) == 1 or rank not in tie_ranks(placement)):
             raise ProgramError(rank, i, a, "only the ranks of the first and last of several "
                                            "chunks hold a copy of the tied embedding")
         if a.kind is Kind.OPTIMIZER_STEP and any(b.kind is not Kind.GATHER_PARAMS
@@ -83,17 +95,19 @@ def _check_placement(program: list[Action], rank: int, pp: int, vpp: int, optimi
         raise ProgramError(rank, None, None, f"program must have exactly {optimizer_steps} OPT")
 
 
-def _check_chunk_and_peer(b: Action, rank: int, pp: int, vpp: int, i: int, a: Action) -> None:
+def _check_chunk_and_peer(b: Action, rank: int, placement: tuple[int, ...], i: int, a: Action) -> None:
     """Checks `b`, which is action `a` at index `i` or one of its exchange's members."""
     member = _member(b, a)
     lives_somewhere = b.kind in COMPUTE | SENDS | RECVS | PER_CHUNK
-    if lives_somewhere and (not 0 <= b.chunk < pp * vpp or b.chunk % pp != rank):
+    if lives_somewhere and (not 0 <= b.chunk < len(placement) or placement[b.chunk] != rank):
         raise ProgramError(rank, i, a, f"{member}chunk {b.chunk} does not live on rank "
-                                       f"{rank} (chunk c lives on rank c % {pp})")
+                                       f"{rank} (the placement puts chunks {chunks_on(placement, rank)} there)")
     if b.kind in SENDS or b.kind in RECVS:
         neighbour = b.message_key()[1] if b.kind in SENDS else _source_chunk(b)
-        if b.peer != neighbour % pp:
-            raise ProgramError(rank, i, a, f"{member}peer should be rank {neighbour % pp}, "
+        if not 0 <= neighbour < len(placement):
+            raise ProgramError(rank, i, a, f"{member}chunk {neighbour} does not exist")
+        if b.peer != placement[neighbour]:
+            raise ProgramError(rank, i, a, f"{member}peer should be rank {placement[neighbour]}, "
                                            f"which holds chunk {neighbour}")
 
 
@@ -103,8 +117,14 @@ def _source_chunk(recv: Action) -> int:
     return recv.chunk - 1 if recv.kind is Kind.RECV_ACT else recv.chunk + 1
 
 
-def _check_compute(program: list[Action], rank: int, pp: int, vpp: int,
-                   microbatches: int, kinds: tuple[Kind, ...] = (Kind.FORWARD, Kind.BACKWARD)) -> None:
+_COMES_AFTER = {Kind.BACKWARD: Kind.FORWARD, Kind.BACKWARD_INPUT: Kind.FORWARD,
+                Kind.BACKWARD_WEIGHT: Kind.BACKWARD_INPUT}
+_NAMES = {Kind.BACKWARD: "backward", Kind.BACKWARD_INPUT: "input-gradient backward",
+          Kind.BACKWARD_WEIGHT: "weight-gradient backward"}
+
+
+def _check_compute(program: list[Action], rank: int, owned: list[int], microbatches: int,
+                   forward_only: bool = False) -> None:
     seen: dict[tuple[Kind, int, int], int] = {}
     for i, a in enumerate(program):
         if a.kind not in COMPUTE:
@@ -114,19 +134,26 @@ def _check_compute(program: list[Action], rank: int, pp: int, vpp: int,
             raise ProgramError(rank, i, a, f"repeats action {seen[key]}")
         if not 0 <= a.microbatch < microbatches:
             raise ProgramError(rank, i, a, f"microbatch outside 0..{microbatches - 1}")
-        if a.kind is Kind.BACKWARD and (Kind.FORWARD, a.chunk, a.microbatch) not in seen:
-            raise ProgramError(rank, i, a, f"backward before F{a.chunk}.{a.microbatch}")
+        before = _COMES_AFTER.get(a.kind)
+        if before is not None and (before, a.chunk, a.microbatch) not in seen:
+            raise ProgramError(rank, i, a, f"{_NAMES[a.kind]} before {Action(before, a.chunk, a.microbatch)}")
         seen[key] = i
-    for chunk in range(rank, pp * vpp, pp):
+    for chunk in owned:
         for m in range(microbatches):
+            split = (Kind.BACKWARD_INPUT, chunk, m) in seen or (Kind.BACKWARD_WEIGHT, chunk, m) in seen
+            kinds = [Kind.FORWARD]
+            if not forward_only:
+                kinds += [Kind.BACKWARD_INPUT, Kind.BACKWARD_WEIGHT] if split else [Kind.BACKWARD]
             for kind in kinds:
                 if (kind, chunk, m) not in seen:
-                    missing = Action(kind, chunk, m)
-                    raise ProgramError(rank, None, None, f"program lacks {missing}")
+                    raise ProgramError(rank, None, None, f"program lacks {Action(kind, chunk, m)}")
+            if split and (Kind.BACKWARD, chunk, m) in seen:
+                raise ProgramError(rank, seen[(Kind.BACKWARD, chunk, m)], Action(Kind.BACKWARD, chunk, m),
+                                   "runs both the fused backward and its halves")
 
 
-def _check_ordering(program: list[Action], rank: int, pp: int, vpp: int) -> None:
-    last = pp * vpp - 1
+def _check_ordering(program: list[Action], rank: int, placement: tuple[int, ...]) -> None:
+    last = len(placement) - 1
     index = {a: i for i, a in enumerate(program)}
     received = {op.message_key(): i for i, a in enumerate(program) for op in a.p2p_ops()
                 if op.kind in RECVS}
@@ -134,22 +161,23 @@ def _check_ordering(program: list[Action], rank: int, pp: int, vpp: int) -> None
     for i, a in enumerate(program):
         for op in a.p2p_ops():
             if op.kind in SENDS:
-                producer = Action(Kind.FORWARD if op.kind is Kind.SEND_ACT else Kind.BACKWARD,
-                                  op.chunk, op.microbatch)
+                makers = [Kind.FORWARD] if op.kind is Kind.SEND_ACT else [Kind.BACKWARD, Kind.BACKWARD_INPUT]
+                producer = next((p for p in (Action(k, op.chunk, op.microbatch) for k in makers) if p in index),
+                                Action(makers[0], op.chunk, op.microbatch))
                 if index.get(producer, len(program)) > i:
                     raise ProgramError(rank, i, a, f"{_member(op, a)}sent before {producer} "
                                                    f"produces it")
         c, m = a.chunk, a.microbatch
-        if a.kind is Kind.FORWARD and c > 0 and (c - 1) % pp != rank:
+        if a.kind is Kind.FORWARD and c > 0 and placement[c - 1] != rank:
             needed = ("act", c, m)
-        elif a.kind is Kind.BACKWARD and c < last and (c + 1) % pp != rank:
+        elif a.kind in INPUT_GRADS and c < last and placement[c + 1] != rank:
             needed = ("grad", c, m)
         elif a.kind is Kind.REDUCE_GRADS:
             if c in reduced:
                 raise ProgramError(rank, i, a, f"chunk {c} was reduced at action {reduced[c]}")
             reduced[c] = i
             backwards = [j for b, j in index.items()
-                         if b.kind is Kind.BACKWARD and b.chunk == c]
+                         if b.kind in WEIGHT_GRADS and b.chunk == c]
             if max(backwards, default=-1) > i:
                 raise ProgramError(rank, i, a, f"chunk {c} still has backwards to run "
                                                f"(action {max(backwards)})")

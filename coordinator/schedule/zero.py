@@ -4,7 +4,9 @@ parameters.
 Under ZeRO-3 a rank owns 1/dp of every chunk's parameters. A chunk's full parameters
 exist only while the program computes with them: they are gathered before a *run* (a
 maximal stretch of consecutive forwards and backwards of one chunk, sends, receives and
-exchanges in between not counting) and released after it. So with interleaved 1F1B,
+exchanges in between not counting) and released after it. A weight-gradient backward
+(W) reads no parameter, only what its input-gradient half kept, so it runs wherever
+the zero-bubble schedule put it, gathered or not, and belongs to no run. So with interleaved 1F1B,
 pp=2, vpp=2, rank 0's runs are F0.0 F0.1 | F2.0 F2.1 | F0.2 F0.3 | ..., and at most
 `prefetch + 1` chunks are gathered at once.
 
@@ -21,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from interleaf.protos.actions import COMPUTE, Action, Kind
+from interleaf.protos.actions import READS_PARAMS, Action, Kind
 
 
 @dataclass(frozen=True)
@@ -35,7 +37,7 @@ def compute_runs(program: list[Action]) -> list[Run]:
     """The program's maximal stretches of compute on one chunk, in program order."""
     runs: list[Run] = []
     for i, action in enumerate(program):
-        if action.kind not in COMPUTE:
+        if action.kind not in READS_PARAMS:
             continue
         if runs and runs[-1].chunk == action.chunk:
             runs[-1] = Run(action.chunk, runs[-1].indices + (i,))
@@ -67,7 +69,7 @@ def add_param_gathers(program: list[Action], prefetch: int) -> list[Action]:
         i = last_of.get(run.chunk)
         # Still held when its gather would be issued, or to be gathered again before
         # any other compute ran: keep it across the gap instead.
-        if i is not None and not any(a.kind in COMPUTE for a in program[runs[i].indices[-1] + 1:anchors[j]]):
+        if i is not None and not any(a.kind in READS_PARAMS for a in program[runs[i].indices[-1] + 1:anchors[j]]):
             releases[i] = gathers[j] = False
         last_of[run.chunk] = j
     before: dict[int, list[Action]] = {}

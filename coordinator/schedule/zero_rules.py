@@ -4,19 +4,20 @@ Which reductions and gathers each stage uses:
     stage 0   DP c (all-reduce) once per chunk after its backwards, when dp > 1;
     stage 1/2 RS c (reduce-scatter) once per chunk after its backwards, and AG c once per
               chunk after OPT (the updated shards gathered into the full parameters);
-    stage 3   RS c as stages 1/2 (any RS covers the backwards since the chunk's last
-              one, and every backward must be covered), AG c / RP c around the compute:
-              no forward or backward of a chunk that is not gathered, no gather of a
-              gathered chunk, no release of one that is not, nothing left gathered.
+    stage 3   RS c as stages 1/2 (any RS covers the gradient-writing backwards, B or W,
+              since the chunk's last one, and every one must be covered), AG c / RP c
+              around the compute: no forward or backward that reads parameters (F, B,
+              I; not W) of a chunk that is not gathered, no gather of a gathered chunk,
+              no release of one that is not, nothing left gathered.
 """
 
 from __future__ import annotations
 
-from interleaf.protos.actions import COMPUTE, Action, Kind
+from interleaf.protos.actions import READS_PARAMS, WEIGHT_GRADS, Action, Kind
 from .errors import ProgramError
 
 
-def check_zero(program: list[Action], rank: int, pp: int, vpp: int, zero: int, forward_only: bool = False) -> None:
+def check_zero(program: list[Action], rank: int, owned: list[int], zero: int, forward_only: bool = False) -> None:
     """`forward_only` (an evaluation program): no reductions at any stage, and gathers
     only under ZeRO-3, around the forwards (stages 1/2 hold whole parameters then)."""
     if zero not in (0, 1, 2, 3):
@@ -31,7 +32,6 @@ def check_zero(program: list[Action], rank: int, pp: int, vpp: int, zero: int, f
         allowed = {Kind.GATHER_PARAMS, Kind.RELEASE_PARAMS} if zero == 3 else set()
     zero_kinds = {Kind.REDUCE_GRADS, Kind.REDUCE_SCATTER_GRADS, Kind.GATHER_PARAMS,
                   Kind.RELEASE_PARAMS}
-    owned = set(range(rank, pp * vpp, pp))
     optimizer = next((i for i, a in enumerate(program) if a.kind is Kind.OPTIMIZER_STEP),
                      len(program))
     gathered: set[int] = set()
@@ -52,11 +52,11 @@ def check_zero(program: list[Action], rank: int, pp: int, vpp: int, zero: int, f
             if a.chunk not in gathered:
                 fail(i, f"chunk {a.chunk} is not gathered")
             gathered.discard(a.chunk)
-        elif a.kind in COMPUTE:
-            if zero == 3 and a.chunk not in gathered:
+        elif a.kind in READS_PARAMS or a.kind in WEIGHT_GRADS:
+            if zero == 3 and a.kind in READS_PARAMS and a.chunk not in gathered:
                 fail(i, f"uses chunk {a.chunk}'s parameters, which are not gathered "
                         f"(no AG{a.chunk} before it, or released since)")
-            if a.kind is Kind.BACKWARD:
+            if a.kind in WEIGHT_GRADS:
                 unreduced.setdefault(a.chunk, i)
         elif a.kind is Kind.REDUCE_SCATTER_GRADS:
             if a.chunk not in unreduced:
