@@ -38,6 +38,18 @@ def durations(spans: Spans) -> dict[tuple[int, str], list[float]]:
     return found
 
 
+def mean_seconds(spans: Spans) -> dict[str, float]:
+    """Action kind ("F", "B", "I", "W", "OPT") -> the mean seconds of its computes over
+    every chunk, rank and traced step: the costs to simulate a run with."""
+    found: dict[str, list[float]] = {}
+    for ranks in spans.values():
+        for rank_spans in ranks.values():
+            for action, kind, seconds in rank_spans:
+                if kind in ("forward", "update", *KINDS):
+                    found.setdefault(parse(action).kind.value, []).append(seconds)
+    return {kind: statistics.mean(seconds) for kind, seconds in found.items()}
+
+
 def split_cost(split: Spans, fused: Spans) -> dict:
     """Per chunk and over all chunks: B of the fused run, I and W of the split run (mean
     ms and counts), and the ratio above. "all" sums the chunks' means: a step runs each

@@ -31,6 +31,8 @@ import statistics
 
 from interleaf.clients.launcher import LocalCluster
 from interleaf.coordinator.config import load_config
+from interleaf.coordinator.plan import plan_programs
+from interleaf.coordinator.schedule import CostModel, simulate
 
 # Siblings in bench/ (the script's own directory is first on sys.path).
 import torch_pipeline
@@ -39,7 +41,7 @@ from interleaf_run import run_job
 from measure import (LOSS_TOLERANCE, arguments, compare, comparison_table, machine, max_relative_difference,
                      slowest_rank, steady, table, write_json)
 from peer_world import PeerWorld
-from split_cost import split_cost, split_table
+from split_cost import mean_seconds, split_cost, split_table
 from workload import MODELS
 
 PP = 2
@@ -80,13 +82,23 @@ def figures(step_seconds: list[float], warmup: int, activations: list[float], rs
 
 
 def interleaf_figures(ours: dict, warmup: int) -> dict:
+    """figures(), the executed bubble (idle: the median over steady steps of the mean
+    over ranks of the time with no compute, over the step) and the simulator's: at the
+    planner's default costs (a forward 1, a backward 2, each half 1) and at this run's
+    mean measured time per kind of action."""
     memory = ours["memory"][warmup:]
     ranks = range(len(memory[0]))
     idle = [e / s for e, s in zip(steady(ours["idle_seconds"], warmup), steady(ours["step_seconds"], warmup))]
+    programs, planned = plan_programs(load_config("", ours["overrides"]))
+    measured = mean_seconds(ours["spans"])
+    cost = CostModel(forward_s=measured["F"], backward_s=measured.get("B", 0.0), input_s=measured.get("I"),
+                     weight_s=measured.get("W"), optimizer_s=measured["OPT"])
     return {**figures(ours["step_seconds"], warmup,
                       [max(step[r]["activations_peak_bytes"] for step in memory) for r in ranks],
                       [max(step[r]["rss_peak_bytes"] for step in memory) for r in ranks]),
-            "idle_fraction": statistics.median(idle)}
+            "idle_fraction": statistics.median(idle), "simulated_bubble_planner_costs": planned,
+            "simulated_bubble_measured_costs": simulate(programs, cost).bubble_fraction,
+            "mean_action_seconds": measured}
 
 
 def torch_figures(per_rank: list[dict], warmup: int) -> dict:
@@ -113,11 +125,13 @@ def mib(values: list[int]) -> str:
 
 
 def runs_table(rows: list[tuple[str, dict, float]]) -> str:
-    headers = ["", "s/step (median)", "fastest step", "idle (interleaf)", "activations peak MiB r0/r1",
-               "rss peak MiB r0/r1", "loss rel. diff vs interleaf 1f1b"]
+    headers = ["", "s/step (median)", "fastest step", "idle", "simulated: planner / measured costs",
+               "activations peak MiB r0/r1", "rss peak MiB r0/r1", "loss rel. diff vs interleaf 1f1b"]
     return table(headers, [
         [label, f"{f['step_seconds']:.3f}", f"{f['best_step_seconds']:.3f}",
-         f"{f['idle_fraction']:.1%}" if "idle_fraction" in f else "-", mib(f["activations_peak_bytes"]),
+         f"{f['idle_fraction']:.1%}" if "idle_fraction" in f else "-",
+         f"{f['simulated_bubble_planner_costs']:.1%} / {f['simulated_bubble_measured_costs']:.1%}"
+         if "idle_fraction" in f else "-", mib(f["activations_peak_bytes"]),
          mib(f["rss_peak_bytes"]), f"{diff:.1e}" + ("" if diff <= LOSS_TOLERANCE else " DIFFER")]
         for label, f, diff in rows])
 
@@ -149,8 +163,6 @@ def main() -> None:
     after = machine()
 
     split = {f"{zb} vs {fused}": split_cost(ours[zb]["spans"], ours[fused]["spans"]) for zb, fused in SPLIT_PAIRS}
-    for run in ours.values():
-        del run["spans"]  # thousands of spans; the JSON keeps what split_cost made of them
     reference = ours["1f1b"]["losses"]
     rows, labelled = [], []
     for schedule, vpp, peers_of in RUNS:
@@ -169,6 +181,8 @@ def main() -> None:
                              compare(ours[schedule], slowest_rank([r["step_seconds"] for r in run["ranks"]]),
                                      run["losses"], args.warmup, (PP, PP))))
 
+    for run in ours.values():
+        del run["spans"]  # thousands of spans; the JSON keeps what split_cost and the figures made of them
     print(runs_table(rows))
     print()
     print(comparison_table("torch", labelled))
