@@ -260,6 +260,7 @@ def cmd_schedule(args) -> int:
     from interleaf.coordinator.partition import describe, partition
     from interleaf.coordinator.plan import describe_state, plan_programs
     from interleaf.coordinator.schedule import CostModel, DeadlockError, simulate, timeline_table, write_png
+    from interleaf.coordinator.schedule.placement import chunk_ranks, tie_ranks
     from interleaf.coordinator.schedule.zero import max_gathered
     from interleaf.protos.actions import format_program
 
@@ -276,7 +277,7 @@ def cmd_schedule(args) -> int:
             print(f"  {blocked}")
         return 1
     print(describe(partition(config.model.n_layers, p.pp, p.vpp, p.schedule), p.pp))
-    print(RankGrid(p.dp, p.pp, p.tp).describe())
+    print(RankGrid(p.dp, p.pp, p.tp, tie_ranks(chunk_ranks(p.schedule, p.pp, p.vpp))).describe())
     print(describe_state(config))
     print(timeline_table(programs, result))
     print("programs (every action, in order):")

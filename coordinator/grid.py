@@ -12,6 +12,10 @@ Worked example, dp=2, pp=2, tp=2 (8 ranks):
     pp group of 5: grid[1, :, 1] = [5, 7]      (pipeline neighbours)
     dp group of 5: grid[:, 0, 1] = [1, 5]      (gradient reduction)
     tie group of 5: [5, 7]  (first and last pipeline stage share the embedding)
+
+The tie group joins the pipeline ranks of the first and the last chunk
+(`tie_pipeline_ranks`, from the schedule's placement); where one rank holds both, as
+zbv's V puts them on rank 0, there is none: that rank sums the two copies itself.
 """
 
 from __future__ import annotations
@@ -34,6 +38,8 @@ class RankGrid:
     dp: int
     pp: int
     tp: int
+    tie_pipeline_ranks: tuple[int, int] | None = None
+    """The pipeline ranks of the first and last chunk; None: 0 and pp-1 (round-robin)."""
 
     @cached_property
     def grid(self) -> torch.Tensor:
@@ -62,8 +68,9 @@ class RankGrid:
             f"pp/d{c.dp}/t{c.tp}": g[c.dp, :, c.tp].tolist(),
             f"dp/p{c.pp}/t{c.tp}": g[:, c.pp, c.tp].tolist(),
         }
-        if self.pp > 1 and c.pp in (0, self.pp - 1):
-            groups[f"tie/d{c.dp}/t{c.tp}"] = [int(g[c.dp, 0, c.tp]), int(g[c.dp, -1, c.tp])]
+        first, last = self.tie_pipeline_ranks or (0, self.pp - 1)
+        if first != last and c.pp in (first, last):
+            groups[f"tie/d{c.dp}/t{c.tp}"] = [int(g[c.dp, first, c.tp]), int(g[c.dp, last, c.tp])]
         return groups
 
     def all_groups(self) -> dict[str, list[int]]:

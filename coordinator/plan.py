@@ -10,7 +10,7 @@ from interleaf.coordinator.grid import RankGrid, place
 from interleaf.coordinator.config.eval import eval_microbatches
 from interleaf.coordinator.schedule import CostModel, build_programs, simulate, validate_programs
 from interleaf.coordinator.schedule.forward_only import build_eval_programs
-from interleaf.coordinator.schedule.placement import chunk_ranks
+from interleaf.coordinator.schedule.placement import chunk_ranks, tie_ranks
 from interleaf.protos.actions import Action
 from interleaf.protos import interleaf_pb2 as pb
 
@@ -116,7 +116,7 @@ def plan_job(config: JobConfig, servers: list[ServerSlot],
     programs, bubble = planned or plan_programs(config)
     return JobPlan(
         transport=transport,
-        grid=RankGrid(p.dp, p.pp, p.tp),
+        grid=RankGrid(p.dp, p.pp, p.tp, tie_ranks(chunk_ranks(p.schedule, p.pp, p.vpp))),
         chunks=partitioning.partition(config.model.n_layers, p.pp, p.vpp, p.schedule),
         programs=programs,
         servers=list(servers),

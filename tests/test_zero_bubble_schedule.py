@@ -147,3 +147,11 @@ def test_validator_refuses_round_robin_peers_under_the_v_and_half_a_split():
     both = parse_program("F0.0 B0.0 I0.0 W0.0 OPT")
     with pytest.raises(ProgramError, match="runs both the fused backward and its halves"):
         validate_programs([both], 1, 1, 1)
+
+
+def test_no_tie_group_where_the_v_keeps_both_copies_on_one_rank():
+    from interleaf.coordinator.grid import RankGrid
+    from interleaf.coordinator.schedule.placement import tie_ranks
+    v = RankGrid(2, 4, 1, tie_ranks(chunk_ranks("zbv", 4, 2)))
+    assert not [name for name in v.all_groups() if name.startswith("tie/")]
+    assert RankGrid(2, 4, 1, tie_ranks(chunk_ranks("zb-h1", 4, 1))).all_groups()["tie/d1/t0"] == [4, 7]
