@@ -256,7 +256,8 @@ def cmd_reference(args) -> int:
 
 def cmd_schedule(args) -> int:
     from interleaf.coordinator.grid import RankGrid
-    from interleaf.coordinator.memory_model import memory_table, predict
+    from interleaf.coordinator.memory_model import predict
+    from interleaf.coordinator.memory_table import memory_table
     from interleaf.coordinator.partition import describe, partition
     from interleaf.coordinator.plan import describe_state, plan_programs
     from interleaf.coordinator.schedule import CostModel, DeadlockError, simulate, timeline_table, write_png

@@ -37,6 +37,10 @@ as parameters).
 Worked example, a Llama-2 7B block (d 4096, 32 heads, F 11008) at b=1, s=4096, t=1 in
 bf16 (a=2, f=4): 4096*4096*(2*4 + 2*8) + 4*4096*11008*2 + 2*4096*4 + 32*4096*4
 + 2*4096*128*2 = 766,017,536 bytes, 730.5 MiB per layer and sample.
+
+A split backward (zero-bubble schedules) frees these at its input-gradient half I and
+keeps until its weight-gradient half W only what the parameter gradients are computed
+from: `weight_grad_bytes`, documented there.
 """
 
 from __future__ import annotations
@@ -195,3 +199,100 @@ def chunk_input_bytes(model, has_embedding: bool, rows: int, precision: str, tp:
         return token_window_bytes(model.seq_len, rows)
     a, _ = _dtype_bytes(precision)
     return _local_tokens(rows, model.seq_len, tp, sequence_parallel) * model.d_model * a
+
+
+def _norm_weight_grad_bytes(arch: str, tokens: int, d: int, a: int) -> int:
+    """What W needs of one norm over `tokens` tokens for its scale's (and bias's)
+    gradient: gpt2's LayerNorm its input with mean and rstd (the compute dtype on CPU),
+    from which x-hat is rebuilt; llama's RMSNorm its normalised input as cast back to the
+    compute dtype (x*rsqrt, which the scale multiplies); both the output's gradient."""
+    kept = tokens * d * a + (2 * tokens * a if arch == "gpt2" else 0)
+    return kept + tokens * d * a
+
+
+def block_weight_grad_bytes(model, rows: int, tp: int, precision: str, sequence_parallel: bool = False) -> int:
+    """What one block keeps from its I until its W, on one tp rank: per parameter op its
+    input and its output's gradient, each distinct storage once, in the compute dtype
+    (s_local: this rank's s/t tokens under sequence parallelism, else s):
+      ln_1, ln_2      2 * norm (see _norm_weight_grad_bytes) over b*s_local tokens
+      qkv / q,k,v     input b*s*d (ln_1's output; under sequence parallelism gathered, the
+                      whole sequence, so the weight gradient needs no collective); output
+                      gradients b*s*(h + 2*kv)*hd/t (gpt2: kv = h)
+      up / gate, up   input b*s*d (ln_2's output, one storage for both, likewise
+                      gathered); output gradients b*s*F/t each
+      proj            input b*s*h*hd/t, the attention output; output gradient b*s*d (the
+                      residual stream's; under sequence parallelism as gathered in the
+                      backward, every token)
+      down            input b*s*F/t (GELU's output, or SiLU(gate)*up); output gradient b*s*d
+      proj.bias,      (gpt2, sequence parallel) added after the reduce-scatter, they read
+      down.bias       its output gradient, this rank's b*s_local*d of it, each a storage
+                      apart from the gathered copy; without sequence parallelism that
+                      is the linear's own output gradient, and the column-parallel
+                      biases read their linear's
+    The same whatever the recompute mode: I reruns what recompute dropped, and W reads
+    the same tensors."""
+    a, _ = _dtype_bytes(precision)
+    s, d, hd = model.seq_len, model.d_model, model.head_dim
+    bs = rows * s
+    local = _local_tokens(rows, s, tp, sequence_parallel)
+    ffn = model.ffn_hidden // tp
+    kv_heads = model.n_heads if model.arch == "gpt2" else model.n_kv_heads
+    attention_columns = (model.n_heads // tp + 2 * (kv_heads // tp)) * hd
+    mlp_columns = ffn if model.arch == "gpt2" else 2 * ffn
+    row_biases = 2 * local * d * a if model.arch == "gpt2" and sequence_parallel else 0
+    return (
+        2 * _norm_weight_grad_bytes(model.arch, local, d, a)
+        + 2 * bs * d * a  # the attention's and the MLP's column-parallel input
+        + bs * (attention_columns + mlp_columns) * a  # their output gradients
+        + bs * (model.n_heads // tp * hd + ffn) * a  # proj's and down's inputs
+        + 2 * bs * d * a  # proj's and down's output gradients
+        + row_biases
+    )
+
+
+def weight_grads_read_input(model) -> bool:
+    """Whether W reads a chunk's input hidden states themselves: gpt2's first LayerNorm
+    keeps its input for its weight gradient; llama's RMSNorm keeps its normalised copy
+    instead."""
+    return model.arch == "gpt2"
+
+
+def weight_grad_bytes(model, layers: int, has_embedding: bool, has_head: bool, rows: int, tp: int,
+                      precision: str, sequence_parallel: bool = False) -> int:
+    """Bytes one tp rank keeps of a chunk's microbatch from its input-gradient half I
+    until its weight-gradient half W (Qi et al. 2024, section 2): what the parameter
+    gradients are computed from, and nothing of what only the input gradient needed
+    (attention's q, k, v and logsumexp, the activation functions' inputs, the softmax,
+    the chunk's input and output as such). Arguments as chunk_activation_bytes's; no
+    block_modes, since every recompute mode keeps the same for W (see
+    block_weight_grad_bytes). Besides the blocks:
+      embedding   the ids local to this rank's vocabulary slice (int64, b*s) and the
+                  lookup's output gradient b*s*d, padding ids' rows zeroed (every token:
+                  under sequence parallelism gathered in the backward); gpt2's wpe its
+                  positions (int64, s_local) and its output gradient, summed over the
+                  rows, s_local*d
+      head        ln_f as a norm over b*s_local tokens; the head matmul's input b*s*d
+                  (ln_f's output, gathered under sequence parallelism) and its output
+                  gradient, the logits' b*s*V/t, padding included, in the compute dtype
+
+    Worked example, the Llama-2 7B block of the module's docstring (b=1, s=4096, t=1,
+    bf16): 4096*4096*2*(4 + 4) + 4096*2*(4096 + 96*128) + 3*4096*11008*2 = 673,185,792
+    bytes, 642 MiB, against the forward's 730.5 MiB: a deferred W holds most of what a
+    B would have freed, because it keeps the linears' output gradients."""
+    a, _ = _dtype_bytes(precision)
+    s, d = model.seq_len, model.d_model
+    bs = rows * s
+    local = _local_tokens(rows, s, tp, sequence_parallel)
+    total = layers * block_weight_grad_bytes(model, rows, tp, precision, sequence_parallel)
+    if has_embedding:
+        total += bs * _INT64 + bs * d * a
+        if model.arch == "gpt2":
+            positions = local // rows
+            total += positions * _INT64 + positions * d * a
+    if has_head:
+        total += (
+            _norm_weight_grad_bytes(model.arch, local, d, a)
+            + bs * d * a  # the head matmul's input
+            + bs * (model.padded_vocab(tp) // tp) * a  # the logits' gradient
+        )
+    return total

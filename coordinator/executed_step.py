@@ -3,11 +3,12 @@ simulator's prediction beside it, and as a summary: what `interleaf trace` write
 the status page draws.
 
 The measured bubble is the executed timeline's idle time: over all ranks, the part of
-their step time in which they ran no compute (forward, backward, weight update),
-sum(idle_seconds) / sum(step_seconds). The prediction simulates the same programs with
-the forward and backward costs of each chunk, and the update's and each kind of
-posting's on each stage, measured in the same step (means over its microbatches and
-ranks), and messages that travel in no time: what the schedule alone would leave idle.
+their step time in which they ran no compute (forward, backward or its input- and
+weight-gradient halves I and W, weight update), sum(idle_seconds) / sum(step_seconds).
+The prediction simulates the same programs with the forward and backward (or I and W)
+costs of each chunk, and the update's and each kind of posting's on each stage,
+measured in the same step (means over its microbatches and ranks), and messages that
+travel in no time: what the schedule alone would leave idle.
 Ranks are lined up by when each began the step (StepReport.started_unix).
 """
 
@@ -36,6 +37,10 @@ class Costs:
     forward_s: float
     backward_s: float
     update_s: float
+    input_s: float | None = None
+    """A backward's input-gradient half I; None where the step ran no split backward."""
+    weight_s: float | None = None
+    """Its weight-gradient half W; None likewise."""
 
 
 def programs(trace: pb.StepTrace) -> list[list[Action]]:
@@ -61,17 +66,18 @@ def _measured_text(trace: pb.StepTrace) -> str:
 
 
 def measured_costs(trace: pb.StepTrace) -> Costs:
-    """Mean seconds of one chunk's forward, backward and of the update, over every rank."""
-    def mean(kind: str) -> float:
-        spans = [s.end_seconds - s.start_seconds for r in trace.reports for s in r.spans if s.kind == kind]
-        return sum(spans) / len(spans) if spans else 0.0
+    """Mean seconds of one chunk's forward, backward (0 where every backward was split),
+    its halves I and W (None where none was) and of the update, over every rank."""
+    def mean(kind: str) -> float | None:
+        return _mean([s.end_seconds - s.start_seconds for r in trace.reports for s in r.spans if s.kind == kind])
 
-    return Costs(mean("forward"), mean("backward"), mean("update"))
+    return Costs(mean("forward") or 0.0, mean("backward") or 0.0, mean("update") or 0.0,
+                 mean("input-grad"), mean("weight-grad"))
 
 
 def predicted(trace: pb.StepTrace) -> tuple[SimResult, Costs]:
     """The simulator's prediction from the step's measured costs: each chunk's forward and
-    backward take that chunk's mean over the step's microbatches (and over the stage's
+    backward (or each half, I and W) take that chunk's mean over the step's microbatches (and over the stage's
     data- and tensor-parallel ranks), the update its stage's mean, and posting a send, a
     receive or an exchange the stage's mean for that kind; the messages travel in no
     time. Per chunk, because chunks differ (the first holds the embedding, the last the
@@ -89,9 +95,9 @@ def predicted(trace: pb.StepTrace) -> tuple[SimResult, Costs]:
 
 
 def _cost_key(action: Action, stage: int) -> tuple:
-    """What a cost is averaged over in the prediction: a forward or backward with every
-    other of its chunk, the update and posting with the others of that kind on the stage
-    (a span's kind is its action's category)."""
+    """What a cost is averaged over in the prediction: a forward, backward, I or W with
+    every other of its kind and chunk, the update and posting with the others of that
+    kind on the stage (a span's kind is its action's category)."""
     kind = CATEGORIES.get(action.kind)
     if action.kind in COMPUTE:
         return kind, action.chunk
@@ -119,7 +125,7 @@ def replayed(trace: pb.StepTrace) -> SimResult:
     return simulate(steps, CostModel(), links=PREDICTION_LINKS, measured=measured)
 
 
-_COMPUTE_KINDS = ("forward", "backward", "update")
+_COMPUTE_KINDS = ("forward", "backward", "input-grad", "weight-grad", "update")
 _POSTING_KINDS = ("send", "recv", "exchange")
 """Point-to-point actions, which the executor posts and never waits in (a receive is
 waited by its consumer, a send reaped once the network has it): their spans are the
@@ -201,8 +207,17 @@ def describe(trace: pb.StepTrace) -> str:
 
 
 def _costs_text(costs: Costs) -> str:
-    return (f"each chunk's measured costs: forward {costs.forward_s * 1e3:.1f} ms, backward "
-            f"{costs.backward_s * 1e3:.1f} ms, update {costs.update_s * 1e3:.1f} ms on average")
+    """The means the step measured: a backward's, its halves' where it was split (a
+    program runs B or I and W; the text names what ran)."""
+    backward = []
+    if costs.backward_s or costs.input_s is None:
+        backward.append(f"backward {costs.backward_s * 1e3:.1f} ms")
+    if costs.input_s is not None:
+        backward.append(f"input gradient {costs.input_s * 1e3:.1f} ms")
+    if costs.weight_s is not None:
+        backward.append(f"weight gradient {costs.weight_s * 1e3:.1f} ms")
+    return (f"each chunk's measured costs: forward {costs.forward_s * 1e3:.1f} ms, {', '.join(backward)}, "
+            f"update {costs.update_s * 1e3:.1f} ms on average")
 
 
 def write_picture(path: str, trace: pb.StepTrace):

@@ -16,9 +16,11 @@ fp32 and bf16, 8 for fp64):
 fp32 gradient shard that the optimizer reads; in fp32 stage 1 writes that shard back
 into its slice of the full gradient). Peaks come from walking the
 rank's program in the order the executor runs it: activations per (chunk, microbatch)
-from `activation_bytes`, received tensors until consumed, full-size gradients from a
-chunk's first backward to its reduction, gathered parameters from AG to RP, and the
-staging buffers of reductions and gathers until they are waited.
+from `activation_bytes` (from the forward to its backward B, or to its input-gradient
+half I, after which what the weight-gradient half W reads is held until W), received
+tensors until consumed, full-size gradients from a chunk's first B or W (I writes none)
+to its reduction, gathered parameters from AG to RP, and the staging buffers of reductions and
+gathers until they are waited.
 
 Pipeline messages (stageserver/pipeline_messages.py): with tp > 1 and scatter/gather or
 sequence parallelism, what a send holds and a receive buffer takes is 1/tp of the
@@ -39,7 +41,12 @@ from interleaf.common.model.params import TIED
 from interleaf.common.model.recompute_modes import block_modes
 from interleaf.common.model.shapes import chunk_param_specs, local_numel
 from interleaf.common.pipeline_message_modes import message_mode
-from interleaf.coordinator.activation_bytes import chunk_activation_bytes, chunk_input_bytes
+from interleaf.coordinator.activation_bytes import (
+    chunk_activation_bytes,
+    chunk_input_bytes,
+    weight_grad_bytes,
+    weight_grads_read_input,
+)
 from interleaf.coordinator.config import MASTER_BYTES, PRECISION_BYTES, JobConfig
 from interleaf.coordinator.partition import Chunk, chunks_of, partition
 from interleaf.protos.actions import RECVS, SENDS, Action, Kind
@@ -85,8 +92,12 @@ class _ProgramWalk:
         self.ledger = MemoryLedger()
         self.grads_held = {c: p.zero < 2 for c in self.chunks}
         self.pending: list[tuple[int, int, bool]] = []  # (chunk, staged bytes, frees grads)
+        # (chunk, microbatch) of each I whose W has not run -> [bytes counted for that W,
+        # bytes of its input it reads that the previous chunk still counts].
+        self.weights_owed: dict[tuple[int, int], list[int]] = {}
         self.handlers = {
             Kind.FORWARD: self._forward, Kind.BACKWARD: self._backward,
+            Kind.BACKWARD_INPUT: self._backward_input, Kind.BACKWARD_WEIGHT: self._backward_weight,
             Kind.RECV_ACT: self._receive, Kind.RECV_GRAD: self._receive,
             Kind.SEND_ACT: self._send, Kind.SEND_GRAD: self._send, Kind.EXCHANGE: self._exchange,
             Kind.REDUCE_GRADS: self._reduce, Kind.REDUCE_SCATTER_GRADS: self._reduce,
@@ -130,17 +141,63 @@ class _ProgramWalk:
             self.ledger.free("communication", self.message)  # the received input, now in use
         self.ledger.add("activations", self._activations(c)[0])
 
-    def _backward(self, action: Action) -> None:
-        c = action.chunk
+    def _weight_grad_bytes(self, c: int) -> tuple[int, int]:
+        """What chunk c's I keeps of a microbatch for its W: (bytes counted for it, bytes
+        of an input handed over locally that it reads). Such an input is the previous
+        chunk's output, counted there as in the forward until that chunk's own B or I
+        frees its activations; the input then moves to this W's account (the
+        executor's stageserver/deferred_grads.py). Only gpt2's W reads it, in its first
+        LayerNorm."""
+        chunk = self.chunks[c]
+        kept = weight_grad_bytes(self.model, len(chunk.layers), chunk.has_embedding, chunk.has_head,
+                                 self.rows, self.tp, self.precision, self.sequence_parallel)
+        if not self.recompute and c - 1 in self.chunks and weight_grads_read_input(self.model):
+            return kept - self.hidden, self.hidden
+        return kept, 0
+
+    def _hold_grads(self, c: int) -> None:
+        """B or W, which write c's full-size gradient: its reduction's last read of it
+        is waited first, then it is held (again) until the next reduction. I writes
+        none, so at ZeRO-2/3 a split backward holds it from the chunk's first W."""
         self._finish(c)
         if not self.grads_held[c]:
             self.ledger.add("gradients", self.a * self.full[c])
             self.grads_held[c] = True
+
+    def _backward(self, action: Action) -> None:
+        self._hold_grads(action.chunk)
+        self._input_gradient(action)
+
+    def _backward_input(self, action: Action) -> None:
+        self._input_gradient(action)
+        counted, borrowed = self._weight_grad_bytes(action.chunk)
+        self.ledger.add("activations", counted)
+        self.weights_owed[(action.chunk, action.microbatch)] = [counted, borrowed]
+
+    def _backward_weight(self, action: Action) -> None:
+        owed = self.weights_owed.pop((action.chunk, action.microbatch), None)
+        if owed is None:
+            raise ValueError(f"{action} has no I before it: nothing is kept for it")
+        self._hold_grads(action.chunk)
+        self.ledger.free("activations", owed[0])
+
+    def _input_gradient(self, action: Action) -> None:
+        """B or I: the activations (rerun first under recompute) are freed, the
+        output's gradient is consumed and the input's made. I then counts what it
+        keeps for W: after the forward's are freed, as autograd frees each saved
+        tensor as its backward passes it while the gradients W keeps are made one by
+        one on the way, so the most held during I is about the larger of the two, not
+        their sum."""
+        c = action.chunk
         kept, held = self._activations(c)
         self.ledger.add("activations", held - kept)  # recompute's rerun
         if not self.chunks[c].has_head:  # the output's gradient, handed over or received
             self.ledger.free("communication", self.hidden if c + 1 in self.chunks else self.message)
         self.ledger.free("activations", held)
+        owed = self.weights_owed.get((c + 1, action.microbatch))
+        if owed and owed[1]:  # this chunk's output, which the next chunk's W still reads
+            self.ledger.add("activations", owed[1])
+            owed[0], owed[1] = owed[0] + owed[1], 0
         if not self.chunks[c].has_embedding and c - 1 in self.chunks:
             self.ledger.add("communication", self.hidden)  # the input's gradient, handed over
 
@@ -260,23 +317,3 @@ def predict_rank(config: JobConfig, program: list[Action], pipeline_rank: int) -
 def predict(config: JobConfig, programs: list[list[Action]]) -> list[dict[str, int]]:
     """One prediction per pipeline rank (index = pipeline rank)."""
     return [predict_rank(config, program, rank) for rank, program in enumerate(programs)]
-
-
-def memory_table(config: JobConfig, predictions: list[dict[str, int]]) -> str:
-    """The prediction per pipeline rank as a table (its dp and tp replicas hold the same)."""
-    p, t = config.parallel, config.train
-    columns = [("parameters", "parameters_bytes"), ("gradients", "gradients_bytes"),
-               ("optimizer", "optimizer_bytes"), ("params peak", "parameters_peak_bytes"),
-               ("grads peak", "gradients_peak_bytes"), ("activations peak", "activations_peak_bytes"),
-               ("comm peak", "communication_peak_bytes"), ("peak", "peak_bytes")]
-    header = ["pipeline rank"] + [name for name, _ in columns]
-    rows = [[str(rank)] + [_mib(pred[key]) for _, key in columns] for rank, pred in enumerate(predictions)]
-    widths = [max(len(cell) for cell in column) for column in zip(header, *rows)]
-    lines = [f"predicted memory per rank, MiB (ZeRO stage {p.zero}, {t.precision}, "
-             f"recompute {t.recompute}; state at the end of a step, peaks during it):"]
-    lines += ["  ".join(cell.rjust(w) for cell, w in zip(line, widths)) for line in [header, *rows]]
-    return "\n".join(lines)
-
-
-def _mib(n: int) -> str:
-    return f"{n / (1 << 20):.2f}"

@@ -17,6 +17,7 @@ failing action raises `StepError` naming the rank, the step and the action.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
 import time
@@ -25,9 +26,11 @@ from dataclasses import dataclass, field
 import torch
 
 from interleaf.protos.actions import CATEGORIES, RECVS, SENDS, Action, Kind
-from interleaf.stageserver.activation_meter import ChunkActivations
+from interleaf.stageserver.activation_meter import ChunkActivations, parameter_storages
 from interleaf.stageserver.compute_clock import ComputeClock
+from interleaf.stageserver.deferred_grads import DeferredGrads
 from interleaf.stageserver.memory import device_peak_bytes, nbytes, reset_peaks, rss_peak_bytes
+from interleaf.stageserver.model.weight_grads import WeightGrads
 from interleaf.stageserver.model_state import ModelState
 
 
@@ -48,7 +51,8 @@ class NonFiniteError(ArithmeticError):
     """Training diverged: a loss or the gradient norm is NaN or infinite."""
 
 
-_COMPUTES = frozenset({Kind.FORWARD, Kind.BACKWARD, Kind.OPTIMIZER_STEP})
+_COMPUTES = frozenset({Kind.FORWARD, Kind.BACKWARD, Kind.BACKWARD_INPUT, Kind.BACKWARD_WEIGHT,
+                       Kind.OPTIMIZER_STEP})
 """The actions that compute (each runs one `ComputeClock.measure`); the rest of a step's
 time is its idle time."""
 
@@ -100,6 +104,10 @@ class _StepState:
     input_grads: dict = field(default_factory=dict)
     # (chunk, microbatch) -> activation bytes its forward left for its backward.
     kept: dict = field(default_factory=dict)
+    # (chunk, microbatch) -> its forward's WeightGrads, which an I fills for its W.
+    weight_grads: dict = field(default_factory=dict)
+    # What the I's left for their W's.
+    deferred: DeferredGrads = field(default_factory=DeferredGrads)
     # (chunk, microbatch) -> output kept only for its send (recompute keeps no graph).
     outputs: dict = field(default_factory=dict)
     # Sends in flight, (work, tensor or an exchange's tensors, ledger bytes): what is
@@ -149,6 +157,8 @@ class Executor:
         self.handlers = {
             Kind.FORWARD: self._forward,
             Kind.BACKWARD: self._backward,
+            Kind.BACKWARD_INPUT: self._backward_input,
+            Kind.BACKWARD_WEIGHT: self._backward_weight,
             Kind.SEND_ACT: self._send,
             Kind.RECV_ACT: self._recv,
             Kind.SEND_GRAD: self._send,
@@ -187,6 +197,9 @@ class Executor:
                     f"rank {self.rank} step {step} action {index} ({action}): {err}"
                 ) from err
         self._reap_sends(state, block=True)
+        if state.deferred.left():
+            raise StepError(f"rank {self.rank} step {step}: no weight-gradient pass after "
+                            f"{', '.join(f'I{c}.{m}' for c, m in state.deferred.left())}: the program lacks their W")
         for chunk in list(state.gathers):
             self._wait(state.gathers, chunk, state)
         # The step's one host synchronization: its losses and gradient norm. Each loss
@@ -262,8 +275,10 @@ class Executor:
         else:
             x = self._take(state.activations, (a.chunk, a.microbatch)).requires_grad_()
         targets = tokens[1] if chunk.has_head else None
+        weight_grads = state.weight_grads[(a.chunk, a.microbatch)] = WeightGrads()
         with self.clock.measure():
-            out, kept = self._run_forward(chunk, a.chunk, x, targets, keep_graph=not self.recompute)
+            out, kept = self._run_forward(chunk, a.chunk, x, targets, keep_graph=not self.recompute,
+                                          weight_grads=weight_grads)
         self.ledger.add("activations", kept)
         state.kept[(a.chunk, a.microbatch)] = kept
         state.saved[(a.chunk, a.microbatch)] = (x, None if self.recompute else out)
@@ -276,36 +291,78 @@ class Executor:
         elif self.recompute:
             state.outputs[(a.chunk, a.microbatch)] = out  # for the send that follows
 
-    def _run_forward(self, chunk, index: int, x: torch.Tensor, targets, keep_graph: bool):
-        """(output, activation bytes kept for the backward). An input handed over locally
-        by the previous chunk is that chunk's output and counted there (recompute keeps
-        no outputs, so there the input counts here)."""
-        local_input = not chunk.has_embedding and self.model.holds(index - 1) and not self.recompute
-        return self.activations.forward(chunk, index, x, targets, keep_graph, local_input)
+    def _local_input(self, chunk, index: int) -> bool:
+        """An input handed over locally by the previous chunk is that chunk's output and
+        counted there (recompute keeps no outputs, so there the input counts here)."""
+        return not chunk.has_embedding and self.model.holds(index - 1) and not self.recompute
+
+    def _run_forward(self, chunk, index: int, x: torch.Tensor, targets, keep_graph: bool,
+                     weight_grads: WeightGrads):
+        """(output, activation bytes kept for the backward). The forward runs under its
+        WeightGrads, so that an I of it can leave the parameter gradients to a W."""
+        with weight_grads.recording():
+            return self.activations.forward(chunk, index, x, targets, keep_graph, self._local_input(chunk, index))
 
     def _backward(self, a: Action, state: _StepState) -> None:
-        x, out = state.saved.pop((a.chunk, a.microbatch))
+        """B: the input gradient and every parameter gradient in one backward."""
+        self._input_grads(a, state, defer=False)
+
+    def _backward_input(self, a: Action, state: _StepState) -> None:
+        """I: B's backward, its parameter gradients left queued for W
+        (model/weight_grads.py). What the queue holds (each parameter operation's input
+        and output gradient) stays on the activation account until W; the rest of the
+        chunk's activations go, as after B."""
         chunk = self.model.chunks[a.chunk]
-        self._ready(a.chunk, state)
+        x, weight_grads = self._input_grads(a, state, defer=True)
+        self.ledger.add("activations", state.deferred.keep((a.chunk, a.microbatch), weight_grads,
+                                                           parameter_storages(chunk),
+                                                           x if self._local_input(chunk, a.chunk) else None))
+
+    def _backward_weight(self, a: Action, state: _StepState) -> None:
+        """W: the parameter gradients its I left, added into .grad. Reads no parameter
+        (a ZeRO-3 chunk may be released since its I) and communicates nothing."""
+        key = (a.chunk, a.microbatch)
+        weight_grads = state.deferred.queue(key)
         # The gradient buffer may still be read by this chunk's last reduction.
         self._wait(state.reductions, a.chunk, state)
         self.model.hold_grads(a.chunk)
-        # Taken (its receive waited) before the clock starts: waiting is not compute.
-        grad = None if chunk.has_head else self._take(state.output_grads, (a.chunk, a.microbatch))
         with self.clock.measure():
-            self._run_backward(a, state, chunk, x, out, grad)
-        self.ledger.free("activations", state.kept.pop((a.chunk, a.microbatch)))
+            weight_grads.run()
+        self.ledger.free("activations", state.deferred.done(key))
+
+    def _input_grads(self, a: Action, state: _StepState, defer: bool) -> tuple[torch.Tensor, WeightGrads]:
+        """B's or I's backward: the output gradient in, the input gradient delivered or
+        left for its send, the forward's activations freed. I writes no gradient
+        buffer (its parameter gradients wait for W), so it neither waits for the chunk's
+        reduction nor holds its gradients: at ZeRO-2/3 those exist from the first W."""
+        key = (a.chunk, a.microbatch)
+        x, out = state.saved.pop(key)
+        weight_grads = state.weight_grads.pop(key)
+        chunk = self.model.chunks[a.chunk]
+        self._ready(a.chunk, state)
+        if not defer:
+            # The gradient buffer may still be read by this chunk's last reduction.
+            self._wait(state.reductions, a.chunk, state)
+            self.model.hold_grads(a.chunk)
+        # Taken (its receive waited) before the clock starts: waiting is not compute.
+        grad = None if chunk.has_head else self._take(state.output_grads, key)
+        with self.clock.measure(), weight_grads.deferred() if defer else contextlib.nullcontext():
+            self._run_backward(a, state, chunk, x, out, grad, weight_grads)
+        self.ledger.free("activations", state.kept.pop(key))
+        # This chunk's output, if the next one's W still reads it, is that W's from now on.
+        self.ledger.add("activations", state.deferred.previous_freed((a.chunk + 1, a.microbatch)))
         if not chunk.has_embedding:
             if self.model.holds(a.chunk - 1):
                 self._deliver(state.output_grads, (a.chunk - 1, a.microbatch), x.grad)
             else:
                 state.input_grads[(a.chunk, a.microbatch)] = x.grad
+        return x, weight_grads
 
     def _run_backward(self, a: Action, state: _StepState, chunk, x: torch.Tensor, out,
-                      grad: torch.Tensor | None) -> None:
+                      grad: torch.Tensor | None, weight_grads: WeightGrads) -> None:
         if out is None:  # recompute: rerun the forward with the graph this time
             targets = self.model.microbatch(state.step, a.microbatch)[1] if chunk.has_head else None
-            out, rerun = self._run_forward(chunk, a.chunk, x, targets, keep_graph=True)
+            out, rerun = self._run_forward(chunk, a.chunk, x, targets, keep_graph=True, weight_grads=weight_grads)
             # The rerun's count includes the kept input: only the rest is new.
             self.ledger.add("activations", rerun - state.kept[(a.chunk, a.microbatch)])
             state.kept[(a.chunk, a.microbatch)] = rerun

@@ -19,13 +19,13 @@ from interleaf.coordinator.admission import AdmissionError, check_fits, needed_b
 from interleaf.coordinator.config import load_config
 from interleaf.coordinator.memory_model import (
     bucket_sizes,
-    memory_table,
     message_bytes,
     partial_grad_elements,
     predict,
     predict_rank,
     sent_bytes_per_step,
 )
+from interleaf.coordinator.memory_table import memory_table
 from interleaf.common.buckets import BucketLayout
 from interleaf.common.model.config import shape_of
 from interleaf.common.model.params import TIED

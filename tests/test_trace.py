@@ -18,9 +18,10 @@ from interleaf.coordinator import executed_step as traces
 from interleaf.coordinator.config import ConfigError, load_config
 from interleaf.coordinator.schedule import CostModel, build_programs, simulate
 from interleaf.protos import interleaf_pb2 as pb
-from interleaf.protos.actions import CATEGORIES, P2P, SENDS, Kind, parse
+from interleaf.protos.actions import CATEGORIES, COMPUTE, P2P, SENDS, Kind, parse
 from interleaf.common.security import TOKEN_ENV
 from tests.conftest import TINY, run_job
+from tests.split_backward import split_backwards
 
 # Every kind of action: exchanges, ZeRO-3 gathers, releases and reduce-scatters over
 # dp=2, tensor-parallel ranks, the tied embedding's all-reduce and the update.
@@ -57,7 +58,7 @@ def test_every_step_reports_its_idle_time(traced_job):
     assert (trace.step, list(trace.traced_steps)) == (2, [1, 2])  # trace.steps' default of 3 steps
     for report in trace.reports:
         # Idle is the step's time outside its computes, whose spans sum to compute_seconds.
-        computes = [s.end_seconds - s.start_seconds for s in report.spans if s.kind in ("forward", "backward", "update")]
+        computes = [s.end_seconds - s.start_seconds for s in report.spans if s.kind in ("forward", "backward", "input-grad", "weight-grad", "update")]
         assert sum(computes) == pytest.approx(report.compute_seconds, rel=1e-9)
         assert report.idle_seconds == pytest.approx(report.step_seconds - report.compute_seconds, rel=1e-9)
     assert steps[-1].idle_seconds == pytest.approx(sum(r.idle_seconds for r in trace.reports) / 8, rel=1e-9)
@@ -197,6 +198,7 @@ def _simulated_trace(programs, cost_of) -> tuple[pb.StepTrace, object]:
     pp = len(programs)
     trace = pb.StepTrace(
         job_id="j", step=1, grid=pb.Coordinates(dp=1, pp=pp, tp=1), schedule="interleaved-1f1b",
+        vpp=1 + max(a.chunk // pp for p in programs for a in p if a.kind in COMPUTE),
         programs=[pb.PipelineProgram(pipeline_rank=r, actions=[pb.Action(text=str(a)) for a in p])
                   for r, p in enumerate(programs)],
         ranks=[pb.RankInfo(rank=r, coordinates=pb.Coordinates(dp=0, pp=r, tp=0)) for r in range(pp)])
@@ -263,3 +265,57 @@ def test_the_prediction_simulates_each_chunks_mean(schedule, vpp):
     assert predicted.makespan_s == pytest.approx(expected.makespan_s, rel=1e-12)
     assert predicted.bubble_fraction != pytest.approx(result.bubble_fraction, rel=1e-3)
     assert costs.update_s == 0.25
+
+
+def _split_uneven(rank: int, a) -> float | None:
+    """_uneven, with each backward's halves: I differing by microbatch, W by chunk."""
+    if a.kind is Kind.BACKWARD_INPUT:
+        return 1.2 + 0.2 * (a.microbatch % 2)
+    if a.kind is Kind.BACKWARD_WEIGHT:
+        return 0.8 + 0.1 * a.chunk
+    return _uneven(rank, a)
+
+
+@pytest.mark.parametrize("schedule,vpp", [("1f1b", 1), ("interleaved-1f1b", 2)])
+def test_a_split_backward_is_replayed_and_predicted_from_its_halves(schedule, vpp, tmp_path):
+    """Programs whose backwards are cut into I and a W deferred to the chunk's reduction
+    (tests/split_backward.py): the replay is the simulation, the prediction simulates
+    each chunk's mean I and mean W, the summary and the picture name them."""
+    programs = [split_backwards(p, deferred=True) for p in build_programs(schedule, 2, vpp, 4, dp=1)]
+    trace, result = _simulated_trace(programs, _split_uneven)
+    assert traces.replayed(trace).bubble_fraction == pytest.approx(result.bubble_fraction, rel=1e-12)
+
+    computes = collections.defaultdict(list)
+    for rank, program in enumerate(programs):
+        for a in program:
+            if a.kind in COMPUTE:
+                computes[a.kind, a.chunk].append(_split_uneven(rank, a))
+    expected = simulate(programs, CostModel(), links=traces.PREDICTION_LINKS, measured=[
+        [statistics.fmean(computes[a.kind, a.chunk]) if a.kind in COMPUTE else _split_uneven(r, a) for a in p]
+        for r, p in enumerate(programs)])
+    predicted, costs = traces.predicted(trace)
+    assert predicted.makespan_s == pytest.approx(expected.makespan_s, rel=1e-12)
+    assert predicted.bubble_fraction != pytest.approx(result.bubble_fraction, rel=1e-3)  # I varies per microbatch
+    every = {kind: [c for (k, _), costs in computes.items() if k is kind for c in costs]
+             for kind in (Kind.BACKWARD_INPUT, Kind.BACKWARD_WEIGHT)}
+    assert costs.input_s == pytest.approx(statistics.fmean(every[Kind.BACKWARD_INPUT]), rel=1e-12)
+    assert costs.weight_s == pytest.approx(statistics.fmean(every[Kind.BACKWARD_WEIGHT]), rel=1e-12)
+    assert costs.backward_s == 0.0
+
+    text = traces.summary(trace)
+    assert f"input gradient {costs.input_s * 1e3:.1f} ms, weight gradient {costs.weight_s * 1e3:.1f} ms" in text
+    assert "backward" not in text
+    fig = traces.write_picture(str(tmp_path / "split.png"), trace)
+    legend = [t.get_text() for t in fig.legends[0].get_texts()]
+    shaded = [f"{kind} (virtual stage {v})" for kind in ("forward", "input gradient I", "weight gradient W")
+              for v in range(vpp)] if vpp > 1 else ["forward", "input gradient I", "weight gradient W"]
+    assert legend[:3 * vpp] == shaded
+    assert json.loads(json.dumps(traces.chrome_trace(trace)))["otherData"]["measured_costs_seconds"]["weight_s"] \
+        == pytest.approx(costs.weight_s)
+
+
+def test_a_fused_backward_names_no_halves():
+    trace, _ = _simulated_trace(build_programs("1f1b", 2, 1, 4, dp=1), _uneven)
+    costs = traces.measured_costs(trace)
+    assert (costs.input_s, costs.weight_s) == (None, None) and costs.backward_s > 0
+    assert "gradient" not in traces.summary(trace)

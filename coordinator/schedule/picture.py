@@ -3,11 +3,15 @@ step) and `interleaf trace --png` (the executed step above the simulator's predi
 
 A picture is a stack of panels sharing one time axis. Each panel has a row per rank
 (rank 0 on top), and each row two lanes: computes in the wide upper lane (forward,
-backward, the weight update, and the time a compute waited for its inputs before it
-ran), everything else in the thin lower lane (point-to-point sends, receives and
-exchanges, data-parallel and tied-embedding all-reduces, ZeRO's gathers, releases and
-reduce-scatters). Forwards and backwards carry their microbatch number; with several
-model chunks per rank, a chunk's virtual stage is told by the shade. White is idle.
+backward or its two halves, the input gradient I and the weight gradient W of the
+zero-bubble schedules, the weight update, and the time a compute waited for its inputs
+before it ran), everything else in the thin lower lane (point-to-point sends, receives
+and exchanges, data-parallel and tied-embedding all-reduces, ZeRO's gathers, releases
+and reduce-scatters). Forwards and backwards, and their halves, carry their microbatch
+number; with several model chunks per rank, a chunk's virtual stage is told by the
+shade (chunk // pp: round-robin and zbv's V alike put chunks pp.. 2pp-1 in the second).
+The halves are backward's colour darker (I) and paler (W), so a zero-bubble timeline
+reads as a 1F1B one whose backwards were cut in two. White is idle.
 """
 
 from __future__ import annotations
@@ -20,12 +24,16 @@ from matplotlib.colors import to_rgb
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch, Rectangle
 
-from interleaf.protos.actions import CATEGORIES, Action, Kind
+from interleaf.protos.actions import CATEGORIES, COMPUTE, Action
 
-COMPUTE_KINDS = ("forward", "backward", "update", "wait")
+COMPUTE_KINDS = ("forward", "backward", "input-grad", "weight-grad", "update", "wait")
+MICROBATCH_KINDS = ("forward", "backward", "input-grad", "weight-grad")
+"""The computes of one (chunk, microbatch): labelled and shaded by chunk."""
 COLOURS = {
     "forward": "#3b75af",
     "backward": "#e1812c",
+    "input-grad": "#b5520f",
+    "weight-grad": "#f2c14e",
     "update": "#7b5fb0",
     "wait": "#d0d0d0",
     "send": "#3a923a",
@@ -37,6 +45,8 @@ COLOURS = {
 LEGEND = {
     "forward": "forward",
     "backward": "backward",
+    "input-grad": "input gradient I",
+    "weight-grad": "weight gradient W",
     "update": "weight update",
     "wait": "compute waiting for its inputs",
     "p2p": "send / receive / exchange",
@@ -55,12 +65,13 @@ class Bar:
     start: float
     end: float
     kind: str
-    """forward, backward, update, wait (upper lane); send, recv, exchange, collective,
-    zero (lower lane)."""
+    """forward, backward, input-grad, weight-grad, update, wait (upper lane); send, recv,
+    exchange, collective, zero (lower lane)."""
     label: str = ""
-    """What the bar shows when wide enough: the microbatch number of a forward or backward."""
+    """What the bar shows when wide enough: the microbatch number of a forward, a
+    backward or either half of one."""
     shade: int = 0
-    """The virtual stage of a forward's or backward's chunk (chunk // pp): later ones lighter."""
+    """The virtual stage of such a compute's chunk (chunk // pp): later ones lighter."""
 
 
 @dataclass
@@ -72,7 +83,7 @@ class Panel:
 
 def bar_of(action: Action, kind: str, start: float, end: float, pp: int) -> Bar:
     """One action's bar; `kind` is CATEGORIES[action.kind], or "wait"."""
-    computes = action.kind in (Kind.FORWARD, Kind.BACKWARD) and kind != "wait"
+    computes = action.kind in COMPUTE and kind != "wait"
     return Bar(start, end, kind, str(action.microbatch) if computes else "",
                action.chunk // pp if computes else 0)
 
@@ -130,7 +141,7 @@ def _draw(ax, panel: Panel, end: float, shades: int) -> set[str]:
             kinds.add(bar.kind)
             if bar.label and width >= 9 * pixel:
                 ax.text(bar.start + width / 2, y + height / 2, bar.label, ha="center", va="center",
-                        fontsize=7, color="white" if bar.shade == 0 else "black", clip_on=True)
+                        fontsize=7, color=_ink(colour), clip_on=True)
     return kinds
 
 
@@ -148,9 +159,14 @@ def _colour(kind: str, shade: int, shades: int):
     return colorsys.hls_to_rgb(h, l + (0.85 - l) * shade / shades, s)
 
 
+def _ink(colour) -> str:
+    """White on dark bars, black on light ones (a later virtual stage's, W's yellow)."""
+    return "white" if colorsys.rgb_to_hls(*colour)[1] < 0.6 else "black"
+
+
 def _legend(kinds: set[str], shades: int) -> list[Patch]:
     handles = []
-    for kind in ("forward", "backward"):
+    for kind in MICROBATCH_KINDS:
         if kind in kinds:
             for shade in range(shades):
                 label = LEGEND[kind] + (f" (virtual stage {shade})" if shades > 1 else "")

@@ -3,9 +3,10 @@
 The table places each compute action at its simulated start time. The time slot is the
 shortest compute duration, so with a uniform cost model (forward_s == backward_s) every
 action fills exactly one column; otherwise longer actions span several columns and
-starts are rounded to the nearest slot. Only forwards and backwards are in it; the rest
-of the time shows as idle, which is what the bubble fraction counts. The PNG is drawn
-by picture.py, with every action.
+starts are rounded to the nearest slot. Only the computes of microbatches are in it
+(forwards, backwards, and the input- and weight-gradient halves I and W of the
+zero-bubble schedules); the rest of the time shows as idle, which is what the bubble
+fraction counts. The PNG is drawn by picture.py, with every action.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ def timeline_table(programs: list[list[Action]], result: SimResult) -> str:
         rank 1  .    F1.0 F1.1 B1.0 B1.1 .
         bubble fraction 0.3333 (makespan 6 s)
 
-    A "-" continues the action to its left (a backward costing two forwards).
+    A "-" continues the action to its left (a backward costing two forwards). A split
+    backward shows as its halves, B0.0 as I0.0 and W0.0 wherever the program put each.
     """
     spans = _compute_spans(programs, result)
     slot = _slot_s(spans)

@@ -20,6 +20,7 @@ from interleaf.stageserver.model.architectures import architecture_modules
 from interleaf.stageserver.model.attention import LayerCache
 from interleaf.common.model.config import ModelShape
 from interleaf.common.model.params import HEAD, TIED, ParamSpec
+from interleaf.stageserver.model.param_ops import embedding
 from interleaf.stageserver.model.params import init_full, shard
 from interleaf.stageserver.model.recompute import BlockRecompute
 from interleaf.stageserver.model.tensor_parallel import (
@@ -146,7 +147,7 @@ class ModelChunk(nn.Module):
                 raise ValueError(f"position {end - 1} is beyond the {self.config.seq_len} learned "
                                  f"positions (model.seq_len)")
             first = start + self.tp.rank * x.size(1) if self.sequence_parallel else start
-            x = x + self.wpe(torch.arange(first, first + x.size(1), device=tokens.device))
+            x = x + embedding(torch.arange(first, first + x.size(1), device=tokens.device), self.wpe.weight)
         return x
 
     def head_weight(self) -> torch.Tensor:

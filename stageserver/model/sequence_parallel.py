@@ -28,10 +28,14 @@ the attention's output projection gives each rank a [1, 4, d] partial sum, and
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import torch.nn.functional as F
 
 from interleaf.stageserver.model.collective_replay import replayable
+from interleaf.stageserver.model.param_ops import linear_grads, weight_grad
+from interleaf.stageserver.model.weight_grads import param_grads, remember
 from interleaf.stageserver.transport import Transport
 
 
@@ -55,19 +59,16 @@ def scatter_sum(y: torch.Tensor, tp: Transport) -> torch.Tensor:
     return mine.transpose(0, 1).contiguous()
 
 
-def linear_grads(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """F.linear(x, weight)'s input and weight gradients, as autograd computes them."""
-    flat_grad = grad.reshape(-1, grad.size(-1))
-    return grad.matmul(weight), flat_grad.t().matmul(x.reshape(-1, x.size(-1)))
-
-
 class _LinearReduceScatter(torch.autograd.Function):
     """g' fused with the row-parallel matmul before it: the partial product [b, s, d] is a
     temporary of the forward, never kept (a selective-recompute rerun replays the
-    reduce-scattered [b, s/t, d] and computes neither)."""
+    reduce-scattered [b, s/t, d] and computes neither). Split-aware (weight_grads.py):
+    a deferred weight gradient keeps the output gradient the backward gathered, so W
+    communicates nothing."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, tp: Transport) -> torch.Tensor:
+        remember(ctx, weight)
         ctx.tp = tp
         ctx.save_for_backward(x, weight)
         return replayable(lambda: scatter_sum(F.linear(x, weight), tp))
@@ -75,7 +76,8 @@ class _LinearReduceScatter(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         x, weight = ctx.saved_tensors
-        return (*linear_grads(gather(grad, ctx.tp), x, weight), None)
+        whole = gather(grad, ctx.tp)
+        return whole.matmul(weight), *param_grads(ctx, weight_grad, whole, x), None
 
 
 def linear_reduce_scatter(x: torch.Tensor, weight: torch.Tensor, tp: Transport) -> torch.Tensor:
@@ -101,14 +103,22 @@ def reduce_scatter(y: torch.Tensor, tp: Transport) -> torch.Tensor:
     return _ReduceScatter.apply(y, tp)
 
 
+def _gathered_param_grads(has_bias: list[bool], whole: torch.Tensor, *grads: torch.Tensor) -> tuple:
+    """Each linear's weight and bias gradient, flat as _GatheredLinears' parameters."""
+    return tuple(g for grad, bias in zip(grads, has_bias, strict=True) for g in linear_grads(bias, grad, whole))
+
+
 class _GatheredLinears(torch.autograd.Function):
     """F.linear(gather(x), w_i, b_i) for each (w_i, b_i), keeping only x (local) for the
     backward, where x is gathered again. Parameters are flat (w0, b0, w1, b1, ...),
-    None for a missing bias."""
+    None for a missing bias. Split-aware (weight_grads.py): deferred weight gradients
+    keep the gathered input until W, which then needs no gather of its own (t times
+    the local input's bytes, for as long as W waits)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, tp: Transport, *params):
         weights, biases = params[0::2], params[1::2]
+        remember(ctx, *params)
         ctx.tp, ctx.has_bias = tp, [b is not None for b in biases]
         ctx.save_for_backward(x, *weights)
 
@@ -121,14 +131,12 @@ class _GatheredLinears(torch.autograd.Function):
     def backward(ctx, *grads):
         x, *weights = ctx.saved_tensors
         whole = gather(x, ctx.tp)
-        flat_input = whole.reshape(-1, whole.size(-1))
-        grad_whole, param_grads = None, []
-        for grad, w, has_bias in zip(grads, weights, ctx.has_bias):
+        grad_whole = None
+        for grad, w in zip(grads, weights):
             part = grad.matmul(w)
             grad_whole = part if grad_whole is None else grad_whole + part
-            flat_grad = grad.reshape(-1, grad.size(-1))
-            param_grads += [flat_grad.t().matmul(flat_input), flat_grad.sum(0) if has_bias else None]
-        return (scatter_sum(grad_whole, ctx.tp), None, *param_grads)
+        return (scatter_sum(grad_whole, ctx.tp), None,
+                *param_grads(ctx, partial(_gathered_param_grads, ctx.has_bias), whole, *grads))
 
 
 def gathered_linears(x: torch.Tensor, params: list[tuple[torch.Tensor, torch.Tensor | None]],

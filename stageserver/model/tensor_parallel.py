@@ -26,6 +26,8 @@ from torch import nn
 
 from interleaf.stageserver.model import sequence_parallel as sp
 from interleaf.stageserver.model.collective_replay import replayable
+from interleaf.stageserver.model.param_ops import add_bias, embedding, linear, weight_grad
+from interleaf.stageserver.model.weight_grads import param_grads, remember
 from interleaf.stageserver.transport import Transport
 
 
@@ -50,17 +52,20 @@ def _summed(tensor: torch.Tensor, tp: Transport) -> torch.Tensor:
 
 class _LinearAllReduce(torch.autograd.Function):
     """A row-parallel matmul and g fused: the partial product is a temporary of the
-    forward, never kept (a selective-recompute rerun replays the sum)."""
+    forward, never kept (a selective-recompute rerun replays the sum). Split-aware
+    (weight_grads.py): the weight's gradient reads x and the (replicated) output
+    gradient."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, tp: Transport) -> torch.Tensor:
+        remember(ctx, weight)
         ctx.save_for_backward(x, weight)
         return replayable(lambda: _summed(F.linear(x, weight), tp))
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         x, weight = ctx.saved_tensors
-        return (*sp.linear_grads(grad, x, weight), None)
+        return grad.matmul(weight), *param_grads(ctx, weight_grad, grad, x), None
 
 
 class _CopyToTP(torch.autograd.Function):
@@ -122,7 +127,7 @@ def column_parallel(x: torch.Tensor, *layers: ColumnParallelLinear) -> tuple[tor
     same bits."""
     if layers[0].sequence_parallel and layers[0].tp.size > 1:
         return sp.gathered_linears(x, [(layer.weight, layer.bias) for layer in layers], layers[0].tp)
-    return tuple(F.linear(copy_to_tp(x, layer.tp), layer.weight, layer.bias) for layer in layers)
+    return tuple(linear(copy_to_tp(x, layer.tp), layer.weight, layer.bias) for layer in layers)
 
 
 class RowParallelLinear(nn.Module):
@@ -144,12 +149,12 @@ class RowParallelLinear(nn.Module):
         """Sequence parallel: the sum is reduce-scattered, this rank's tokens out (the
         bias then sees only them: its gradient is a partial sum, see ModelState)."""
         if self.tp.size == 1:
-            y = F.linear(x, self.weight)
+            y = linear(x, self.weight)
         elif self.sequence_parallel:
             y = sp.linear_reduce_scatter(x, self.weight, self.tp)
         else:
             y = _LinearAllReduce.apply(x, self.weight, self.tp)
-        return y if self.bias is None else y + self.bias
+        return y if self.bias is None else add_bias(y, self.bias)
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -169,7 +174,7 @@ class VocabParallelEmbedding(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         outside = (ids < self.start) | (ids >= self.start + self.weight.size(0))
         local_ids = (ids - self.start).masked_fill(outside, 0)
-        rows = F.embedding(local_ids, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        rows = embedding(local_ids, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
         if self.sequence_parallel and self.tp.size > 1:
             return sp.reduce_scatter(rows, self.tp)
         return reduce_from_tp(rows, self.tp)
@@ -193,7 +198,7 @@ def vocab_parallel_logits(x: torch.Tensor, head_weight: torch.Tensor, tp: Transp
     parallel: x is this rank's tokens, gathered first (the gradient reduce-scattered)."""
     if sequence_parallel and tp.size > 1:
         return sp.gathered_linears(x, [(head_weight, None)], tp)[0]
-    return F.linear(copy_to_tp(x, tp), head_weight)
+    return linear(copy_to_tp(x, tp), head_weight)
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):

@@ -10,6 +10,7 @@ from torch import nn
 
 from interleaf.common.model.config import ModelShape
 from interleaf.stageserver.model.attention import LayerCache, causal_attention
+from interleaf.stageserver.model.param_ops import LayerNorm
 from interleaf.stageserver.model.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from interleaf.stageserver.transport import Transport
 
@@ -57,9 +58,9 @@ class Block(nn.Module):
 
     def __init__(self, config: ModelShape, tp: Transport, sequence_parallel: bool = False):
         super().__init__()
-        self.ln_1 = nn.LayerNorm(config.d_model, eps=config.norm_eps)
+        self.ln_1 = LayerNorm(config.d_model, eps=config.norm_eps)
         self.attn = Attention(config, tp, sequence_parallel)
-        self.ln_2 = nn.LayerNorm(config.d_model, eps=config.norm_eps)
+        self.ln_2 = LayerNorm(config.d_model, eps=config.norm_eps)
         self.mlp = MLP(config, tp, sequence_parallel)
 
     def forward(self, x: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
@@ -68,4 +69,4 @@ class Block(nn.Module):
 
 
 def final_norm(config: ModelShape) -> nn.Module:
-    return nn.LayerNorm(config.d_model, eps=config.norm_eps)
+    return LayerNorm(config.d_model, eps=config.norm_eps)

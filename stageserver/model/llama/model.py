@@ -12,6 +12,7 @@ from torch import nn
 from interleaf.common.model.config import ModelShape
 from interleaf.stageserver.model.attention import LayerCache, causal_attention
 from interleaf.stageserver.model.llama.rope import apply_rotary, rotary_tables
+from interleaf.stageserver.model.param_ops import scale
 from interleaf.stageserver.model.tensor_parallel import ColumnParallelLinear, RowParallelLinear, column_parallel
 from interleaf.stageserver.transport import Transport
 
@@ -28,7 +29,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         work = x.float() if torch.finfo(x.dtype).bits < 32 else x
         normed = work * torch.rsqrt(work.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * normed.to(x.dtype)
+        return scale(self.weight, normed.to(x.dtype))
 
 
 class Attention(nn.Module):
