@@ -17,7 +17,8 @@ def run_job(client: Client, overrides: list[str]) -> dict:
 
     per step: step_seconds (slowest rank, inside the servers), losses, tokens,
     tokens_per_second (the coordinator's: the step's tokens over its wall time since the
-    previous step completed) and every rank's memory (the server's ledger by kind and
+    previous step completed), idle_seconds (the mean over ranks of the time each ran no
+    compute action: the executed bubble) and every rank's memory (the server's ledger by kind and
     its resident-set peak over the step);
     per RunSteps block: its first step, step count, control_seconds (the coordinator's
     wall time for the block beyond the slowest rank's total inside its steps) and
@@ -40,6 +41,7 @@ def run_job(client: Client, overrides: list[str]) -> dict:
         "losses": [s.loss for s in steps],
         "tokens": [s.tokens for s in steps],
         "tokens_per_second": [s.tokens_per_second for s in steps],
+        "idle_seconds": [s.idle_seconds for s in steps],
         "memory": [[{"rank": r.rank, **{f: getattr(r, f) for f in MEMORY_FIELDS}} for r in s.ranks] for s in steps],
         "blocks": blocks,
     }
