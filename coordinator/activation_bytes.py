@@ -271,9 +271,9 @@ def weight_grad_bytes(model, layers: int, has_embedding: bool, has_head: bool, r
                   under sequence parallelism gathered in the backward); gpt2's wpe its
                   positions (int64, s_local) and its output gradient, summed over the
                   rows, s_local*d
-      head        ln_f as a norm over b*s_local tokens; the head matmul's input b*s*d
-                  (ln_f's output, gathered under sequence parallelism) and its output
-                  gradient, the logits' b*s*V/t, padding included, in the compute dtype
+      head        nothing: the final norm's and the head matmul's parameter gradients
+                  are computed in I (stageserver/model/weight_grads.at_once), so the
+                  logits' gradient (b*s*V/t) never outlives I
 
     Worked example, the Llama-2 7B block of the module's docstring (b=1, s=4096, t=1,
     bf16): 4096*4096*2*(4 + 4) + 4096*2*(4096 + 96*128) + 3*4096*11008*2 = 673,185,792
@@ -289,10 +289,4 @@ def weight_grad_bytes(model, layers: int, has_embedding: bool, has_head: bool, r
         if model.arch == "gpt2":
             positions = local // rows
             total += positions * _INT64 + positions * d * a
-    if has_head:
-        total += (
-            _norm_weight_grad_bytes(model.arch, local, d, a)
-            + bs * d * a  # the head matmul's input
-            + bs * (model.padded_vocab(tp) // tp) * a  # the logits' gradient
-        )
     return total

@@ -158,7 +158,9 @@ class _ProgramWalk:
     def _hold_grads(self, c: int) -> None:
         """B or W, which write c's full-size gradient: its reduction's last read of it
         is waited first, then it is held (again) until the next reduction. I writes
-        none, so at ZeRO-2/3 a split backward holds it from the chunk's first W."""
+        none, so at ZeRO-2/3 a split backward holds it from the chunk's first W; but
+        the head chunk's I writes the head's (stageserver/model/weight_grads.at_once),
+        so that chunk holds it from its first I."""
         self._finish(c)
         if not self.grads_held[c]:
             self.ledger.add("gradients", self.a * self.full[c])
@@ -169,6 +171,8 @@ class _ProgramWalk:
         self._input_gradient(action)
 
     def _backward_input(self, action: Action) -> None:
+        if self.chunks[action.chunk].has_head:
+            self._hold_grads(action.chunk)
         self._input_gradient(action)
         counted, borrowed = self._weight_grad_bytes(action.chunk)
         self.ledger.add("activations", counted)

@@ -334,13 +334,15 @@ class Executor:
         """B's or I's backward: the output gradient in, the input gradient delivered or
         left for its send, the forward's activations freed. I writes no gradient
         buffer (its parameter gradients wait for W), so it neither waits for the chunk's
-        reduction nor holds its gradients: at ZeRO-2/3 those exist from the first W."""
+        reduction nor holds its gradients: at ZeRO-2/3 those exist from the first W;
+        but the head chunk's I writes the head's (weight_grads.at_once), so it holds
+        them from its first I."""
         key = (a.chunk, a.microbatch)
         x, out = state.saved.pop(key)
         weight_grads = state.weight_grads.pop(key)
         chunk = self.model.chunks[a.chunk]
         self._ready(a.chunk, state)
-        if not defer:
+        if not defer or chunk.has_head:
             # The gradient buffer may still be read by this chunk's last reduction.
             self._wait(state.reductions, a.chunk, state)
             self.model.hold_grads(a.chunk)

@@ -68,9 +68,8 @@ def _kept_by_op(model: ModelShape, rows: int, tp: int, precision: str, sp: bool,
         tensors |= {"wte local ids": bs * 8, "wte output grad": bs * d * a}
         if gpt2:
             tensors |= {"wpe positions": local // rows * 8, "wpe output grad": local // rows * d * a}
-    if head:
-        tensors |= {**norm("ln_f"), "head input": bs * d * a,
-                    "head output grad (logits)": bs * model.padded_vocab(tp) // tp * a}
+    # The head's (ln_f and the output matmul) are computed in I (weight_grads.at_once):
+    # nothing of it, the logits' gradient least of all, waits for W.
     return tensors
 
 

@@ -23,6 +23,7 @@ from interleaf.common.model.params import HEAD, TIED, ParamSpec
 from interleaf.stageserver.model.param_ops import embedding
 from interleaf.stageserver.model.params import init_full, shard
 from interleaf.stageserver.model.recompute import BlockRecompute
+from interleaf.stageserver.model.weight_grads import at_once
 from interleaf.stageserver.model.tensor_parallel import (
     VocabParallelEmbedding,
     VocabParallelHead,
@@ -164,7 +165,8 @@ class ModelChunk(nn.Module):
             return x
         if targets is None:
             raise ValueError("the chunk holding the head needs targets to compute the loss")
-        logits_shard = vocab_parallel_logits(self.ln_f(x), self.head_weight(), self.tp, self.sequence_parallel)
+        with at_once():  # ln_f's and the head's W would hold the logits' gradient (weight_grads.at_once)
+            logits_shard = vocab_parallel_logits(self.ln_f(x), self.head_weight(), self.tp, self.sequence_parallel)
         return vocab_parallel_cross_entropy(logits_shard, targets, self.tp, self.config.vocab_size)
 
 

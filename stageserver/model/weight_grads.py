@@ -99,6 +99,21 @@ class WeightGrads:
                         accumulate(param, grad)
 
 
+@contextlib.contextmanager
+def at_once() -> Iterator[None]:
+    """Around operations whose parameter gradients are never deferred: their backward
+    computes them at once, in an I too. The final norm's and the head's: the head's W
+    would keep the logits' gradient, b*s*V/t per microbatch, the largest tensor of a
+    step for a vocabulary large against the width, from I until W; computed in I,
+    nothing of it outlives I (it costs I the head's weight product, which W no longer
+    does; the norm's is small, and keeping it would keep its input and gradient)."""
+    token = _recording.set(None)
+    try:
+        yield
+    finally:
+        _recording.reset(token)
+
+
 def remember(ctx, *params: torch.Tensor | None) -> None:
     """Called by a split-aware Function's forward: the parameters among its inputs
     (None for an absent bias) and the WeightGrads its forward runs under, if any."""
