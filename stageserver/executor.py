@@ -9,8 +9,10 @@ coordinator accepts only programs that run to the end even if every send and rec
 were waited where posted, until its partner is there (rendezvous semantics, NCCL's),
 so waiting later cannot deadlock either. Reductions and
 parameter gathers start asynchronously and are waited where their result is needed: a
-chunk's gather before its first compute, its reduction before its gradient is touched
-again.
+chunk's gather before its first compute that reads parameters (F, B, I; never W), its
+reduction before its gradient is touched again (B, W; never I).
+A backward is B, or I then W (model/weight_grads.py): I computes the input gradient
+and leaves the parameter gradients queued, W computes them.
 Every tensor the step allocates or frees is entered in the model's memory ledger. A
 failing action raises `StepError` naming the rank, the step and the action.
 """
