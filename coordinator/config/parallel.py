@@ -36,9 +36,10 @@ class ParallelConfig:
     """One of gpipe, 1f1b, interleaved-1f1b, zb-h1, zbv (docs/parallelism.md, "Which
     schedule"). zb-h1 and zbv are zero-bubble schedules (Qi et al. 2024): each backward
     runs as its input-gradient half, sent upstream at once, and its weight-gradient
-    half, moved into what would be bubbles. zb-h1 keeps one chunk per rank and 1F1B's
-    peak activation memory; zbv places two chunks per rank in a V (rank r holds chunks
-    r and 2*pp-1-r) for a bubble near zero at the same memory."""
+    half, moved into what would be bubbles. zb-h1 keeps one chunk per rank and at most
+    pp microbatches in flight on each (1F1B's first rank's count); zbv places two
+    chunks per rank in a V (rank r holds chunks r and 2*pp-1-r) for a bubble near zero
+    with as many layers' activations in flight."""
     microbatches: int = 4
     """Microbatches per step (gradient accumulation through the pipeline); a multiple
     of pp for interleaved-1f1b."""
