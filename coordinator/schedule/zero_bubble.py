@@ -108,12 +108,14 @@ def zero_bubble_orders(placement: tuple[int, ...], microbatches: int,
 
     now = 0
     while len(ended) < total:
+        started = False
         for rank in range(pp):
             if free[rank] > now:
                 continue
             action = pick(rank, now)
             if action is None:
                 continue
+            started = True
             orders[rank].append(action)
             ended[action] = free[rank] = now + 1
             if action.kind is Kind.FORWARD:
@@ -125,10 +127,11 @@ def zero_bubble_orders(placement: tuple[int, ...], microbatches: int,
             else:
                 pending_weight[rank].popleft()
                 in_flight[rank] -= 1
-        later = [t for t in [*free, *ended.values()] if t > now]
-        if not later:
+        # Every compute lasts one tick, so whatever can happen next happens at now + 1,
+        # when what started now ends; if nothing started, nothing ever will.
+        if not started:
             stuck = {r: in_flight[r] for r in range(pp) if len(orders[r]) < 3 * microbatches * len(owned[r])}
             raise ValueError(f"zero-bubble scheduling is stuck: ranks {sorted(stuck)} hold {stuck} microbatch-"
                              f"chunks at their limits {limits} and wait for gradients that cannot come")
-        now = min(later)
+        now += 1
     return orders
