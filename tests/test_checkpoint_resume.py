@@ -41,14 +41,15 @@ def _held_to_reference(steps, history, first: int) -> None:
 ARCHS = {"gpt2": [], "llama": LLAMA + ["model.n_kv_heads=4"]}
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-def test_resharding_through_four_layouts_equals_the_uninterrupted_run(client, tmp_path, arch):
-    model = ARCHS[arch]
-    history, _ = reference(layout_free(TINY + model + STEPS))
-    resume, first = "", 0
-    for hop, layout in enumerate(CHAIN):
+def resume_through(client, tmp_path, setup: list[str], chain: list[list[str]]) -> list[dict]:
+    """Runs `setup` under each layout of `chain` in turn, each resuming from the
+    checkpoint its predecessor wrote two steps after it took over, and holds every run
+    to the reference of `setup`; returns the manifests resumed from."""
+    history, _ = reference(layout_free(setup))
+    resume, first, manifests = "", 0, []
+    for hop, layout in enumerate(chain):
         folder = tmp_path / f"hop{hop}"
-        settings = TINY + model + STEPS + layout + [f"checkpoint.dir={folder}", "checkpoint.every=2"]
+        settings = setup + layout + [f"checkpoint.dir={folder}", "checkpoint.every=2"]
         if resume:
             settings.append(f"checkpoint.resume={resume}")
         final, steps = run_job(client, settings)
@@ -57,10 +58,17 @@ def test_resharding_through_four_layouts_equals_the_uninterrupted_run(client, tm
         # The next layout takes over two steps later than this one did.
         first += 2
         resume = str(folder / f"step-{first:06d}")
-        manifest = find(resume).manifest
+        manifests.append(find(resume).manifest)
+    assert first == len(history)
+    return manifests
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_resharding_through_four_layouts_equals_the_uninterrupted_run(client, tmp_path, arch):
+    manifests = resume_through(client, tmp_path, TINY + ARCHS[arch] + STEPS, CHAIN)
+    for hop, manifest in enumerate(manifests):
         assert manifest["layout"]["tp"] == (2, 4, 1, 1)[hop]
-        assert manifest["consumed_samples"] == first * 8  # train.global_batch=8
-    assert first == 8
+        assert manifest["consumed_samples"] == (hop + 1) * 2 * 8  # train.global_batch=8
 
 
 def test_a_manifest_without_a_data_position_resumes_at_step_times_global_batch(tmp_path):

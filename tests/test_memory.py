@@ -64,7 +64,7 @@ LAYOUTS = {
                                       "parallel.tp=2", "parallel.pp=2", "parallel.vpp=2",
                                       "train.recompute=selective", "train.recompute_layers=2"],
     # Zero-bubble schedules: each I keeps what its W reads until that W; the full-size
-    # gradient from a chunk's first W; zbv's V (chunks 0 and 3 on rank 0), at pp=1 with
+    # gradient from a chunk's first W (the head chunk's first I); zbv's V (chunks 0 and 3 on rank 0), at pp=1 with
     # the turn of the V handed over locally.
     "zbh1-zero2-dp2-pp2": ["parallel.dp=2", "parallel.pp=2", "parallel.vpp=1", "parallel.schedule=zb-h1",
                            "parallel.zero=2"],

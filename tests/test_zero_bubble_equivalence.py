@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import ARCHS, TINY, layout_free, reference, run_job
-from tests.test_checkpoint_resume import _held_to_reference
+from tests.conftest import ARCHS, TINY
+from tests.test_checkpoint_resume import resume_through
 from tests.test_equivalence import check_equivalent, layout
 from tests.test_zero_equivalence import LONG
 
@@ -78,17 +78,4 @@ PLACEMENTS = [
 
 
 def test_resuming_between_placements_equals_the_uninterrupted_run(client, tmp_path):
-    steps_ = ["train.steps=6"]
-    history, _ = reference(layout_free(TINY + steps_))
-    resume, first = "", 0
-    for hop, layout_ in enumerate(PLACEMENTS):
-        folder = tmp_path / f"hop{hop}"
-        settings = TINY + steps_ + layout_ + [f"checkpoint.dir={folder}", "checkpoint.every=2"]
-        if resume:
-            settings.append(f"checkpoint.resume={resume}")
-        final, steps = run_job(client, settings)
-        assert final.state == "SUCCEEDED", (hop, final.error)
-        _held_to_reference(steps, history, first)
-        first += 2
-        resume = str(folder / f"step-{first:06d}")
-    assert first == 6
+    resume_through(client, tmp_path, TINY + ["train.steps=6"], PLACEMENTS)
