@@ -21,6 +21,7 @@ from functools import partial
 
 import grpc
 
+from interleaf.common.model.compile_modes import compiles
 from interleaf.coordinator.job_logs import start_job_logs
 from interleaf.coordinator.jobs import JobRecord
 from interleaf.coordinator.admission import needed_bytes
@@ -33,6 +34,7 @@ from interleaf.coordinator.registry import DEAD_AFTER_S, HEARTBEAT_INTERVAL_S, R
 from interleaf.coordinator.traces import trace_plan, traced_in_block
 from interleaf.protos import interleaf_pb2 as pb
 from interleaf.protos import interleaf_pb2_grpc as rpc
+from interleaf.protos.actions import Kind
 from interleaf.common import wire
 
 log = logging.getLogger("interleaf.coordinator")
@@ -470,7 +472,7 @@ class JobDriver(threading.Thread):
             # while one is under way on some rank, it has its own allowance.
             due = sorted(s for s in scoring if len(scoring[s]) < world)
             patience = (eval_allowance(self.config, max(self.slowest_step_s, longest), self.slowest_eval_s)
-                        if due else self._progress_deadline())
+                        if due else self._progress_deadline(min(pending, default=next_step)))
             try:
                 item = reports.get(timeout=patience)
             except queue.Empty:
@@ -529,11 +531,25 @@ class JobDriver(threading.Thread):
         if evaluation is not None:
             self.job.add_eval(evaluation)
 
-    def _progress_deadline(self) -> float:
-        """How long a block may go without any rank finishing a step before the job is
+    def _progress_deadline(self, step: int) -> float:
+        """How long a block may go without any rank finishing `step` before the job is
         declared stuck: recovery.progress_timeout_s, or ten times the slowest step seen
-        when that is longer (an attempt's first step, which warms up, does not count)."""
-        return max(self.job.config.recovery.progress_timeout_s, 10 * self.slowest_step_s)
+        when that is longer (an attempt's first step, which warms up, does not count);
+        plus recovery.compile_timeout_s for that first step where a server compiles its
+        blocks in it (train.compile)."""
+        recovery = self.job.config.recovery
+        deadline = max(recovery.progress_timeout_s, 10 * self.slowest_step_s)
+        if step == self.first_step and self._compiles():
+            deadline += recovery.compile_timeout_s
+        return deadline
+
+    def _compiles(self) -> bool:
+        """Whether any server of the current plan compiles its blocks (as it decides:
+        common/model/compile_modes.py)."""
+        if self.plan is None:
+            return False
+        splits = any(a.kind is Kind.BACKWARD_INPUT for program in self.plan.programs for a in program)
+        return any(compiles(self.config.train.compile, s.device.split(":")[0], splits) for s in self.plan.servers)
 
     def _step_event(self, reports: list[pb.StepReport], wall_s: float) -> pb.StepEvent:
         config = self.job.config

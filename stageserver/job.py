@@ -17,10 +17,11 @@ import torch
 import torch.distributed as dist
 
 from interleaf.common.data.vocab_check import data_too_big
+from interleaf.common.model.compile_modes import COMPILE, compiles
 from interleaf.common.model.config import ModelShape
 from interleaf.common.model.recompute_modes import MODES as RECOMPUTE
 from interleaf.protos import interleaf_pb2 as pb
-from interleaf.protos.actions import parse
+from interleaf.protos.actions import Kind, parse
 from interleaf.stageserver import safetensors, state_io
 from interleaf.stageserver.background_writes import BackgroundWrites
 from interleaf.stageserver.data import Sampler, resolve_source
@@ -75,6 +76,8 @@ class StageJob:
             raise JobRejected(f"train.precision={t.precision!r} must be one of {', '.join(DTYPES)}")
         if (t.recompute or "none") not in RECOMPUTE:
             raise JobRejected(f"train.recompute={t.recompute!r} must be one of {', '.join(RECOMPUTE)}")
+        if (t.compile or "auto") not in COMPILE:
+            raise JobRejected(f"train.compile={t.compile!r} must be one of {', '.join(COMPILE)}")
         self.transport = request.transport or "gloo"
         _check_transport(self.transport, device)
         try:
@@ -98,7 +101,12 @@ class StageJob:
             min_lr_ratio=t.min_lr_ratio,
             decay_fraction=t.decay_fraction,
             recompute_layers=t.recompute_layers,
+            compile=compiles(t.compile or "auto", device.type,
+                             splits_backward=any(a.kind is Kind.BACKWARD_INPUT for a in self.program)),
         )
+        if self.train.compile:
+            log.info("job %s: rank %d compiles its blocks (train.compile=%s)", request.job_id, self.rank,
+                     t.compile or "auto")
         try:
             self.data = resolve_source(request.data_source)
         except (OSError, ValueError) as err:

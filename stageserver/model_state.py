@@ -23,6 +23,7 @@ from interleaf.stageserver.data import Sampler
 from interleaf.stageserver.memory import MemoryLedger, nbytes
 from interleaf.stageserver.model import ModelChunk
 from interleaf.stageserver.model.chunk import InitialValues
+from interleaf.stageserver.model.compiled import compile_blocks
 from interleaf.stageserver.model.recompute import BlockRecompute
 from interleaf.stageserver.optim import BETAS, EPS, clip_coefficient, squared_norm
 from interleaf.stageserver.pipeline_messages import PipelineMessages
@@ -59,6 +60,7 @@ class TrainPlan:
     min_lr_ratio: float = MIN_LR_RATIO
     decay_fraction: float = DECAY_FRACTION
     recompute_layers: int = 0
+    compile: bool = False  # each block through torch.compile (stageserver/model/compiled.py)
 
 
 def message_tag(kind: str, chunk: int, microbatch: int, microbatches: int) -> int:
@@ -118,6 +120,8 @@ class ModelState:
             chunk = ModelChunk(config, plan.layers, plan.has_embedding, plan.has_head, self.tp, train.seed, initial,
                                sequence_parallel=self.sequence_parallel,
                                recompute=BlockRecompute(train.recompute, train.recompute_layers))
+            if train.compile:
+                compile_blocks(chunk)
             self.chunks[plan.index] = chunk
             self.buckets[plan.index] = self._bucketize(plan, chunk)
 

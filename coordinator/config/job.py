@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from interleaf.coordinator.config.metrics import MetricsConfig
 from interleaf.coordinator.config.eval import EvalConfig, eval_microbatches
 from interleaf.coordinator.config.model import ModelConfig
-from interleaf.coordinator.config.parallel import ParallelConfig
+from interleaf.coordinator.config.parallel import SPLIT_BACKWARD, ParallelConfig
 from interleaf.coordinator.config.rules import ConfigError
 from interleaf.coordinator.config.sections import (
     DEFAULT_TRACED,
@@ -35,7 +35,8 @@ class JobConfig:
     Besides each key's own rules (below), the sections must agree: parallel.pp*vpp at
     most model.n_layers; model.n_heads, n_kv_heads and ffn_hidden divisible by
     parallel.tp; model.seq_len divisible by tp under sequence parallelism;
-    train.recompute_layers at most model.n_layers; train.global_batch divisible by
+    train.recompute_layers at most model.n_layers; train.compile not on for a
+    zero-bubble schedule; train.global_batch divisible by
     parallel.dp*microbatches; trace.steps within train.steps; and, with eval.every,
     eval.samples a multiple of the training microbatch's rows (times parallel.pp for
     interleaved 1F1B). Every number must be finite and at most its bound (the "at most"
@@ -79,6 +80,10 @@ class JobConfig:
         if t.recompute_layers > m.n_layers:
             raise ConfigError(f"train.recompute_layers={t.recompute_layers} must not exceed model.n_layers="
                               f"{m.n_layers}: every K-th block is rerun whole, and no block would be")
+        if t.compile == "on" and p.schedule in SPLIT_BACKWARD:
+            raise ConfigError(f"train.compile='on' cannot run parallel.schedule={p.schedule!r}: its backwards split "
+                              f"into I and W in hand-written autograd Functions that compiled graphs replace "
+                              f"(train.compile='auto' runs it eager)")
         if t.global_batch % (p.dp * p.microbatches):
             raise ConfigError(
                 f"train.global_batch={t.global_batch} must be divisible by "

@@ -9,6 +9,8 @@ from interleaf.coordinator.config.rules import ConfigError, _bounded, _positive
 from interleaf.common import limits
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zbv")
+SPLIT_BACKWARD = ("zb-h1", "zbv")
+"""The schedules whose backwards run as I and W (the zero-bubble ones)."""
 TRANSPORTS = ("auto", "gloo", "nccl")
 MAX_ZERO_PREFETCH = 4
 

@@ -90,11 +90,16 @@ class RecoveryConfig:
     """A job in which no rank finishes a step for this long (or for ten times the slowest
     step so far, when that is longer) is stuck: a server that then answers no call is
     lost (hung, or cut off) and the job recovers; otherwise it fails."""
+    compile_timeout_s: float = 600.0
+    """More time for an attempt's first step where a server compiles its blocks in it
+    (train.compile): compiling takes from tens of seconds to minutes, once per attempt."""
 
     def __post_init__(self):
         _bounded("recovery", self)
         if self.max_restarts < 0:
             raise ConfigError(f"recovery.max_restarts={self.max_restarts} must be 0 or more")
+        if not self.compile_timeout_s >= 0:
+            raise ConfigError(f"recovery.compile_timeout_s={self.compile_timeout_s} must be 0 or more")
         if not self.progress_timeout_s > 0:
             raise ConfigError(f"recovery.progress_timeout_s={self.progress_timeout_s} must be more than 0")
 

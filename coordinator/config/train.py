@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from interleaf.common.limits import shown
 from interleaf.common.lr_schedule import DECAY_FRACTION, DECAYS, MIN_LR_RATIO
+from interleaf.common.model.compile_modes import COMPILE
 from interleaf.common.model.recompute_modes import MODES
 from interleaf.coordinator.config.rules import ConfigError, _bounded, _positive
 
@@ -73,6 +74,13 @@ class TrainConfig:
     """selective only: K > 0 recomputes every K-th block in full (blocks whose global
     index i has (i + 1) % K == 0, torchtitan's layer-wise selective checkpointing) and
     keeps everything of the others; 0 (the default) is op-level selective in every block."""
+    compile: str = "auto"
+    """on: each transformer block of every chunk runs through `torch.compile` (inductor
+    fuses its norms, activation functions and residual adds; torchtitan's per-block
+    compile), recompute, tensor-parallel collectives, ZeRO and every schedule without a
+    split backward unchanged; off: eager; auto (the default): on for servers on CUDA, off
+    on CPUs. The zero-bubble schedules (zb-h1, zbv) split each backward in hand-written
+    autograd Functions that compiled graphs replace, so they run eager (on is refused)."""
 
     def __post_init__(self):
         _positive("train", self, "steps", "global_batch")
@@ -82,6 +90,8 @@ class TrainConfig:
             raise ConfigError(f"train.precision={self.precision!r} must be one of {', '.join(PRECISIONS)}")
         if self.recompute not in RECOMPUTE:
             raise ConfigError(f"train.recompute={self.recompute!r} must be one of {', '.join(RECOMPUTE)}")
+        if self.compile not in COMPILE:
+            raise ConfigError(f"train.compile={shown(self.compile)} must be one of {', '.join(COMPILE)}")
         if self.recompute_layers < 0:
             raise ConfigError(f"train.recompute_layers={self.recompute_layers} must be 0 (off) or more")
         if self.recompute_layers and self.recompute != "selective":

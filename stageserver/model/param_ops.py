@@ -7,6 +7,12 @@ anyway (the activation meter counts the same storages).
 
 The tensor-parallel linears that fuse a collective with their product are split the
 same way where they live (tensor_parallel.py, sequence_parallel.py).
+
+Inside `torch.compile` (train.compile, stageserver/model/compiled.py) each is the plain
+torch operation instead: a compiled block's backward is inductor's, which cannot defer a
+weight gradient, and the plain operations are what it traces and fuses. Compiled
+blocks run only in programs whose backwards are whole (B), where the split-aware
+backward computes what autograd's own does.
 """
 
 from __future__ import annotations
@@ -54,6 +60,8 @@ class _Linear(torch.autograd.Function):
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear, split-aware."""
+    if torch.compiler.is_compiling():
+        return F.linear(x, weight, bias)
     return _Linear.apply(x, weight, bias)
 
 
@@ -76,6 +84,8 @@ class _AddBias(torch.autograd.Function):
 def add_bias(y: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     """y + bias (broadcast over the tokens), split-aware: the row-parallel bias, added
     once after the partial products are summed."""
+    if torch.compiler.is_compiling():
+        return y + bias
     return _AddBias.apply(y, bias)
 
 
@@ -100,6 +110,8 @@ class _Embedding(torch.autograd.Function):
 def embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """F.embedding (rows `ids` of `weight`), split-aware: the token table's lookup and
     gpt2's learned positions."""
+    if torch.compiler.is_compiling():
+        return F.embedding(ids, weight)
     return _Embedding.apply(ids, weight)
 
 
@@ -149,6 +161,8 @@ class LayerNorm(nn.LayerNorm):
     """nn.LayerNorm (its parameters, names and forward numerics), split-aware."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            return F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
         return _LayerNorm.apply(x, list(self.normalized_shape), self.weight, self.bias, self.eps)
 
 
@@ -172,4 +186,6 @@ class _Scale(torch.autograd.Function):
 
 def scale(weight: torch.Tensor, normed: torch.Tensor) -> torch.Tensor:
     """weight * normed (broadcast over the tokens), split-aware: RMSNorm's scale."""
+    if torch.compiler.is_compiling():
+        return weight * normed
     return _Scale.apply(weight, normed)
