@@ -42,7 +42,6 @@ import torch
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))  # bench/ siblings
 
 from peak import bf16_matmul_peak  # noqa: E402  (bench/gpu/peak.py: this script's directory)
-from interleaf.clients.client import Client  # noqa: E402
 from interleaf.clients.launcher import LocalCluster  # noqa: E402
 from interleaf.coordinator.flops import flops_per_token, matrix_parameters  # noqa: E402
 from interleaf_run import run_job  # noqa: E402
@@ -110,7 +109,7 @@ def plain_pytorch(steps: int) -> dict:
 
 def interleaf(steps: int) -> dict:
     with LocalCluster(1, device="cuda", steps_per_call=4, log_dir=os.environ.get("BENCH_LOG_DIR")) as cluster:
-        client = Client(cluster.address)
+        client = cluster.client()  # carries the cluster's token: a bare Client is refused UNAUTHENTICATED
         try:
             return run_job(client, overrides(steps))
         finally:
