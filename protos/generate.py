@@ -7,6 +7,9 @@ protoc names a generated module's imports after the .proto's path under its incl
 so the sources are compiled from a staging folder where they sit at `interleaf/protos/`:
 the generated code then reads `from interleaf.protos import ...`, the installed namespace.
 Needs grpcio-tools (the `test` extra pins the version the checked-in files came from).
+The generated modules refuse to import under a grpcio older than that grpcio-tools, or a
+protobuf runtime older than its protoc: regenerating with a newer one raises those floors,
+and pyproject's dependencies must follow (tests/test_dependency_floors.py fails until they do).
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ One coordinator and one stage server on this GPU train bench/gpu/train.py's 1.11
   pipeline bubble, so what idle time there is, is the GPU waiting on the host.
 
     PYTHONPATH=. python bench/gpu/observe.py [--steps 10] [--out DIR]
-    PYTHONPATH=. python bench/gpu/observe.py --cpu-dry-run   # a tiny model on the CPU: checks the script
+    PYTHONPATH=. python bench/gpu/observe.py --device cpu --tiny   # a tiny model on the CPU: checks the script
 """
 
 from __future__ import annotations
@@ -32,15 +32,13 @@ from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # bench/gpu siblings
 
-from train import overrides  # noqa: E402  (bench/gpu/train.py: the same job)
+from train import ARCHS, ROWS, TINY, overrides  # noqa: E402  (bench/gpu/train.py: the same job)
 
 from interleaf.clients.launcher import LocalCluster  # noqa: E402
 from interleaf.coordinator import executed_step  # noqa: E402
 from interleaf.coordinator.config import load_config  # noqa: E402
 from interleaf.coordinator.flops import flops_per_token  # noqa: E402
 
-TINY = ["model.n_layers=2", "model.d_model=64", "model.n_heads=4", "model.seq_len=32", "parallel.pp=1",
-        "parallel.vpp=1", "parallel.schedule=1f1b", "train.global_batch=8", "parallel.microbatches=4"]
 
 
 def scrape(url: str) -> dict[tuple[str, tuple], float]:
@@ -59,18 +57,22 @@ def pick(samples: dict, name: str, **labels) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--steps", type=int, help="default 10 (tiny: 5); step 3 and the last are traced")
     parser.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
-    parser.add_argument("--cpu-dry-run", action="store_true", help="a tiny model on the CPU, to check the script")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--tiny", action="store_true", help="a 2-layer d_model 64 model: checks the script")
     args = parser.parse_args()
-    device, job_overrides = "cuda", overrides(args.steps)
-    if args.cpu_dry_run:
-        device, job_overrides = "cpu", TINY + [f"train.steps={args.steps}"]
-    elif not torch.cuda.is_available():
-        raise SystemExit("bench/gpu/observe.py needs a CUDA GPU")
+    steps, device = args.steps or (5 if args.tiny else 10), args.device
+    # --tiny: train.py's tiny gpt2 in fp32, 2 samples a microbatch.
+    if args.tiny:
+        job_overrides = overrides(steps, TINY["gpt2"], device, "fp32", 2)
+    else:
+        job_overrides = overrides(steps, ARCHS["gpt2"], device, "bf16", ROWS)
+    if device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("bench/gpu/observe.py needs a CUDA GPU (or --device cpu --tiny)")
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    traced = [3, args.steps - 1]
+    traced = [3, steps - 1]
     with LocalCluster(1, device=device, steps_per_call=4, log_dir=os.environ.get("BENCH_LOG_DIR")) as cluster:
         client = cluster.connect()
         job = client.submit("", job_overrides + [f"trace.steps={','.join(map(str, traced))}"])

@@ -1,178 +1,206 @@
-"""Interleaf against plain PyTorch training of the same ~1.1B GPT on one GPU, in one run.
+"""Interleaf against the strongest single-GPU PyTorch peers on the same ~1.1B model, in one run.
 
-Both sides train GPT-2 style 20 layers x d_model 2048 (16 heads, 2048-token samples,
-vocab 50304, tied embeddings: 1.11B parameters) in bf16 on the same samples from the
-same initial weights, with AdamW (Interleaf's betas, eps, weight decay groups and
-learning-rate schedule), clipping at 1.0, 4 microbatches of 8 samples per step.
+Every side trains the same model on the same samples from the same initial weights,
+with AdamW (Interleaf's betas, eps, weight decay groups and learning-rate schedule),
+clipping at 1.0, 4 microbatches of 8 samples per step, the same steps and warm-up:
 
-- plain PyTorch: what a PyTorch user writes: fp32 parameters, `torch.autocast` bf16,
-  `torch.optim.AdamW(fused=True)`, `clip_grad_norm_`, gradient accumulation, in this
-  process;
-- Interleaf: a coordinator and one stage server on this GPU (`--device cuda`,
-  transport NCCL), `train.precision=bf16` (bf16 working weights and gradients, fp32
-  master weights and Adam moments), pp=1 1f1b, submitted through the client.
+- plain: the PyTorch user's eager loop: fp32 parameters, `torch.autocast` bf16,
+  `torch.optim.AdamW(fused=True)`, `clip_grad_norm_`, gradient accumulation
+  (peers.py); it runs first and again last, so drift shows;
+- compile: plain with each transformer block `torch.compile`d (torchtitan's per-block
+  compile);
+- fsdp2-compile: torchtitan's recipe on a world-size-1 group: `fully_shard` on each
+  block and the root with a bf16 `MixedPrecisionPolicy` (fp32 reduction), each block
+  compiled, fused AdamW;
+- interleaf, interleaf-compile: a coordinator and one stage server on this GPU
+  (transport NCCL), `train.precision=bf16` (bf16 working weights and gradients, fp32
+  master weights and Adam moments), pp=1 1f1b, submitted through the client, with
+  `train.compile=off` and `=on`.
 
-Reported: the GPU's measured bf16 matrix rate (8192^3, random data), each side's
-tokens/s and model FLOPs utilization (coordinator/flops.py's accounting, against that
-measured rate and against the datasheet's 989 TFLOP/s for an H100 SXM), their ratio,
-their peak GPU memory (torch.cuda.max_memory_allocated: over the run in this process,
-over each step in the stage server), and the losses of both. Step times are host wall time per step including the step's final
-synchronization, over the steps after warm-up; Interleaf's are measured inside the
-stage server, and its coordinator's control time per RunSteps block is reported
-beside them. Plain PyTorch runs before and after Interleaf, so drift shows. The run
-fails if the two sides' losses disagree beyond bf16's tolerance (they compute the same
-function with different rounding: autocast keeps fp32 weights, Interleaf bf16 ones).
+`--arch gpt2`: 20 layers x d_model 2048, 16 heads, 2048-token samples, vocab 50304,
+tied embeddings (1.11B parameters). `--arch llama`: TinyLlama's shape, 22 layers x
+d_model 2048, 32 heads, 4 key/value heads, SwiGLU 5632, vocab 32000, untied (1.10B).
 
-    PYTHONPATH=. python bench/gpu/train.py [--steps 12] [--warmup 3] [--out PATH]
+Reported per side: median step seconds (host wall time per step, after the step's final
+synchronization, over the steps after warm-up; Interleaf's are measured inside the stage
+server), tokens/s, model FLOPs utilization (coordinator/flops.py's accounting) against
+the datasheet's 989 TFLOP/s (H100 SXM) and against the GPU's measured bf16 matrix rate
+(peak.py), peak memory (torch.cuda.max_memory_allocated per in-process side, reset
+between sides; the stage server's per-step device peak for Interleaf), the losses and
+their largest relative difference from plain's. Then Interleaf's best tokens/s over the
+best peer's, naming that peer. The run fails if a side's losses disagree with plain's
+beyond bf16's tolerance (the same function, rounded differently).
+
+`--device cpu --tiny`: a 2-layer d_model 64 model, 3 steps, fp32 on every side (no
+autocast, an fp32 MixedPrecisionPolicy, train.precision=fp32), transport gloo,
+torch.compile's aot_eager backend: the same code in seconds, so a broken client, flag or
+import fails the tests (tests/test_gpu_benches_tiny.py) instead of the next GPU run.
+
+    PYTHONPATH=. python bench/gpu/train.py [--arch gpt2|llama] [--sides plain,compile,...] [--steps 12]
+        [--warmup 3] [--out PATH]
+    PYTHONPATH=. python bench/gpu/train.py --device cpu --tiny --sides plain,compile,fsdp2-compile,interleaf
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import pathlib
 import statistics
 import sys
-import time
 
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))  # bench/ siblings
 
-from peak import bf16_matmul_peak  # noqa: E402  (bench/gpu/peak.py: this script's directory)
-from interleaf.clients.client import Client  # noqa: E402
+import peers  # noqa: E402  (bench/gpu/peers.py: this script's directory)
+from peak import bf16_matmul_peak  # noqa: E402
 from interleaf.clients.launcher import LocalCluster  # noqa: E402
+from interleaf.common.model.config import ModelShape  # noqa: E402
 from interleaf.coordinator.flops import flops_per_token, matrix_parameters  # noqa: E402
 from interleaf_run import run_job  # noqa: E402
-from interleaf.common.lr_schedule import Schedule  # noqa: E402
-from interleaf.common.model.config import ModelShape  # noqa: E402
-from interleaf.stageserver.data import Sampler, resolve_source  # noqa: E402
-from interleaf.stageserver.model import full_model  # noqa: E402
-from interleaf.stageserver.optim import BETAS, EPS  # noqa: E402
-from torch_training import param_groups  # noqa: E402
 
-MODEL = ModelShape(n_layers=20, d_model=2048, n_heads=16, seq_len=2048, vocab_size=50304)
-ROWS, MICROBATCHES, SEED = 8, 4, 1
-LR, WARMUP_STEPS, WEIGHT_DECAY, CLIP = 3e-4, 2, 0.1, 1.0
+ARCHS = {
+    "gpt2": ModelShape(n_layers=20, d_model=2048, n_heads=16, seq_len=2048, vocab_size=50304),
+    "llama": ModelShape(n_layers=22, d_model=2048, n_heads=32, seq_len=2048, vocab_size=32000, arch="llama",
+                        n_kv_heads=4, ffn_hidden=5632, tie_embeddings=False),
+}
+TINY = {"gpt2": ModelShape(n_layers=2, d_model=64, n_heads=4, seq_len=32, vocab_size=256),
+        "llama": ModelShape(n_layers=2, d_model=64, n_heads=4, seq_len=32, vocab_size=256, arch="llama",
+                            n_kv_heads=2, tie_embeddings=False)}
+ROWS, MICROBATCHES = 8, 4
+SIDES = ("plain", "compile", "fsdp2-compile", "interleaf", "interleaf-compile")
+PEERS = {"plain": peers.plain, "compile": peers.compiled, "fsdp2-compile": peers.fsdp2_compiled}
 H100_SXM_DENSE_BF16 = 989e12
 LOSS_MEAN_TOLERANCE, LOSS_MAX_TOLERANCE = 1e-2, 5e-2
 """bf16 against bf16-autocast: the bounds tests/test_zero_equivalence.py holds bf16 runs
 to (mean and largest relative loss difference over the steps)."""
+MODEL_FIELDS = ("n_layers", "d_model", "n_heads", "seq_len", "vocab_size", "arch", "n_kv_heads", "ffn_hidden",
+                "tie_embeddings")
 
 
-def overrides(steps: int) -> list[str]:
-    m = MODEL
-    return [f"model.n_layers={m.n_layers}", f"model.d_model={m.d_model}", f"model.n_heads={m.n_heads}",
-            f"model.seq_len={m.seq_len}", f"model.vocab_size={m.vocab_size}",
-            "parallel.dp=1", "parallel.tp=1", "parallel.pp=1", "parallel.vpp=1", "parallel.schedule=1f1b",
-            f"parallel.microbatches={MICROBATCHES}", "parallel.transport=nccl",
-            f"train.steps={steps}", f"train.global_batch={ROWS * MICROBATCHES}", f"train.lr={LR}",
-            f"train.warmup_steps={WARMUP_STEPS}", f"train.weight_decay={WEIGHT_DECAY}",
-            f"train.grad_clip={CLIP}", f"train.seed={SEED}", "train.precision=bf16"]
+def overrides(steps: int, model: ModelShape = ARCHS["gpt2"], device: str = "cuda", precision: str = "bf16",
+              rows: int = ROWS) -> list[str]:
+    """The Interleaf job every side's loop is the peer of."""
+    shape = [f"model.{f}={str(getattr(model, f)).lower()}" for f in MODEL_FIELDS]
+    return [*shape, "parallel.dp=1", "parallel.tp=1", "parallel.pp=1", "parallel.vpp=1", "parallel.schedule=1f1b",
+            f"parallel.microbatches={MICROBATCHES}", f"parallel.transport={'nccl' if device == 'cuda' else 'gloo'}",
+            f"train.steps={steps}", f"train.global_batch={rows * MICROBATCHES}", f"train.lr={peers.LR}",
+            f"train.warmup_steps={peers.WARMUP_STEPS}", f"train.weight_decay={peers.WEIGHT_DECAY}",
+            f"train.grad_clip={peers.CLIP}", f"train.seed={peers.SEED}", f"train.precision={precision}"]
 
 
-def plain_pytorch(steps: int) -> dict:
-    """The PyTorch user's loop on the same model, samples and schedule."""
-    torch.manual_seed(SEED)
-    model = full_model(MODEL, SEED).cuda()
-    parameters = sum(p.numel() for p in model.parameters())
-    optimizer = torch.optim.AdamW(param_groups([model], WEIGHT_DECAY), lr=LR, betas=BETAS, eps=EPS, fused=True)
-    schedule = Schedule(LR, WARMUP_STEPS, steps)
-    sampler = Sampler(resolve_source("builtin"), SEED, MODEL.seq_len, ROWS * MICROBATCHES, MICROBATCHES)
-    seconds, losses = [], []
-    for step in range(steps):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        total = torch.zeros((), device="cuda")
-        for m in range(MICROBATCHES):
-            x, y = (t.cuda(non_blocking=True) for t in sampler.microbatch(step, m))
-            with torch.autocast("cuda", torch.bfloat16):
-                loss = model(x, y)
-            (loss / MICROBATCHES).backward()
-            total += loss.detach() / MICROBATCHES
-        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP, foreach=True)
-        for group in optimizer.param_groups:
-            group["lr"] = schedule.lr_at(step)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(total.item())
-        seconds.append(time.perf_counter() - t0)
-    peak = torch.cuda.max_memory_allocated()
-    del model, optimizer
-    gc.collect()
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
-    return {"step_seconds": seconds, "losses": losses, "max_memory_allocated_bytes": peak,
-            "parameters": parameters}
-
-
-def interleaf(steps: int) -> dict:
-    with LocalCluster(1, device="cuda", steps_per_call=4, log_dir=os.environ.get("BENCH_LOG_DIR")) as cluster:
-        client = Client(cluster.address)
+def interleaf(w: peers.Workload, compile_override: str | None) -> dict:
+    """The job on a local coordinator and one stage server; its peak memory is the
+    server's largest per-step device peak (None on the CPU)."""
+    precision = "bf16" if w.dtype == torch.bfloat16 else "fp32"
+    job = overrides(w.steps, w.model, w.device, precision, w.rows)
+    if compile_override:
+        job.append(f"train.compile={compile_override}")
+    with LocalCluster(1, device=w.device, steps_per_call=4, log_dir=os.environ.get("BENCH_LOG_DIR")) as cluster:
+        client = cluster.client()  # carries the cluster's token: a bare Client is refused UNAUTHENTICATED
         try:
-            return run_job(client, overrides(steps))
+            run = run_job(client, job)
         finally:
             client.close()
+    peak = max(r["device_peak_bytes"] for step in run["memory"] for r in step)
+    return {**run, "max_memory_allocated_bytes": peak if w.device == "cuda" else None}
 
 
-def figures(label: str, run: dict, warmup: int, peak: float, memory: int) -> dict:
-    tokens = ROWS * MICROBATCHES * MODEL.seq_len
+def run_side(side: str, w: peers.Workload) -> dict:
+    if side in PEERS:
+        return PEERS[side](w)
+    if side == "interleaf-compile":
+        return interleaf(w, "on")
+    # On the CPU train.compile's default (auto) is off already: the plain interleaf side
+    # leaves it unset there, so it runs on a tree whose config has no such field yet.
+    return interleaf(w, "off" if w.device == "cuda" else None)
+
+
+def figures(label: str, run: dict, w: peers.Workload, warmup: int, peak: float, plain: dict | None) -> dict:
+    tokens = w.rows * w.microbatches * w.model.seq_len
     step = statistics.median(run["step_seconds"][warmup:])
-    per_token = flops_per_token(MODEL)
+    flops = tokens * flops_per_token(w.model) / step
+    differences = [abs(a - b) / abs(b) for a, b in zip(run["losses"], plain["losses"], strict=True)] if plain else []
     return {"side": label, "median_step_seconds": step, "tokens_per_second": tokens / step,
-            "mfu_measured_peak": tokens * per_token / step / peak,
-            "mfu_datasheet_peak": tokens * per_token / step / H100_SXM_DENSE_BF16,
-            "max_memory_allocated_bytes": memory}
+            "mfu_measured_peak": flops / peak, "mfu_datasheet_peak": flops / H100_SXM_DENSE_BF16,
+            "max_memory_allocated_bytes": run["max_memory_allocated_bytes"], "losses": run["losses"],
+            "loss_relative_difference_mean": statistics.fmean(differences) if differences else None,
+            "loss_relative_difference_max": max(differences) if differences else None}
+
+
+def best_ratio(rows: list[dict]) -> dict | None:
+    """Interleaf's best tokens/s over the best peer's, and which peer that was."""
+    ours = [r for r in rows if r["side"].startswith("interleaf")]
+    theirs = [r for r in rows if not r["side"].startswith("interleaf")]
+    if not ours or not theirs:
+        return None
+    best, peer = (max(group, key=lambda r: r["tokens_per_second"]) for group in (ours, theirs))
+    return {"interleaf_side": best["side"], "peer_side": peer["side"],
+            "ratio": best["tokens_per_second"] / peer["tokens_per_second"]}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=12)
-    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--arch", choices=tuple(ARCHS), default="gpt2")
+    parser.add_argument("--sides", default=",".join(SIDES), help=f"comma-separated, of {', '.join(SIDES)}")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--tiny", action="store_true", help="a 2-layer d_model 64 model, 3 steps, fp32")
+    parser.add_argument("--steps", type=int, help="default 12 (tiny: 3)")
+    parser.add_argument("--warmup", type=int, help="steps left out of the median; default 3 (tiny: 1)")
+    parser.add_argument("--compile-backend", help="torch.compile's backend; default inductor (tiny: aot_eager)")
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "bench/results"), "gpu_train.json"))
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("bench/gpu/train.py needs a CUDA GPU")
-    peak = bf16_matmul_peak()
-    first = plain_pytorch(args.steps)
-    ours = interleaf(args.steps)
-    second = plain_pytorch(args.steps)
-    ours_memory = max(r["device_peak_bytes"] for step in ours["memory"] for r in step)
-    rows = [figures("plain PyTorch (before)", first, args.warmup, peak, first["max_memory_allocated_bytes"]),
-            figures("Interleaf", ours, args.warmup, peak, ours_memory),
-            figures("plain PyTorch (after)", second, args.warmup, peak, second["max_memory_allocated_bytes"])]
-    differences = [abs(a - b) / abs(b) for a, b in zip(ours["losses"], first["losses"])]
-    control = [b["control_seconds"] / b["inside_seconds"] for b in ours["blocks"] if b["first_step"] >= args.warmup]
-    result = {
-        "device": torch.cuda.get_device_name(), "torch": torch.__version__,
-        "model": str(MODEL), "parameters": first["parameters"],
-        "matrix_parameters": matrix_parameters(MODEL),
-        "measured_bf16_peak_flops": peak, "steps": args.steps, "warmup": args.warmup,
-        "sides": rows, "plain_before": first, "interleaf": ours, "plain_after": second,
-        "loss_relative_difference_mean": statistics.fmean(differences),
-        "loss_relative_difference_max": max(differences),
-        "control_share_of_block": control,
-    }
+    sides = args.sides.split(",")
+    if unknown := sorted(set(sides) - set(SIDES)):
+        parser.error(f"--sides: unknown {unknown}; choose from {', '.join(SIDES)}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("bench/gpu/train.py needs a CUDA GPU (or --device cpu --tiny)")
+    w = peers.Workload(model=(TINY if args.tiny else ARCHS)[args.arch], steps=args.steps or (3 if args.tiny else 12),
+                       rows=2 if args.tiny else ROWS, microbatches=MICROBATCHES, device=args.device,
+                       dtype=torch.float32 if args.tiny else torch.bfloat16,
+                       compile_backend=args.compile_backend or ("aot_eager" if args.tiny else "inductor"))
+    warmup = args.warmup if args.warmup is not None else (1 if args.tiny else 3)
+    device_name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    peak = bf16_matmul_peak(256 if args.tiny else 8192, args.device)
+    print(f"{device_name}: measured bf16 matmul peak {peak / 1e12:.3f} TFLOP/s")
+    print(f"{args.arch}: {w.model}")
+    order = sides + (["plain"] if "plain" in sides and len(sides) > 1 else [])  # plain again last: drift
+    runs, rows = {}, []
+    for i, side in enumerate(order):
+        label = f"{side} (after)" if side in runs else side
+        runs[label] = run_side(side, w)
+        rows.append(figures(label, runs[label], w, warmup, peak, runs.get("plain") if i else None))
+        print(f"  {label}: {rows[-1]['median_step_seconds']:.3f} s/step, losses "
+              f"{[round(x, 4) for x in runs[label]['losses']]}", flush=True)
+    ratio = best_ratio(rows)
+    parameters = next((r["parameters"] for r in runs.values() if "parameters" in r), None)
+    if parameters:
+        print(f"{args.arch}: {parameters / 1e9:.3f}B parameters")
+    result = {"device": device_name, "torch": torch.__version__, "arch": args.arch, "model": str(w.model),
+              "parameters": parameters, "matrix_parameters": matrix_parameters(w.model),
+              "dtype": str(w.dtype), "compile_backend": w.compile_backend,
+              "measured_bf16_peak_flops": peak, "steps": w.steps, "warmup": warmup, "sides": rows,
+              "runs": runs, "interleaf_over_best_peer": ratio}
     pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     pathlib.Path(args.out).write_text(json.dumps(result, indent=2, default=str) + "\n")
-    print(f"{torch.cuda.get_device_name()}: measured bf16 matmul peak {peak / 1e12:.0f} TFLOP/s")
-    print(f"{'side':<26}{'step s':>8}{'tokens/s':>11}{'MFU (measured peak)':>21}{'MFU (989 TFLOP/s)':>19}"
-          f"{'peak GiB':>10}")
+    print(f"{'side':<20}{'step s':>8}{'tokens/s':>11}{'MFU (measured)':>16}{'MFU (989 TFLOP/s)':>19}"
+          f"{'peak GiB':>10}{'loss diff max':>15}")
     for r in rows:
-        print(f"{r['side']:<26}{r['median_step_seconds']:>8.3f}{r['tokens_per_second']:>11.0f}"
-              f"{r['mfu_measured_peak']:>21.3f}{r['mfu_datasheet_peak']:>19.3f}"
-              f"{r['max_memory_allocated_bytes'] / 2**30:>10.1f}")
-    plain = statistics.fmean([rows[0]["tokens_per_second"], rows[2]["tokens_per_second"]])
-    print(f"Interleaf / plain PyTorch tokens/s: {rows[1]['tokens_per_second'] / plain:.3f}")
-    print(f"losses Interleaf {[round(x, 4) for x in ours['losses']]}")
-    print(f"losses PyTorch   {[round(x, 4) for x in first['losses']]}")
-    print(f"loss relative difference mean {result['loss_relative_difference_mean']:.2e} "
-          f"max {result['loss_relative_difference_max']:.2e}; control share per block {control}")
-    if result["loss_relative_difference_mean"] > LOSS_MEAN_TOLERANCE or \
-            result["loss_relative_difference_max"] > LOSS_MAX_TOLERANCE:
-        raise SystemExit("the two sides did not train the same run: losses disagree beyond bf16 tolerance")
+        memory = r["max_memory_allocated_bytes"]
+        diff = r["loss_relative_difference_max"]
+        print(f"{r['side']:<20}{r['median_step_seconds']:>8.3f}{r['tokens_per_second']:>11.0f}"
+              f"{r['mfu_measured_peak']:>16.3f}{r['mfu_datasheet_peak']:>19.3f}"
+              f"{'-' if memory is None else f'{memory / 2**30:.1f}':>10}{'-' if diff is None else f'{diff:.2e}':>15}")
+    if ratio:
+        print(f"Interleaf ({ratio['interleaf_side']}) / best peer ({ratio['peer_side']}) tokens/s: "
+              f"{ratio['ratio']:.3f}")
+    apart = [r["side"] for r in rows if r["loss_relative_difference_max"] is not None and
+             (r["loss_relative_difference_mean"] > LOSS_MEAN_TOLERANCE or
+              r["loss_relative_difference_max"] > LOSS_MAX_TOLERANCE)]
+    if apart:
+        raise SystemExit(f"{apart} did not train plain's run: losses disagree beyond bf16 tolerance")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,67 @@
+"""Every GPU bench (bench/gpu/) runs in its `--device cpu --tiny` mode: the same client,
+flags, imports and code on a tiny model, so a broken one fails here instead of on the
+next GPU run. Each runs in a child process, as a user runs it, and writes its JSON under
+tmp_path."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+TINY_SIDES = "plain,compile,fsdp2-compile,interleaf"
+"""interleaf-compile needs the train.compile config field; on the CPU interleaf leaves it at its default."""
+
+
+def _run(script: str, *args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu" / script), "--device", "cpu", "--tiny", *args],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, f"{script} exited {done.returncode}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    return done
+
+
+def test_train(tmp_path):
+    out = tmp_path / "train.json"
+    _run("train.py", "--sides", TINY_SIDES, "--out", str(out))
+    result = json.loads(out.read_text())
+    assert [r["side"] for r in result["sides"]] == [*TINY_SIDES.split(","), "plain (after)"]
+    plain = result["sides"][0]["losses"]
+    assert len(plain) == result["steps"] == 3
+    for row in result["sides"]:
+        assert row["tokens_per_second"] > 0 and row["mfu_measured_peak"] > 0, row
+        assert max(abs(a - b) / b for a, b in zip(row["losses"], plain, strict=True)) < 1e-4, row  # fp32 throughout
+    assert result["interleaf_over_best_peer"]["interleaf_side"] == "interleaf"
+    assert result["compile_backend"] == "aot_eager" and result["dtype"] == "torch.float32"
+
+
+def test_peak(tmp_path):
+    out = tmp_path / "peak.json"
+    _run("peak.py", "--out", str(out))
+    assert json.loads(out.read_text())["measured_bf16_peak_flops"] > 0
+
+
+def test_check_nccl_through_gloo(tmp_path):
+    out = tmp_path / "nccl.json"
+    _run("check_nccl.py", "--out", str(out))
+    result = json.loads(out.read_text())
+    assert result["transport"] == "GlooTransport" and not result["failures"]
+    assert len(result["checks"]) == 4 * 3 + 1  # four verbs in three dtypes, and the asynchronous all-reduce
+
+
+def test_check_equivalence(tmp_path):
+    out = tmp_path / "equivalence.json"
+    _run("check_equivalence.py", "--out", str(out))
+    result = json.loads(out.read_text())
+    assert not result["failed"] and {c["key"] for c in result["cases"]} == {"loss", "grad_norm"}
+    assert all(len(c["ours"]) == len(c["reference"]) == 3 for c in result["cases"])
+
+
+def test_observe(tmp_path):
+    _run("observe.py", "--out", str(tmp_path))
+    result = json.loads((tmp_path / "gpu_observe.json").read_text())
+    assert result["state"] == "SUCCEEDED" and len(result["losses"]) == 5
+    assert result["mfu_metric_last_step"] > 0 and (tmp_path / "gpu_trace.png").exists()
