@@ -31,9 +31,9 @@ their largest relative difference from plain's. Then Interleaf's best tokens/s o
 best peer's, naming that peer. The run fails if a side's losses disagree with plain's
 beyond bf16's tolerance (the same function, rounded differently).
 
-`--device cpu --tiny`: a 2-layer d_model 64 model, 3 steps, fp32 on every side (no
-autocast, an fp32 MixedPrecisionPolicy, train.precision=fp32), transport gloo,
-torch.compile's aot_eager backend: the same code in seconds, so a broken client, flag or
+`--device cpu --tiny`: a 2-layer d_model 64 model, 3 steps, bf16 as on a GPU (autocast,
+a bf16 MixedPrecisionPolicy, train.precision=bf16), transport gloo, torch.compile's
+aot_eager backend: the same code in seconds, so a broken client, flag or
 import fails the tests (tests/test_gpu_benches_tiny.py) instead of the next GPU run.
 
     PYTHONPATH=. python bench/gpu/train.py [--arch gpt2|llama] [--sides plain,compile,...] [--steps 12]
@@ -91,28 +91,36 @@ def overrides(steps: int, model: ModelShape = ARCHS["gpt2"], device: str = "cuda
             f"train.grad_clip={peers.CLIP}", f"train.seed={peers.SEED}", f"train.precision={precision}"]
 
 
-def interleaf(w: peers.Workload, compile_override: str | None) -> dict:
+def interleaf(w: peers.Workload, compile_override: str | None, profile_to: str | None = None) -> dict:
     """The job on a local coordinator and one stage server; its peak memory is the
-    server's largest per-step device peak (None on the CPU)."""
+    server's largest per-step device peak (None on the CPU). `profile_to`: a file for the torch
+    profiler's trace of the last step, which then leaves step_seconds."""
     precision = "bf16" if w.dtype == torch.bfloat16 else "fp32"
     job = overrides(w.steps, w.model, w.device, precision, w.rows)
     if compile_override:
         job.append(f"train.compile={compile_override}")
+    if profile_to:  # torch's profiler over the last step (left out of the median by the caller)
+        job += [f"trace.steps=[{w.steps - 1}]", "trace.torch_profiler=true"]
     with LocalCluster(1, device=w.device, steps_per_call=4, log_dir=os.environ.get("BENCH_LOG_DIR")) as cluster:
         client = cluster.client()  # carries the cluster's token: a bare Client is refused UNAUTHENTICATED
         try:
             run = run_job(client, job)
+            if profile_to:
+                report = client.trace_profile(run["job_id"], w.steps - 1, 0)
+                pathlib.Path(profile_to).write_bytes(report.torch_profile)  # gzip-compressed Chrome trace
+                run["step_seconds"] = run["step_seconds"][:-1]
+                run["profile"] = profile_to
         finally:
             client.close()
     peak = max(r["device_peak_bytes"] for step in run["memory"] for r in step)
     return {**run, "max_memory_allocated_bytes": peak if w.device == "cuda" else None}
 
 
-def run_side(side: str, w: peers.Workload) -> dict:
+def run_side(side: str, w: peers.Workload, profile_dir: str | None = None) -> dict:
     if side in PEERS:
         return PEERS[side](w)
     if side == "interleaf-compile":
-        return interleaf(w, "on")
+        return interleaf(w, "on", profile_dir and os.path.join(profile_dir, f"profile_{side}.json.gz"))
     # On the CPU train.compile's default (auto) is off already: the plain interleaf side
     # leaves it unset there, so it runs on a tree whose config has no such field yet.
     return interleaf(w, "off" if w.device == "cuda" else None)
@@ -146,10 +154,12 @@ def main() -> None:
     parser.add_argument("--arch", choices=tuple(ARCHS), default="gpt2")
     parser.add_argument("--sides", default=",".join(SIDES), help=f"comma-separated, of {', '.join(SIDES)}")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
-    parser.add_argument("--tiny", action="store_true", help="a 2-layer d_model 64 model, 3 steps, fp32")
+    parser.add_argument("--tiny", action="store_true", help="a 2-layer d_model 64 model, 3 steps")
     parser.add_argument("--steps", type=int, help="default 12 (tiny: 3)")
     parser.add_argument("--warmup", type=int, help="steps left out of the median; default 3 (tiny: 1)")
     parser.add_argument("--compile-backend", help="torch.compile's backend; default inductor (tiny: aot_eager)")
+    parser.add_argument("--profile-dir", help="torch profiler trace of interleaf-compile's last step, written "
+                        "here (gzip Chrome trace); that step leaves the median")
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "bench/results"), "gpu_train.json"))
     args = parser.parse_args()
     sides = args.sides.split(",")
@@ -159,7 +169,7 @@ def main() -> None:
         raise SystemExit("bench/gpu/train.py needs a CUDA GPU (or --device cpu --tiny)")
     w = peers.Workload(model=(TINY if args.tiny else ARCHS)[args.arch], steps=args.steps or (3 if args.tiny else 12),
                        rows=2 if args.tiny else ROWS, microbatches=MICROBATCHES, device=args.device,
-                       dtype=torch.float32 if args.tiny else torch.bfloat16,
+                       dtype=torch.bfloat16,
                        compile_backend=args.compile_backend or ("aot_eager" if args.tiny else "inductor"))
     warmup = args.warmup if args.warmup is not None else (1 if args.tiny else 3)
     device_name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
@@ -170,7 +180,7 @@ def main() -> None:
     runs, rows = {}, []
     for i, side in enumerate(order):
         label = f"{side} (after)" if side in runs else side
-        runs[label] = run_side(side, w)
+        runs[label] = run_side(side, w, args.profile_dir)
         rows.append(figures(label, runs[label], w, warmup, peak, runs.get("plain") if i else None))
         print(f"  {label}: {rows[-1]['median_step_seconds']:.3f} s/step, losses "
               f"{[round(x, 4) for x in runs[label]['losses']]}", flush=True)

@@ -12,7 +12,10 @@ Inside `torch.compile` (train.compile, stageserver/model/compiled.py) each is th
 torch operation instead: a compiled block's backward is inductor's, which cannot defer a
 weight gradient, and the plain operations are what it traces and fuses. Compiled
 blocks run only in programs whose backwards are whole (B), where the split-aware
-backward computes what autograd's own does.
+backward computes what autograd's own does. So does a forward under `torch.autocast`
+(the mixed precision of a plain PyTorch loop, bench/gpu/peers.py; Interleaf's servers
+hold bf16 weights instead and never autocast): autocast casts a plain operation's
+inputs, and would leave a Function's backward with operands of two dtypes.
 """
 
 from __future__ import annotations
@@ -26,6 +29,13 @@ from torch import nn
 from interleaf.stageserver.model.weight_grads import deferring, param_grads, remember
 
 _aten = torch.ops.aten
+
+
+def plain() -> bool:
+    """Whether the plain torch operation runs instead of the split-aware one: inside
+    torch.compile, or under autocast (above)."""
+    return (torch.compiler.is_compiling() or torch.is_autocast_enabled("cuda")
+            or torch.is_autocast_enabled("cpu"))
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
@@ -60,7 +70,7 @@ class _Linear(torch.autograd.Function):
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear, split-aware."""
-    if torch.compiler.is_compiling():
+    if plain():
         return F.linear(x, weight, bias)
     return _Linear.apply(x, weight, bias)
 
@@ -84,7 +94,7 @@ class _AddBias(torch.autograd.Function):
 def add_bias(y: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     """y + bias (broadcast over the tokens), split-aware: the row-parallel bias, added
     once after the partial products are summed."""
-    if torch.compiler.is_compiling():
+    if plain():
         return y + bias
     return _AddBias.apply(y, bias)
 
@@ -110,7 +120,7 @@ class _Embedding(torch.autograd.Function):
 def embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """F.embedding (rows `ids` of `weight`), split-aware: the token table's lookup and
     gpt2's learned positions."""
-    if torch.compiler.is_compiling():
+    if plain():
         return F.embedding(ids, weight)
     return _Embedding.apply(ids, weight)
 
@@ -161,7 +171,7 @@ class LayerNorm(nn.LayerNorm):
     """nn.LayerNorm (its parameters, names and forward numerics), split-aware."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if torch.compiler.is_compiling():
+        if plain():
             return F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
         return _LayerNorm.apply(x, list(self.normalized_shape), self.weight, self.bias, self.eps)
 
@@ -186,6 +196,6 @@ class _Scale(torch.autograd.Function):
 
 def scale(weight: torch.Tensor, normed: torch.Tensor) -> torch.Tensor:
     """weight * normed (broadcast over the tokens), split-aware: RMSNorm's scale."""
-    if torch.compiler.is_compiling():
+    if plain():
         return weight * normed
     return _Scale.apply(weight, normed)

@@ -1,0 +1,106 @@
+"""The memory model against a GPU: each case's predicted peak (coordinator/memory_model.py,
+what admission adds its runtime reserve to) beside what the stage server measured,
+torch.cuda.max_memory_allocated over each step, and the server's own ledger peak.
+
+Cases (bf16, one stage server, pp=1, 4 microbatches of 8 samples of 2048 tokens):
+- gpt2-1.1b: bench/gpu/train.py's model (20 layers, d_model 2048), eager and compiled
+  (train.compile: inductor's graphs keep other tensors than eager autograd does, and the
+  model predicts eager's);
+- gpt2-2.7b-full: 32 layers, d_model 2560, 32 heads, full recompute, the case admission
+  refused on an 80 GB H100 (83.3 GiB predicted against 79.2 GiB). Run where the GPU
+  holds the prediction (an H200), it says whether the refusal was right.
+
+A case passes when the measured peak is within 10% of the prediction (the issue's
+bound). `--device cpu --tiny`: a tiny GPT on the CPU, where no device peak exists, so
+the ledger peak is compared instead (equal to the prediction, as tests/test_memory.py
+holds it); it runs the same client, planning and prediction code in seconds.
+
+    PYTHONPATH=. python bench/gpu/memory_check.py [--cases gpt2-1.1b,gpt2-1.1b-compiled,gpt2-2.7b-full]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import sys
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))  # bench/ siblings
+
+from interleaf.clients.launcher import LocalCluster  # noqa: E402
+from interleaf.coordinator.config import load_config  # noqa: E402
+from interleaf.coordinator.memory_model import predict  # noqa: E402
+from interleaf.coordinator.plan import plan_programs  # noqa: E402
+from interleaf_run import run_job  # noqa: E402
+
+BOUND = 0.10
+STEPS = 3
+
+
+def _model(layers: int, width: int, heads: int, seq: int, vocab: int) -> list[str]:
+    return [f"model.n_layers={layers}", f"model.d_model={width}", f"model.n_heads={heads}",
+            f"model.seq_len={seq}", f"model.vocab_size={vocab}"]
+
+
+COMMON = ["parallel.dp=1", "parallel.tp=1", "parallel.pp=1", "parallel.vpp=1", "parallel.schedule=1f1b",
+          "parallel.microbatches=4", "train.global_batch=32", f"train.steps={STEPS}", "train.warmup_steps=1",
+          "train.precision=bf16"]
+GPU_CASES = {
+    "gpt2-1.1b": _model(20, 2048, 16, 2048, 50304) + COMMON + ["train.compile=off"],
+    "gpt2-1.1b-compiled": _model(20, 2048, 16, 2048, 50304) + COMMON + ["train.compile=on"],
+    "gpt2-2.7b-full": _model(32, 2560, 32, 2048, 50304) + COMMON + ["train.compile=off", "train.recompute=full"],
+}
+TINY_CASES = {
+    "gpt2-tiny": _model(2, 64, 4, 32, 256) + COMMON + ["train.precision=fp32"],
+}
+
+
+def check(client, name: str, overrides: list[str], gpu: bool) -> dict:
+    config = load_config("", overrides)
+    programs, _ = plan_programs(config)
+    predicted = predict(config, programs)[0]["peak_bytes"]
+    run = run_job(client, overrides)
+    after_first = [rank for step in run["memory"][1:] for rank in step]  # the model predicts steps after the first
+    measured = max(r["device_peak_bytes" if gpu else "peak_bytes"] for r in after_first)
+    ledger = max(r["peak_bytes"] for r in after_first)
+    return {"case": name, "overrides": overrides, "predicted_peak_bytes": predicted, "measured_peak_bytes": measured,
+            "measured": "torch.cuda.max_memory_allocated" if gpu else "ledger peak_bytes",
+            "ledger_peak_bytes": ledger, "error": measured / predicted - 1, "losses": run["losses"]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    parser.add_argument("--tiny", action="store_true", help="a tiny GPT (with --device cpu: in seconds)")
+    parser.add_argument("--cases", default="", help="comma-separated names (default: all of the mode's)")
+    parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "bench/results"), "gpu_memory.json"))
+    args = parser.parse_args()
+    cases = TINY_CASES if args.tiny else GPU_CASES
+    names = [n for n in args.cases.split(",") if n] or list(cases)
+    unknown = sorted(set(names) - set(cases))
+    if unknown:
+        raise SystemExit(f"--cases: {', '.join(unknown)} not among {', '.join(cases)}")
+    gpu = args.device == "cuda"
+    rows = []
+    with LocalCluster(1, device=args.device, steps_per_call=STEPS, log_dir=os.environ.get("BENCH_LOG_DIR")) as cluster:
+        client = cluster.client()
+        try:
+            for name in names:
+                rows.append(check(client, name, cases[name] + ([] if gpu else ["train.compile=off"]), gpu))
+                print(json.dumps(rows[-1]), flush=True)
+        finally:
+            client.close()
+    pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    pathlib.Path(args.out).write_text(json.dumps(rows, indent=2) + "\n")
+    print(f"{'case':<22}{'predicted GiB':>14}{'measured GiB':>14}{'ledger GiB':>12}{'error':>8}")
+    for r in rows:
+        print(f"{r['case']:<22}{r['predicted_peak_bytes'] / 2**30:>14.2f}{r['measured_peak_bytes'] / 2**30:>14.2f}"
+              f"{r['ledger_peak_bytes'] / 2**30:>12.2f}{r['error']:>+8.1%}")
+    outside = [r["case"] for r in rows if abs(r["error"]) > BOUND]
+    if outside:
+        raise SystemExit(f"measured peak more than {BOUND:.0%} from the prediction: {', '.join(outside)}")
+
+
+if __name__ == "__main__":
+    main()
