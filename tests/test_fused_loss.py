@@ -16,9 +16,10 @@ import torch
 import torch.nn.functional as F
 from tests.gloo_world import run_world
 
-from interleaf.stageserver.model import fused_loss
+from interleaf.common.model.config import ModelShape
+from interleaf.stageserver.model import full_model, fused_loss
 from interleaf.stageserver.model.fused_loss import chunk_tokens, fused_linear_cross_entropy
-from interleaf.stageserver.model.tensor_parallel import tp_shard
+from interleaf.stageserver.model.tensor_parallel import tp_shard, vocab_parallel_cross_entropy, vocab_parallel_logits
 from interleaf.stageserver.transport import SoloTransport
 
 TOL = {torch.float64: (1e-12, 1e-12), torch.float32: (1e-6, 1e-6), torch.bfloat16: (1e-6, 2**-7)}  # (loss, grads)
@@ -123,3 +124,26 @@ def test_tp2_matches_the_unsharded_op(sequence_parallel):
         assert _relative(got["weight"], grad_w.chunk(2, 0)[rank]) <= 1e-12
         want_x = grad_x.chunk(2, dim=1)[rank] if sequence_parallel else grad_x
         assert _relative(got["x"], want_x) <= 1e-12
+
+
+@pytest.mark.parametrize("arch,tied", [("gpt2", True), ("gpt2", False), ("llama", True), ("llama", False)])
+def test_model_matches_the_unfused_head(arch, tied):
+    """A whole fp64 model (padded vocabulary, both ends in one chunk, so a tied wte sums
+    the embedding's and the head's gradients): the loss and every parameter's gradient
+    as with the unfused vocab_parallel_logits and vocab_parallel_cross_entropy."""
+    extra = {"arch": arch, "n_kv_heads": 2, "ffn_hidden": 48} if arch == "llama" else {}
+    config = ModelShape(n_layers=2, d_model=32, n_heads=4, seq_len=8, vocab_size=61, pad_vocab_to=8,
+                        tie_embeddings=tied, **extra)
+    tokens = torch.randint(0, 61, (3, 9), generator=torch.Generator().manual_seed(1))
+    fused, plain = (full_model(config, seed=3).double() for _ in range(2))
+    loss = fused(tokens[:, :-1], tokens[:, 1:])
+    loss.backward()
+    x = plain.embed(tokens[:, :-1])
+    for block in plain.h.values():
+        x = block(x)
+    logits = vocab_parallel_logits(plain.ln_f(x), plain.head_weight(), plain.tp)
+    want = vocab_parallel_cross_entropy(logits, tokens[:, 1:], plain.tp, 61)
+    want.backward()
+    assert _relative(loss, want) <= 1e-12
+    for (name, p), q in zip(fused.named_parameters(), plain.parameters(), strict=True):
+        assert _relative(p.grad, q.grad) <= 1e-12, name
