@@ -23,8 +23,9 @@ so 8 samples of 2048 tokens (16384) run as 12 chunks of 1334 and one of 376. In 
 per chunk: its bf16 logits (134 MB) while they are upcast, then only their float32
 copy (268 MB), which becomes the masked logits, the softmax and the gradient in place,
 and with it at the end the gradient cast back to bf16 (134 MB): at most 402 MB, where
-the unfused head held 16384 tokens' bf16 logits, their float32 copy and the float32
-softmax (4.9 GB) at once.
+the unfused forward held all 16384 tokens' bf16 logits and their float32 copy (4.9 GB),
+and kept the float32 softmax (3.3 GB) to the backward; fused, the backward keeps
+grad_x (67 MB) and grad_W (206 MB) instead (coordinator/activation_bytes.py).
 
 Tensor parallelism keeps the unfused path's collectives: every rank's grad_x is a
 partial sum over its vocabulary slice, all-reduced in the backward as copy_to_tp's is,
