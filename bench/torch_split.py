@@ -10,7 +10,7 @@ intermediate and runs in both halves: a built-in op computes only the gradients 
 half asks for, but a custom autograd.Function's backward computes all of its gradients
 every time it runs.
 
-The check: a head chunk (final norm, tied head, Interleaf's _VocabParallelCrossEntropy)
+The check: a head chunk (final norm, tied head, Interleaf's fused _FusedLinearCrossEntropy)
 behind the row-parallel matmul's Function (_LinearAllReduce, which tp>1 uses; here over
 a group of one), backward fused (loss.backward()) and split (torch's two halves);
 the gradients of both, and how many times each Function's backward ran.
@@ -27,11 +27,11 @@ from torch.distributed.pipelining._backward import stage_backward_input, stage_b
 from interleaf.common.model.config import shape_of
 from interleaf.coordinator.config import load_config
 from interleaf.stageserver.model import ModelChunk
-from interleaf.stageserver.model import tensor_parallel
+from interleaf.stageserver.model import fused_loss, tensor_parallel
 from interleaf.stageserver.transport import SoloTransport
 
 SHAPE = ["model.n_layers=4", "model.d_model=32", "model.n_heads=4", "model.seq_len=16", "model.vocab_size=256"]
-FUNCTIONS = {"_VocabParallelCrossEntropy": tensor_parallel._VocabParallelCrossEntropy,
+FUNCTIONS = {"_FusedLinearCrossEntropy": fused_loss._FusedLinearCrossEntropy,
              "_LinearAllReduce": tensor_parallel._LinearAllReduce}
 
 

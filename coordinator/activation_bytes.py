@@ -5,7 +5,7 @@ Counted the way Korthikanti et al. 2022 (section 4.1) count sbh(34 + 5as/h), but
 by tensor for each architecture on torch 2.13's CPU kernels, and by distinct storage, so
 what several saved tensors share counts once: q, k and v are three views of gpt2's one
 qkv output; proj saves a view of the attention output; a norm's input is the residual
-stream; the token ids and targets are views of one sampler window.
+stream; the token ids are a view of the sampler's window.
 Notation: b rows, s tokens, d d_model, h n_heads, hd head_dim, F ffn_hidden, V the
 vocabulary padded for tp, t tp, a the compute dtype's bytes; f is the float32 floor (4
 for bf16, else a) of what the kernels keep at float32 at least: softmax statistics, and
@@ -27,7 +27,7 @@ tokens: the norms' inputs, statistics and outputs (the column-parallel linears k
 their local input and gather it again in the backward), the chunk's input and output,
 the embedding's positions; what sits inside them is as without it (every token of the
 rank's heads and columns), as are the rotary tables, the token ids and the head's
-softmax over the whole sequence. A gpt2 block is then exactly its t=1 bytes over t.
+input gradient over the whole sequence. A gpt2 block is then exactly its t=1 bytes over t.
 No s^2 term: CPU scaled_dot_product_attention is the flash kernel, which saves only
 q, k, v, its output and the logsumexp, not the attention matrix (nor, without dropout, a
 mask). Grouped-query attention saves k and v repeated to every query head, so they are
@@ -37,6 +37,15 @@ as parameters).
 Worked example, a Llama-2 7B block (d 4096, 32 heads, F 11008) at b=1, s=4096, t=1 in
 bf16 (a=2, f=4): 4096*4096*(2*4 + 2*8) + 4*4096*11008*2 + 2*4096*4 + 32*4096*4
 + 2*4096*128*2 = 766,017,536 bytes, 730.5 MiB per layer and sample.
+
+The chunk with the head keeps no logits: its fused loss (stageserver/model/fused_loss.py)
+makes the head's gradients in the forward, a chunk of tokens at a time, and keeps only
+them for the backward, the input's b*s*d*a (every token) and the head shard's
+(V/t)*d*a, besides the final norm's own. (Unfused it kept the float32 softmax,
+b*s*(V/t)*f, with the final norm's output and the targets: for the 8x2048 tokens, V
+50304, d 2048 bf16 head, 3,296,722,944 + 67,108,864 + 147,456 bytes against the fused
+67,108,864 + 206,045,184.) The transient of one chunk's logits in the forward, bounded
+by fused_loss.CHUNK_BYTES, is not counted, as no forward temporary is.
 
 A split backward (zero-bubble schedules) frees these at its input-gradient half I and
 keeps until its weight-gradient half W only what the parameter gradients are computed
@@ -178,12 +187,10 @@ def chunk_activation_bytes(
     if has_head:
         total += (
             norm_input + norm_own  # ln_f: its input is the last hidden states
-            + local * d * a  # ln_f output: the head matmul's input
-            + bs * (model.padded_vocab(tp) // tp) * f  # vocab-parallel softmax, padding included, float32 for bf16
-            + bs * _INT64  # targets local to this rank's vocab slice
-            + bs * _BOOL  # which targets are outside that slice
+            + bs * d * a  # grad_x, every token (sequence parallel: reduce-scattered in the backward)
+            + model.padded_vocab(tp) // tp * d * a  # grad_W of this rank's head shard, padding rows included
             + f  # out: the scalar loss, float32 for bf16
-        )  # the logits themselves are not kept: the cross-entropy saves only the softmax
+        )  # the fused loss (stageserver/model/fused_loss.py) keeps no logits, softmax nor targets
     else:
         total += local * d * a  # out: the chunk's output, which no block keeps
     return total
@@ -262,7 +269,7 @@ def weight_grad_bytes(model, layers: int, has_embedding: bool, has_head: bool, r
     """Bytes one tp rank keeps of a chunk's microbatch from its input-gradient half I
     until its weight-gradient half W (Qi et al. 2024, section 2): what the parameter
     gradients are computed from, and nothing of what only the input gradient needed
-    (attention's q, k, v and logsumexp, the activation functions' inputs, the softmax,
+    (attention's q, k, v and logsumexp, the activation functions' inputs, the head's gradients,
     the chunk's input and output as such). Arguments as chunk_activation_bytes's; no
     block_modes, since every recompute mode keeps the same for W (see
     block_weight_grad_bytes). Besides the blocks:
@@ -271,9 +278,9 @@ def weight_grad_bytes(model, layers: int, has_embedding: bool, has_head: bool, r
                   under sequence parallelism gathered in the backward); gpt2's wpe its
                   positions (int64, s_local) and its output gradient, summed over the
                   rows, s_local*d
-      head        nothing: the final norm's and the head matmul's parameter gradients
-                  are computed in I (stageserver/model/weight_grads.at_once), so the
-                  logits' gradient (b*s*V/t) never outlives I
+      head        nothing: the final norm's parameter gradients are computed in I
+                  (stageserver/model/weight_grads.at_once), and the head matmul's in
+                  its forward (fused_loss.py) and handed to autograd by I
 
     Worked example, the Llama-2 7B block of the module's docstring (b=1, s=4096, t=1,
     bf16): 4096*4096*2*(4 + 4) + 4096*2*(4096 + 96*128) + 3*4096*11008*2 = 673,185,792

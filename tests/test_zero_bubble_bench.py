@@ -41,4 +41,4 @@ def test_zero_bubble_bench_tiny_runs(tmp_path):
     check = data["torch_split_check"]
     assert check["bitwise_equal"]
     assert check["split"]["_LinearAllReduce"] == {"input_half": 1, "weight_half": 1}
-    assert check["split"]["_VocabParallelCrossEntropy"] == {"input_half": 1, "weight_half": 0}
+    assert check["split"]["_FusedLinearCrossEntropy"] == {"input_half": 1, "weight_half": 1}

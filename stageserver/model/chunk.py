@@ -20,6 +20,7 @@ from interleaf.stageserver.model.architectures import architecture_modules
 from interleaf.stageserver.model.attention import LayerCache
 from interleaf.common.model.config import ModelShape
 from interleaf.common.model.params import HEAD, TIED, ParamSpec
+from interleaf.stageserver.model.fused_loss import fused_linear_cross_entropy
 from interleaf.stageserver.model.param_ops import embedding
 from interleaf.stageserver.model.params import init_full, shard
 from interleaf.stageserver.model.recompute import BlockRecompute
@@ -27,7 +28,6 @@ from interleaf.stageserver.model.weight_grads import at_once
 from interleaf.stageserver.model.tensor_parallel import (
     VocabParallelEmbedding,
     VocabParallelHead,
-    vocab_parallel_cross_entropy,
     vocab_parallel_logits,
 )
 from interleaf.stageserver.transport import SoloTransport, Transport
@@ -165,9 +165,11 @@ class ModelChunk(nn.Module):
             return x
         if targets is None:
             raise ValueError("the chunk holding the head needs targets to compute the loss")
-        with at_once():  # ln_f's and the head's W would hold the logits' gradient (weight_grads.at_once)
-            logits_shard = vocab_parallel_logits(self.ln_f(x), self.head_weight(), self.tp, self.sequence_parallel)
-        return vocab_parallel_cross_entropy(logits_shard, targets, self.tp, self.config.vocab_size)
+        # The head's gradient is made in its forward (fused_loss.py), and ln_f's W would
+        # keep its input and output gradient: both computed in I (weight_grads.at_once).
+        with at_once():
+            return fused_linear_cross_entropy(self.ln_f(x), self.head_weight(), targets, self.tp,
+                                              self.config.vocab_size, self.sequence_parallel)
 
 
 def next_token_logits(model: ModelChunk, tokens: torch.Tensor,

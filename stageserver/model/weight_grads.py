@@ -102,11 +102,10 @@ class WeightGrads:
 @contextlib.contextmanager
 def at_once() -> Iterator[None]:
     """Around operations whose parameter gradients are never deferred: their backward
-    computes them at once, in an I too. The final norm's and the head's: the head's W
-    would keep the logits' gradient, b*s*V/t per microbatch, the largest tensor of a
-    step for a vocabulary large against the width, from I until W; computed in I,
-    nothing of it outlives I (it costs I the head's weight product, which W no longer
-    does; the norm's is small, and keeping it would keep its input and gradient)."""
+    computes them at once, in an I too. The final norm's and the head's: the head's
+    gradient is made in its forward, with the loss (fused_loss.py, which never holds
+    every token's logits), and I hands it to autograd; the norm's is small, and
+    deferring it would keep its input and output gradient until W."""
     token = _recording.set(None)
     try:
         yield

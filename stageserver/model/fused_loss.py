@@ -1,0 +1,141 @@
+"""The head's matmul and the vocab-parallel cross-entropy fused, a chunk of tokens at a
+time, so no [tokens x V/t] tensor beyond one chunk's ever exists (the chunked loss of
+Liger-Kernel's FusedLinearCrossEntropy and torchtitan's loss parallel).
+
+Unfused, the head chunk holds every token's logits [b*s, V/t] in the compute dtype, a
+float32 copy of them under bf16, and the float32 softmax that the cross-entropy keeps
+for its backward: for a vocabulary large against the width, the largest tensors of a
+step. Fused, the forward walks the tokens in chunks of `chunk_tokens`; for each it
+makes the chunk's logits (x_c W^T, the compute dtype, as the linear did), upcasts and
+masks them, takes the vocab-parallel max, sum of exponentials and target logit over
+the tensor group (tensor_parallel.exp_and_sums, the unfused cross-entropy's own
+helpers and collectives), and turns them at once into the gradient of the mean loss,
+(softmax - onehot) / n in the compute dtype, from which it adds the chunk's rows of
+grad_x = grad W and its share of grad_W += grad^T x_c. Only grad_x [b*s, d] and grad_W
+[V/t, d] are kept; the backward scales them by the loss's incoming gradient (the
+executor's 1/microbatches) and hands them to autograd.
+
+The chunk size: as many tokens as keep one chunk's softmax within CHUNK_BYTES (256 MiB)
+at float32 or wider - V/t fixes it, so it is the same on every tp rank (the chunks'
+collectives pair up) and on every step, and the arithmetic is deterministic. Worked
+example, vocabulary 50304 at t=1 in bf16: 2**28 // (50304 * 4) = 1334 tokens a chunk,
+so 8 samples of 2048 tokens (16384) run as 12 chunks of 1334 and one of 376. In flight
+per chunk: its bf16 logits (134 MB) while they are upcast, then only their float32
+copy (268 MB), which becomes the masked logits, the softmax and the gradient in place,
+and with it at the end the gradient cast back to bf16 (134 MB): at most 402 MB, where
+the unfused forward held all 16384 tokens' bf16 logits and their float32 copy (4.9 GB),
+and kept the float32 softmax (3.3 GB) to the backward; fused, the backward keeps
+grad_x (67 MB) and grad_W (206 MB) instead (coordinator/activation_bytes.py).
+
+Tensor parallelism keeps the unfused path's collectives: every rank's grad_x is a
+partial sum over its vocabulary slice, all-reduced in the backward as copy_to_tp's is,
+or under sequence parallelism reduce-scattered back to this rank's tokens, the input
+having been gathered in the forward as sequence_parallel.gathered_linears does.
+
+The head's parameter gradient is never deferred to a split backward's W (the chunk runs
+this under weight_grads.at_once): it is made in the forward and returned by the
+backward, into the head's .grad (the tied embedding's sums with the first chunk's wte's
+as before). Under no_grad (evaluation, recompute's first forward) only the loss is
+computed.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from interleaf.stageserver.model import sequence_parallel as sp
+from interleaf.stageserver.model.tensor_parallel import exp_and_sums, minus_onehot_, upcast_masked
+from interleaf.stageserver.transport import Transport
+
+CHUNK_BYTES = 256 * 2**20
+"""The most one chunk's float32 (float64) softmax may take: the bound on the loss's
+[tokens x V/t] temporaries, of which a chunk has about two of that size at once."""
+
+
+def softmax_dtype(dtype: torch.dtype) -> torch.dtype:
+    """What the softmax and loss are computed in: float32, or the compute dtype where wider."""
+    return dtype if torch.finfo(dtype).bits >= 32 else torch.float32
+
+
+def chunk_tokens(local_vocab: int, dtype: torch.dtype) -> int:
+    """Tokens per chunk: the most whose softmax over `local_vocab` (V/t) columns fits
+    CHUNK_BYTES in softmax_dtype(dtype), at least one."""
+    return max(1, CHUNK_BYTES // (local_vocab * softmax_dtype(dtype).itemsize))
+
+
+def head_loss(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, tp: Transport, vocab_size: int,
+              step: int, with_grads: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """(mean cross-entropy, grad_x, grad_W) of F.linear(x, weight) over every token of x
+    [n, d] with targets [n] (global ids), `step` tokens at a time; weight [V/t, d] is
+    this rank's vocabulary slice, ids from `vocab_size` on padding. The gradients (of
+    the mean, in x's dtype; grad_x this rank's partial sum) only `with_grads`, else None."""
+    n = x.size(0)
+    if targets.numel() != n:
+        raise ValueError(f"targets hold {targets.numel()} tokens but the hidden states hold {n}")
+    start = tp.rank * weight.size(0)
+    per_token = x.new_empty(n, dtype=softmax_dtype(x.dtype))
+    grad_x = torch.empty_like(x) if with_grads else None
+    # grad_W is summed over the chunks in float32 at least: each chunk's product is
+    # rounded to the compute dtype once, as autograd's one product over all tokens is.
+    grad_w = weight.new_zeros(weight.shape, dtype=softmax_dtype(weight.dtype)) if with_grads else None
+    for lo in range(0, n, step):
+        x_c, t_c = x[lo:lo + step], targets[lo:lo + step]
+        # One [chunk x V/t] float32 (float64) tensor carries the logits through exp,
+        # the softmax and the gradient, in place: upcast_masked's copy, or the matmul's
+        # own output where that is float32 or wider and unpadded.
+        exp, target_logit, sum_exp, local_targets, outside = exp_and_sums(
+            upcast_masked(F.linear(x_c, weight), start, vocab_size, own=True), t_c, start, tp)
+        per_token[lo:lo + step] = sum_exp.log() - target_logit
+        if grad_x is None or grad_w is None:
+            continue
+        grad = minus_onehot_(exp.div_(sum_exp.unsqueeze(1)), local_targets, outside)
+        grad = grad.mul_(1.0 / n).to(x.dtype)  # the mean's gradient, cast back as the unfused backward does
+        torch.mm(grad, weight, out=grad_x[lo:lo + step])
+        grad_w.add_(grad.t().mm(x_c))
+    return per_token.mean(), grad_x, None if grad_w is None else grad_w.to(weight.dtype)
+
+
+class _FusedLinearCrossEntropy(torch.autograd.Function):
+    """The loss with its gradients made in the forward; the backward only scales them,
+    then sums grad_x over the tensor group (reduce-scatters it: sequence parallel)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, tp: Transport,
+                vocab_size: int, sequence_parallel: bool, step: int) -> torch.Tensor:
+        whole = sp.gather(x, tp) if sequence_parallel else x  # a temporary: grad_x is what is kept
+        loss, grad_x, grad_w = head_loss(whole.reshape(-1, whole.size(-1)), weight, targets.reshape(-1), tp,
+                                         vocab_size, step, with_grads=True)
+        ctx.tp, ctx.sequence_parallel, ctx.shape = tp, sequence_parallel, whole.shape
+        ctx.save_for_backward(grad_x, grad_w)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss: torch.Tensor):
+        grad_x, grad_w = ctx.saved_tensors
+        # Out of place: the saved gradients stay as made (a second backward of a
+        # retained graph reads them again). A 0-dim grad_loss keeps their dtype.
+        grad_x = (grad_x * grad_loss).view(ctx.shape)
+        if ctx.sequence_parallel:
+            grad_x = sp.scatter_sum(grad_x, ctx.tp)
+        elif ctx.tp.size > 1:
+            ctx.tp.all_reduce(grad_x)  # copy_to_tp's sum, in place: grad_x is this backward's own tensor
+        return grad_x, grad_w * grad_loss, None, None, None, None, None
+
+
+def fused_linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, tp: Transport,
+                               vocab_size: int, sequence_parallel: bool = False,
+                               tokens_per_chunk: int | None = None) -> torch.Tensor:
+    """Mean cross-entropy of the logits F.linear(x, weight) against `targets` [b, s]
+    (global ids), as vocab_parallel_cross_entropy(vocab_parallel_logits(x, weight, tp,
+    sequence_parallel), targets, tp, vocab_size) computes it, without their logits: x
+    [b, s, d] is the final norm's output (sequence parallel: this rank's [b, s/t, d]),
+    weight [V/t, d] this rank's head shard. `tokens_per_chunk` defaults to chunk_tokens.
+    Returns the same scalar on every rank."""
+    sequence_parallel = sequence_parallel and tp.size > 1
+    step = tokens_per_chunk or chunk_tokens(weight.size(0), x.dtype)
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        return _FusedLinearCrossEntropy.apply(x, weight, targets, tp, vocab_size, sequence_parallel, step)
+    whole = sp.gather(x, tp) if sequence_parallel else x
+    return head_loss(whole.reshape(-1, whole.size(-1)), weight, targets.reshape(-1), tp, vocab_size, step,
+                     with_grads=False)[0]
