@@ -19,10 +19,11 @@ The chunk size: as many tokens as keep one chunk's softmax within CHUNK_BYTES (2
 at float32 or wider - V/t fixes it, so it is the same on every tp rank (the chunks'
 collectives pair up) and on every step, and the arithmetic is deterministic. Worked
 example, vocabulary 50304 at t=1 in bf16: 2**28 // (50304 * 4) = 1334 tokens a chunk,
-so 8 samples of 2048 tokens (16384) run as 12 chunks of 1334 and one of 376. In flight
-per chunk: its bf16 logits (134 MB) while they are upcast, then only their float32
-copy (268 MB), which becomes the masked logits, the softmax and the gradient in place,
-and with it at the end the gradient cast back to bf16 (134 MB): at most 402 MB, where
+rounded down to whole tiles of 128 rows, 1280, so 8 samples of 2048 tokens (16384) run
+as 12 chunks of 1280 and one of 1024. In flight per chunk: its bf16 logits (129 MB)
+while they are upcast, then only their float32 copy (258 MB), which becomes the masked
+logits, the softmax and the gradient in place, and with it at the end the gradient cast
+back to bf16 (129 MB): at most 386 MB, where
 the unfused forward held all 16384 tokens' bf16 logits and their float32 copy (4.9 GB),
 and kept the float32 softmax (3.3 GB) to the backward; fused, the backward keeps
 grad_x (67 MB) and grad_W (206 MB) instead (coordinator/activation_bytes.py).
@@ -45,7 +46,14 @@ import torch
 import torch.nn.functional as F
 
 from interleaf.stageserver.model import sequence_parallel as sp
-from interleaf.stageserver.model.tensor_parallel import exp_and_sums, minus_onehot_, upcast_masked
+from interleaf.stageserver.model.param_ops import plain
+from interleaf.stageserver.model.tensor_parallel import (
+    exp_and_sums,
+    minus_onehot_,
+    upcast_masked,
+    vocab_parallel_cross_entropy,
+    vocab_parallel_logits,
+)
 from interleaf.stageserver.transport import Transport
 
 CHUNK_BYTES = 256 * 2**20
@@ -60,8 +68,10 @@ def softmax_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def chunk_tokens(local_vocab: int, dtype: torch.dtype) -> int:
     """Tokens per chunk: the most whose softmax over `local_vocab` (V/t) columns fits
-    CHUNK_BYTES in softmax_dtype(dtype), at least one."""
-    return max(1, CHUNK_BYTES // (local_vocab * softmax_dtype(dtype).itemsize))
+    CHUNK_BYTES in softmax_dtype(dtype), rounded down to a multiple of ROWS_ALIGN where
+    that leaves any (a matrix unit's tiles are whole on the GPU), at least one."""
+    fitting = CHUNK_BYTES // (local_vocab * softmax_dtype(dtype).itemsize)
+    return max(1, fitting - fitting % ROWS_ALIGN if fitting >= ROWS_ALIGN else fitting)
 
 
 def head_loss(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, tp: Transport, vocab_size: int,
@@ -123,6 +133,11 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         return grad_x, grad_w * grad_loss, None, None, None, None, None
 
 
+ROWS_ALIGN = 128
+"""Chunks of whole 128-row tiles: the tensor cores' products run in tiles of 64 or 128
+rows, and a chunk that ends mid-tile wastes the rest of it, every chunk of the step."""
+
+
 def fused_linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, tp: Transport,
                                vocab_size: int, sequence_parallel: bool = False,
                                tokens_per_chunk: int | None = None) -> torch.Tensor:
@@ -133,6 +148,9 @@ def fused_linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: t
     weight [V/t, d] this rank's head shard. `tokens_per_chunk` defaults to chunk_tokens.
     Returns the same scalar on every rank."""
     sequence_parallel = sequence_parallel and tp.size > 1
+    if plain():  # autocast (a peer's loop, param_ops.plain): the unfused operations, which it casts
+        return vocab_parallel_cross_entropy(vocab_parallel_logits(x, weight, tp, sequence_parallel), targets, tp,
+                                            vocab_size)
     step = tokens_per_chunk or chunk_tokens(weight.size(0), x.dtype)
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
         return _FusedLinearCrossEntropy.apply(x, weight, targets, tp, vocab_size, sequence_parallel, step)
