@@ -24,6 +24,7 @@ from interleaf.stageserver.data.holdout import EvalSet, open_eval_set, training_
 from interleaf.stageserver.init_weights import initial_values
 from interleaf.stageserver.memory import MemoryLedger
 from interleaf.stageserver.model import full_model
+from interleaf.stageserver.model.fp8 import convert_blocks_to_fp8
 from interleaf.stageserver.model_state import DTYPES, MASTER_DTYPES
 from interleaf.stageserver.optim import clip_coefficient, squared_norm
 from interleaf.stageserver.sharded_bucket import ShardedBucket
@@ -62,6 +63,8 @@ def train(config: JobConfig, on_step=None, on_eval=None) -> tuple[list[Reference
     # checkpoint.init (resolved where the config was built): the weights every server starts from.
     initial = initial_values(config.checkpoint.init, shape) if config.checkpoint.init else None
     model = full_model(shape, t.seed, initial)
+    if t.precision == "fp8":  # the servers' float8 products, emulated on this CPU
+        convert_blocks_to_fp8(model, t.fp8_recipe, torch.device("cpu"))
     specs = model.param_specs()
     named = list(model.named_parameters())
     dtype = DTYPES[t.precision]

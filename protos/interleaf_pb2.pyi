@@ -43,7 +43,7 @@ class ModelSpec(_message.Message):
     def __init__(self, n_layers: _Optional[int] = ..., d_model: _Optional[int] = ..., n_heads: _Optional[int] = ..., seq_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., arch: _Optional[str] = ..., n_kv_heads: _Optional[int] = ..., ffn_hidden: _Optional[int] = ..., norm_eps: _Optional[float] = ..., rope_theta: _Optional[float] = ..., tie_embeddings: _Optional[bool] = ..., pad_vocab_to: _Optional[int] = ..., rope_scaling_factor: _Optional[float] = ..., rope_low_freq_factor: _Optional[float] = ..., rope_high_freq_factor: _Optional[float] = ..., rope_original_positions: _Optional[int] = ...) -> None: ...
 
 class TrainSpec(_message.Message):
-    __slots__ = ("steps", "global_batch", "lr", "warmup_steps", "weight_decay", "grad_clip", "seed", "microbatches", "precision", "recompute", "data_start_step", "data_start_samples", "beta1", "beta2", "eps", "lr_decay", "min_lr_ratio", "decay_fraction", "recompute_layers", "compile")
+    __slots__ = ("steps", "global_batch", "lr", "warmup_steps", "weight_decay", "grad_clip", "seed", "microbatches", "precision", "recompute", "data_start_step", "data_start_samples", "beta1", "beta2", "eps", "lr_decay", "min_lr_ratio", "decay_fraction", "recompute_layers", "compile", "fp8_recipe")
     STEPS_FIELD_NUMBER: _ClassVar[int]
     GLOBAL_BATCH_FIELD_NUMBER: _ClassVar[int]
     LR_FIELD_NUMBER: _ClassVar[int]
@@ -64,6 +64,7 @@ class TrainSpec(_message.Message):
     DECAY_FRACTION_FIELD_NUMBER: _ClassVar[int]
     RECOMPUTE_LAYERS_FIELD_NUMBER: _ClassVar[int]
     COMPILE_FIELD_NUMBER: _ClassVar[int]
+    FP8_RECIPE_FIELD_NUMBER: _ClassVar[int]
     steps: int
     global_batch: int
     lr: float
@@ -84,7 +85,8 @@ class TrainSpec(_message.Message):
     decay_fraction: float
     recompute_layers: int
     compile: str
-    def __init__(self, steps: _Optional[int] = ..., global_batch: _Optional[int] = ..., lr: _Optional[float] = ..., warmup_steps: _Optional[int] = ..., weight_decay: _Optional[float] = ..., grad_clip: _Optional[float] = ..., seed: _Optional[int] = ..., microbatches: _Optional[int] = ..., precision: _Optional[str] = ..., recompute: _Optional[str] = ..., data_start_step: _Optional[int] = ..., data_start_samples: _Optional[int] = ..., beta1: _Optional[float] = ..., beta2: _Optional[float] = ..., eps: _Optional[float] = ..., lr_decay: _Optional[str] = ..., min_lr_ratio: _Optional[float] = ..., decay_fraction: _Optional[float] = ..., recompute_layers: _Optional[int] = ..., compile: _Optional[str] = ...) -> None: ...
+    fp8_recipe: str
+    def __init__(self, steps: _Optional[int] = ..., global_batch: _Optional[int] = ..., lr: _Optional[float] = ..., warmup_steps: _Optional[int] = ..., weight_decay: _Optional[float] = ..., grad_clip: _Optional[float] = ..., seed: _Optional[int] = ..., microbatches: _Optional[int] = ..., precision: _Optional[str] = ..., recompute: _Optional[str] = ..., data_start_step: _Optional[int] = ..., data_start_samples: _Optional[int] = ..., beta1: _Optional[float] = ..., beta2: _Optional[float] = ..., eps: _Optional[float] = ..., lr_decay: _Optional[str] = ..., min_lr_ratio: _Optional[float] = ..., decay_fraction: _Optional[float] = ..., recompute_layers: _Optional[int] = ..., compile: _Optional[str] = ..., fp8_recipe: _Optional[str] = ...) -> None: ...
 
 class Coordinates(_message.Message):
     __slots__ = ("dp", "pp", "tp")

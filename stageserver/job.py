@@ -30,6 +30,7 @@ from interleaf.stageserver.data.tokenfile import TokenFile
 from interleaf.stageserver.evaluation import EvalStats, Evaluator
 from interleaf.stageserver.executor import Executor, StepStats
 from interleaf.stageserver.init_weights import initial_values
+from interleaf.stageserver.model import fp8
 from interleaf.stageserver.model_state import DTYPES, ChunkPlan, ModelState, TrainPlan
 from interleaf.stageserver.profiling import ProfilingRejected, StepProfiler
 from interleaf.stageserver.setup_checks import SetupError, check_setup
@@ -76,6 +77,11 @@ class StageJob:
             raise JobRejected(f"train.precision={t.precision!r} must be one of {', '.join(DTYPES)}")
         if (t.recompute or "none") not in RECOMPUTE:
             raise JobRejected(f"train.recompute={t.recompute!r} must be one of {', '.join(RECOMPUTE)}")
+        if t.precision == "fp8":
+            try:
+                fp8.check_ready(device)
+            except ValueError as err:
+                raise JobRejected(str(err)) from None
         if (t.compile or "auto") not in COMPILE:
             raise JobRejected(f"train.compile={t.compile!r} must be one of {', '.join(COMPILE)}")
         self.transport = request.transport or "gloo"
@@ -101,6 +107,7 @@ class StageJob:
             min_lr_ratio=t.min_lr_ratio,
             decay_fraction=t.decay_fraction,
             recompute_layers=t.recompute_layers,
+            fp8_recipe=t.fp8_recipe or "tensorwise",
             compile=compiles(t.compile or "auto", device.type,
                              splits_backward=any(a.kind is Kind.BACKWARD_INPUT for a in self.program)),
         )

@@ -24,13 +24,15 @@ from interleaf.stageserver.memory import MemoryLedger, nbytes
 from interleaf.stageserver.model import ModelChunk
 from interleaf.stageserver.model.chunk import InitialValues
 from interleaf.stageserver.model.compiled import compile_blocks
+from interleaf.stageserver.model.fp8 import convert_blocks_to_fp8
 from interleaf.stageserver.model.recompute import BlockRecompute
 from interleaf.stageserver.optim import BETAS, EPS, clip_coefficient, squared_norm
 from interleaf.stageserver.pipeline_messages import PipelineMessages
 from interleaf.stageserver.sharded_bucket import Pending, ShardedBucket
 from interleaf.stageserver.transport import Transport
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64, "fp8": torch.bfloat16}
+"""Each train.precision's compute dtype (fp8's is bf16 but for its products: model/fp8.py)."""
 MASTER_DTYPES = {torch.float32: torch.float32, torch.bfloat16: torch.float32, torch.float64: torch.float64}
 
 
@@ -61,6 +63,7 @@ class TrainPlan:
     decay_fraction: float = DECAY_FRACTION
     recompute_layers: int = 0
     compile: bool = False  # each block through torch.compile (stageserver/model/compiled.py)
+    fp8_recipe: str = "tensorwise"  # precision fp8: the float8 scaling (stageserver/model/fp8.py)
 
 
 def message_tag(kind: str, chunk: int, microbatch: int, microbatches: int) -> int:
@@ -120,6 +123,8 @@ class ModelState:
             chunk = ModelChunk(config, plan.layers, plan.has_embedding, plan.has_head, self.tp, train.seed, initial,
                                sequence_parallel=self.sequence_parallel,
                                recompute=BlockRecompute(train.recompute, train.recompute_layers))
+            if train.precision == "fp8":
+                convert_blocks_to_fp8(chunk, train.fp8_recipe, device)
             if train.compile:
                 compile_blocks(chunk)
             self.chunks[plan.index] = chunk

@@ -63,7 +63,7 @@ BAD_CONFIGS = [
     (["parallel.zero=-1"], "parallel.zero=-1 must be 0, 1, 2 or 3"),
     (["parallel.zero_prefetch=5"], "parallel.zero_prefetch=5 must be between 0 and 4"),
     (["parallel.zero_prefetch=-1"], "parallel.zero_prefetch=-1 must be between 0 and 4"),
-    (["train.precision=fp16"], "train.precision='fp16' must be one of fp32, bf16, fp64"),
+    (["train.precision=fp16"], "train.precision='fp16' must be one of fp32, bf16, fp64, fp8"),
     (["train.recompute=partial"], "train.recompute='partial' must be one of none, selective, full"),
     (["train.recompute_layers=2"], "train.recompute_layers=2 needs train.recompute='selective' (it picks the "
      "blocks selective recompute reruns in full), not 'none'"),

@@ -93,10 +93,10 @@ def main() -> None:
             client.close()
     pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     pathlib.Path(args.out).write_text(json.dumps(rows, indent=2) + "\n")
-    print(f"{'case':<22}{'predicted GiB':>14}{'measured GiB':>14}{'ledger GiB':>12}{'error':>8}")
+    print(f"{'case':<22}{'predicted MiB':>14}{'measured MiB':>14}{'ledger MiB':>12}{'error':>8}")
     for r in rows:
-        print(f"{r['case']:<22}{r['predicted_peak_bytes'] / 2**30:>14.2f}{r['measured_peak_bytes'] / 2**30:>14.2f}"
-              f"{r['ledger_peak_bytes'] / 2**30:>12.2f}{r['error']:>+8.1%}")
+        print(f"{r['case']:<22}{r['predicted_peak_bytes'] / 2**20:>14.1f}{r['measured_peak_bytes'] / 2**20:>14.1f}"
+              f"{r['ledger_peak_bytes'] / 2**20:>12.1f}{r['error']:>+8.1%}")
     outside = [r["case"] for r in rows if abs(r["error"]) > BOUND]
     if outside:
         raise SystemExit(f"measured peak more than {BOUND:.0%} from the prediction: {', '.join(outside)}")

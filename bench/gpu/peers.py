@@ -14,7 +14,9 @@ memory and parameter count:
   `MixedPrecisionPolicy` (parameters cast to the workload's dtype for compute, gradients
   reduced in fp32; no autocast, as torchtitan under FSDP), fused AdamW on the fp32
   sharded parameters. As torchtitan, every microbatch's backward reduces its gradients
-  (a copy with one rank).
+  (a copy with one rank);
+- fsdp2_compiled_fp8: torchtitan's float8 recipe, fsdp2_compiled with the blocks'
+  linears multiplying in float8 through torchao (tensorwise), converted first.
 
 Step time is host wall time per step, after the step's final synchronization on CUDA.
 Peak memory is `torch.cuda.max_memory_allocated` from the model's construction on; on
@@ -39,6 +41,7 @@ from interleaf.common.model.config import ModelShape
 from interleaf.stageserver.data import Sampler, resolve_source
 from interleaf.stageserver.model import full_model
 from interleaf.stageserver.model.chunk import ModelChunk
+from interleaf.stageserver.model.fp8 import convert_blocks_to_fp8
 from interleaf.stageserver.optim import BETAS, EPS
 from torch_training import param_groups  # bench/torch_training.py: Interleaf's weight-decay groups
 
@@ -80,6 +83,23 @@ def fsdp2_compiled(w: Workload) -> dict:
     with _world_of_one(w.device):
         model = _model(w)
         _compile_blocks(model, w.compile_backend)  # torchtitan compiles before it shards
+        policy = MixedPrecisionPolicy(param_dtype=w.dtype, reduce_dtype=torch.float32)
+        for block in model.h.values():
+            fully_shard(block, mp_policy=policy)
+        fully_shard(model, mp_policy=policy)
+        return _train(w, model, autocast=False)
+
+
+def fsdp2_compiled_fp8(w: Workload) -> dict:
+    """torchtitan's float8 recipe on one rank: the float8 conversion first (tensorwise
+    scaling), then per-block compile and FSDP2 with a bf16 policy. torchtitan converts
+    nn.Linear modules (torchao's convert_to_float8_training); this model's linears take
+    the same torchao matmul through Interleaf's own conversion (stageserver/model/fp8.py),
+    so both sides' products are torchao's."""
+    with _world_of_one(w.device):
+        model = _model(w)
+        convert_blocks_to_fp8(model, "tensorwise", torch.device(w.device))
+        _compile_blocks(model, w.compile_backend)
         policy = MixedPrecisionPolicy(param_dtype=w.dtype, reduce_dtype=torch.float32)
         for block in model.h.values():
             fully_shard(block, mp_policy=policy)

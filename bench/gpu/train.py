@@ -15,7 +15,10 @@ clipping at 1.0, 4 microbatches of 8 samples per step, the same steps and warm-u
 - interleaf, interleaf-compile: a coordinator and one stage server on this GPU
   (transport NCCL), `train.precision=bf16` (bf16 working weights and gradients, fp32
   master weights and Adam moments), pp=1 1f1b, submitted through the client, with
-  `train.compile=off` and `=on`.
+  `train.compile=off` and `=on`;
+- fsdp2-compile-fp8: torchtitan's float8 recipe (peers.py): fsdp2-compile with the
+  blocks' linears multiplying in float8 through torchao, tensorwise scaling;
+- interleaf-fp8: `train.precision=fp8` (tensorwise) with compiled blocks.
 
 `--arch gpt2`: 20 layers x d_model 2048, 16 heads, 2048-token samples, vocab 50304,
 tied embeddings (1.11B parameters). `--arch llama`: TinyLlama's shape, 22 layers x
@@ -27,8 +30,9 @@ server), tokens/s, model FLOPs utilization (coordinator/flops.py's accounting) a
 the datasheet's 989 TFLOP/s (H100 SXM) and against the GPU's measured bf16 matrix rate
 (peak.py), peak memory (torch.cuda.max_memory_allocated per in-process side, reset
 between sides; the stage server's per-step device peak for Interleaf), the losses and
-their largest relative difference from plain's. Then Interleaf's best tokens/s over the
-best peer's, naming that peer. The run fails if a side's losses disagree with plain's
+their largest relative difference from the first side's (plain's by default). Then
+Interleaf's best tokens/s over the best peer's, naming that peer. The run fails if a
+side's losses disagree with the first side's
 beyond bf16's tolerance (the same function, rounded differently).
 
 `--device cpu --tiny`: a 2-layer d_model 64 model, 3 steps, bf16 as on a GPU (autocast,
@@ -70,8 +74,9 @@ TINY = {"gpt2": ModelShape(n_layers=2, d_model=64, n_heads=4, seq_len=32, vocab_
         "llama": ModelShape(n_layers=2, d_model=64, n_heads=4, seq_len=32, vocab_size=256, arch="llama",
                             n_kv_heads=2, tie_embeddings=False)}
 ROWS, MICROBATCHES = 8, 4
-SIDES = ("plain", "compile", "fsdp2-compile", "interleaf", "interleaf-compile")
-PEERS = {"plain": peers.plain, "compile": peers.compiled, "fsdp2-compile": peers.fsdp2_compiled}
+SIDES = ("plain", "compile", "fsdp2-compile", "interleaf", "interleaf-compile", "fsdp2-compile-fp8", "interleaf-fp8")
+PEERS = {"plain": peers.plain, "compile": peers.compiled, "fsdp2-compile": peers.fsdp2_compiled,
+         "fsdp2-compile-fp8": peers.fsdp2_compiled_fp8}
 H100_SXM_DENSE_BF16 = 989e12
 LOSS_MEAN_TOLERANCE, LOSS_MAX_TOLERANCE = 1e-2, 5e-2
 """bf16 against bf16-autocast: the bounds tests/test_zero_equivalence.py holds bf16 runs
@@ -91,11 +96,12 @@ def overrides(steps: int, model: ModelShape = ARCHS["gpt2"], device: str = "cuda
             f"train.grad_clip={peers.CLIP}", f"train.seed={peers.SEED}", f"train.precision={precision}"]
 
 
-def interleaf(w: peers.Workload, compile_override: str | None, profile_to: str | None = None) -> dict:
+def interleaf(w: peers.Workload, compile_override: str | None, profile_to: str | None = None,
+              precision: str | None = None) -> dict:
     """The job on a local coordinator and one stage server; its peak memory is the
     server's largest per-step device peak (None on the CPU). `profile_to`: a file for the torch
     profiler's trace of the last step, which then leaves step_seconds."""
-    precision = "bf16" if w.dtype == torch.bfloat16 else "fp32"
+    precision = precision or ("bf16" if w.dtype == torch.bfloat16 else "fp32")
     job = overrides(w.steps, w.model, w.device, precision, w.rows)
     if compile_override:
         job.append(f"train.compile={compile_override}")
@@ -108,6 +114,10 @@ def interleaf(w: peers.Workload, compile_override: str | None, profile_to: str |
             if profile_to:
                 report = client.trace_profile(run["job_id"], w.steps - 1, 0)
                 pathlib.Path(profile_to).write_bytes(report.torch_profile)  # gzip-compressed Chrome trace
+                # Every action's span in that step: per-chunk forward and backward times for
+                # docs/gpus.md's expectations of larger layouts (the simulator's costs).
+                run["spans"] = [{"action": a.action, "kind": a.kind, "start": a.start_seconds, "end": a.end_seconds}
+                                for a in client.trace(run["job_id"], w.steps - 1).reports[0].spans]
                 run["step_seconds"] = run["step_seconds"][:-1]
                 run["profile"] = profile_to
         finally:
@@ -121,6 +131,8 @@ def run_side(side: str, w: peers.Workload, profile_dir: str | None = None) -> di
         return PEERS[side](w)
     if side == "interleaf-compile":
         return interleaf(w, "on", profile_dir and os.path.join(profile_dir, f"profile_{side}.json.gz"))
+    if side == "interleaf-fp8":  # float8 products (tensorwise), compiled blocks: torchao's fast path
+        return interleaf(w, "on", precision="fp8")
     # On the CPU train.compile's default (auto) is off already: the plain interleaf side
     # leaves it unset there, so it runs on a tree whose config has no such field yet.
     return interleaf(w, "off" if w.device == "cuda" else None)
@@ -177,11 +189,17 @@ def main() -> None:
     print(f"{device_name}: measured bf16 matmul peak {peak / 1e12:.3f} TFLOP/s")
     print(f"{args.arch}: {w.model}")
     order = sides + (["plain"] if "plain" in sides and len(sides) > 1 else [])  # plain again last: drift
-    runs, rows = {}, []
+    runs, rows, failed = {}, [], {}
     for i, side in enumerate(order):
-        label = f"{side} (after)" if side in runs else side
-        runs[label] = run_side(side, w, args.profile_dir)
-        rows.append(figures(label, runs[label], w, warmup, peak, runs.get("plain") if i else None))
+        label = f"{side} (after)" if side in runs or side in failed else side
+        try:
+            runs[label] = run_side(side, w, args.profile_dir)
+        except Exception as err:  # noqa: BLE001 - one side's failure is reported; the others still run
+            failed[label] = f"{type(err).__name__}: {err}"
+            print(f"  {label}: FAILED {failed[label][:2000]}", flush=True)
+            continue
+        # Losses are held to the first side's (plain's, when it runs).
+        rows.append(figures(label, runs[label], w, warmup, peak, runs.get(order[0]) if i else None))
         print(f"  {label}: {rows[-1]['median_step_seconds']:.3f} s/step, losses "
               f"{[round(x, 4) for x in runs[label]['losses']]}", flush=True)
     ratio = best_ratio(rows)
@@ -192,7 +210,7 @@ def main() -> None:
               "parameters": parameters, "matrix_parameters": matrix_parameters(w.model),
               "dtype": str(w.dtype), "compile_backend": w.compile_backend,
               "measured_bf16_peak_flops": peak, "steps": w.steps, "warmup": warmup, "sides": rows,
-              "runs": runs, "interleaf_over_best_peer": ratio}
+              "runs": runs, "failed": failed, "interleaf_over_best_peer": ratio}
     pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     pathlib.Path(args.out).write_text(json.dumps(result, indent=2, default=str) + "\n")
     print(f"{'side':<20}{'step s':>8}{'tokens/s':>11}{'MFU (measured)':>16}{'MFU (989 TFLOP/s)':>19}"
@@ -210,7 +228,9 @@ def main() -> None:
              (r["loss_relative_difference_mean"] > LOSS_MEAN_TOLERANCE or
               r["loss_relative_difference_max"] > LOSS_MAX_TOLERANCE)]
     if apart:
-        raise SystemExit(f"{apart} did not train plain's run: losses disagree beyond bf16 tolerance")
+        raise SystemExit(f"{apart} did not train {order[0]}'s run: losses disagree beyond bf16 tolerance")
+    if failed:
+        raise SystemExit(f"sides that failed: {', '.join(failed)}")
 
 
 if __name__ == "__main__":

@@ -10,11 +10,13 @@ from interleaf.common.model.compile_modes import COMPILE
 from interleaf.common.model.recompute_modes import MODES
 from interleaf.coordinator.config.rules import ConfigError, _bounded, _positive
 
-PRECISION_BYTES = {"fp32": 4, "bf16": 2, "fp64": 8}
-"""Bytes per element of the compute dtype of each train.precision."""
-MASTER_BYTES = {"fp32": 4, "bf16": 4, "fp64": 8}
+PRECISION_BYTES = {"fp32": 4, "bf16": 2, "fp64": 8, "fp8": 2}
+"""Bytes per element of the compute dtype of each train.precision (fp8's is bf16: only
+the products' operands are float8, cast as they are multiplied)."""
+MASTER_BYTES = {"fp32": 4, "bf16": 4, "fp64": 8, "fp8": 4}
 """Bytes per element of the master weights, Adam moments and gradient reductions."""
 PRECISIONS = tuple(PRECISION_BYTES)
+FP8_RECIPES = ("tensorwise", "rowwise")  # stageserver/model/fp8.py RECIPES
 RECOMPUTE = MODES
 
 
@@ -61,8 +63,14 @@ class TrainConfig:
     """Seeds the initial weights and the sample order."""
     precision: str = "fp32"
     """fp32; bf16 (bf16 parameters, activations and gradients for compute, fp32 master
-    weights, Adam moments and gradient reductions, softmax and loss in fp32); or fp64
-    (everything float64: the verification mode, with no rounding noise to hide a bug)."""
+    weights, Adam moments and gradient reductions, softmax and loss in fp32); fp8 (bf16,
+    with the blocks' linears multiplying in float8 through torchao: `pip install
+    interleaf[fp8]`, a GPU of compute capability 8.9 or newer, emulated on CPUs for
+    testing; parallel.tp=1, and no zero-bubble schedule); or fp64 (everything float64:
+    the verification mode, with no rounding noise to hide a bug)."""
+    fp8_recipe: str = "tensorwise"
+    """fp8 only: tensorwise (one float8 scale per tensor, the fastest) or rowwise (one per
+    row of each operand, kinder to outliers): torchao's recipes of those names."""
     recompute: str = "none"
     """none; selective: each block keeps the outputs of its matrix multiplications,
     attention and collectives, and recomputes norms, activation functions, rotary
@@ -90,6 +98,11 @@ class TrainConfig:
             raise ConfigError(f"train.precision={self.precision!r} must be one of {', '.join(PRECISIONS)}")
         if self.recompute not in RECOMPUTE:
             raise ConfigError(f"train.recompute={self.recompute!r} must be one of {', '.join(RECOMPUTE)}")
+        if self.fp8_recipe not in FP8_RECIPES:
+            raise ConfigError(f"train.fp8_recipe={shown(self.fp8_recipe)} must be one of {', '.join(FP8_RECIPES)}")
+        if self.fp8_recipe != "tensorwise" and self.precision != "fp8":
+            raise ConfigError(f"train.fp8_recipe={self.fp8_recipe!r} needs train.precision='fp8', "
+                              f"not {self.precision!r}")
         if self.compile not in COMPILE:
             raise ConfigError(f"train.compile={shown(self.compile)} must be one of {', '.join(COMPILE)}")
         if self.recompute_layers < 0:

@@ -52,8 +52,10 @@ SAVED_OPS = frozenset({
     _aten._scaled_dot_product_flash_attention.default,
     _aten._scaled_dot_product_efficient_attention.default,
     _aten._scaled_dot_product_cudnn_attention.default,
+    _aten._scaled_mm.default,  # train.precision=fp8's float8 products (model/fp8.py)
 })
-"""What selective recompute keeps: every matrix product (linears, attention's math path)
+"""What selective recompute keeps: every matrix product (linears, attention's math path,
+float8 products)
 and the fused attention kernels (their output and softmax statistics)."""
 
 

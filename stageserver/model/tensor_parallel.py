@@ -18,6 +18,7 @@ row-parallel layer's output reduce-scattered.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import ClassVar
 
 import torch
@@ -107,6 +108,8 @@ class ColumnParallelLinear(nn.Module):
     Sequence parallel: x is this rank's slice of the sequence, y covers all of it."""
 
     TP_DIMS: ClassVar[dict[str, int | None]] = {"weight": 0, "bias": 0}
+    float8: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor] | None = None
+    """train.precision=fp8 (fp8.py, tp=1 only): the product in float8 instead."""
 
     def __init__(self, in_features: int, out_features: int, tp: Transport, bias: bool = True,
                  sequence_parallel: bool = False):
@@ -127,7 +130,7 @@ def column_parallel(x: torch.Tensor, *layers: ColumnParallelLinear) -> tuple[tor
     same bits."""
     if layers[0].sequence_parallel and layers[0].tp.size > 1:
         return sp.gathered_linears(x, [(layer.weight, layer.bias) for layer in layers], layers[0].tp)
-    return tuple(linear(copy_to_tp(x, layer.tp), layer.weight, layer.bias) for layer in layers)
+    return tuple((layer.float8 or linear)(copy_to_tp(x, layer.tp), layer.weight, layer.bias) for layer in layers)
 
 
 class RowParallelLinear(nn.Module):
@@ -136,6 +139,8 @@ class RowParallelLinear(nn.Module):
     The bias is replicated and added once, after the partial products are summed."""
 
     TP_DIMS: ClassVar[dict[str, int | None]] = {"weight": 1, "bias": None}
+    float8: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor] | None = None
+    """train.precision=fp8 (fp8.py, tp=1 only): the product in float8 instead."""
 
     def __init__(self, in_features: int, out_features: int, tp: Transport, bias: bool = True,
                  sequence_parallel: bool = False):
@@ -148,7 +153,9 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Sequence parallel: the sum is reduce-scattered, this rank's tokens out (the
         bias then sees only them: its gradient is a partial sum, see ModelState)."""
-        if self.tp.size == 1:
+        if self.float8:
+            y = self.float8(x, self.weight, None)
+        elif self.tp.size == 1:
             y = linear(x, self.weight)
         elif self.sequence_parallel:
             y = sp.linear_reduce_scatter(x, self.weight, self.tp)
