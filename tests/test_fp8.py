@@ -5,8 +5,8 @@ Held to: torchao's own Float8Linear, to the bit, on the same operands; bf16, whi
 must track (its e4m3 operands keep 3 bits of mantissa: a product's relative error is a
 few percent per element, far less on a loss); and, as a job, its own single-process
 reference (`interleaf reference` converts the same blocks) at bf16's tolerances, through
-pipelining, ZeRO-3, selective recompute and compiled blocks. The config refuses what
-torchao's whole linears cannot do: tensor parallelism and split backwards."""
+pipelining, ZeRO-3 and selective recompute (compiled blocks: single-process). The config
+refuses what torchao's whole linears cannot do: tensor parallelism and split backwards."""
 
 from __future__ import annotations
 
@@ -19,11 +19,11 @@ from torch import nn
 from interleaf.common.model.config import ModelShape
 from interleaf.coordinator.config import ConfigError, load_config
 from interleaf.stageserver.model.chunk import full_model
+from interleaf.stageserver.model.compiled import compile_blocks
 from interleaf.stageserver.model.fp8 import Float8Matmul, convert_blocks_to_fp8
 from interleaf.stageserver.model.tensor_parallel import ColumnParallelLinear, RowParallelLinear
-from tests.conftest import ARCHS, TINY, layout_free, reference, run_job
+from tests.conftest import TINY, layout_free, reference, run_job
 from tests.test_equivalence import layout
-from tests.test_zero_equivalence import BF16
 
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
@@ -50,17 +50,21 @@ def _loss_and_grad(model: nn.Module):
     x, y = (torch.randint(0, 256, (4, 32), generator=generator) for _ in range(2))
     loss = model(x, y)
     loss.backward()
-    return loss.item(), {n: p.grad.float() for n, p in model.named_parameters()}
+    return loss.item(), {n: p.grad.float() for n, p in model.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
-def test_fp8_blocks_track_bf16(arch, recipe):
+@pytest.mark.parametrize("arch,recipe,compiled", [
+    ("gpt2", "tensorwise", False), ("gpt2", "rowwise", False), ("llama", "tensorwise", False),
+    ("llama", "rowwise", False), ("gpt2", "tensorwise", True),  # inductor traces torchao's float8 casts
+])
+def test_fp8_blocks_track_bf16(arch, recipe, compiled):
     shape = ModelShape(n_layers=2, d_model=64, n_heads=4, seq_len=32, vocab_size=256, arch=arch,
                        n_kv_heads=2 if arch == "llama" else 4, ffn_hidden=128 if arch == "llama" else 256)
     bf16 = full_model(shape, seed=1).to(torch.bfloat16)
     fp8 = full_model(shape, seed=1).to(torch.bfloat16)
     convert_blocks_to_fp8(fp8, recipe, torch.device("cpu"))
+    if compiled:
+        compile_blocks(fp8)
     converted = [m for m in fp8.h.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]
     assert converted and all(m.float8 is not None for m in converted)
     assert fp8.wte.weight is not None and not hasattr(fp8.wte, "float8")  # the embedding and head stay bf16
@@ -82,25 +86,20 @@ def test_config_refuses_tensor_parallel_split_backwards_and_a_stray_recipe():
         load_config("", ["train.precision=fp8", "train.fp8_recipe=blockwise"])
 
 
-FP8_JOBS = {
-    "pp2-v2-zero3-selective": (layout(dp=2, pp=2, vpp=2) + ["parallel.zero=3", "train.recompute=selective"],
-                               ["train.fp8_recipe=rowwise"]),
-    "pp2-compiled": (layout(pp=2, schedule="1f1b") + ["train.compile=on"], []),
-}
+FP8_LONG = ["train.steps=25", "train.warmup_steps=5", "train.lr=0.003"]
 
 
-@pytest.mark.parametrize("name", FP8_JOBS)
-def test_an_fp8_job_tracks_its_reference(client, name):
-    """bf16's bounds (test_zero_equivalence.test_bf16_tracks_its_reference_and_fp32) over
-    BF16's 50 steps: the layout rounds other partial sums than the reference does, and
-    float8 rounds the operands of both alike."""
-    parallel, train = FP8_JOBS[name]
-    common = TINY + BF16 + ["train.precision=fp8"] + train
-    final, steps = run_job(client, common + parallel)
+def test_an_fp8_job_tracks_its_reference(client):
+    """bf16's bounds (test_zero_equivalence.test_bf16_tracks_its_reference_and_fp32), over
+    25 steps of dp2·pp2·vpp2 with ZeRO-3, selective recompute and rowwise scaling: the
+    layout rounds other partial sums than the reference does, and float8 rounds the
+    operands of both alike."""
+    common = TINY + FP8_LONG + ["train.precision=fp8", "train.fp8_recipe=rowwise", "train.recompute=selective"]
+    final, steps = run_job(client, common + layout(dp=2, pp=2, vpp=2) + ["parallel.zero=3"])
     assert final.state == "SUCCEEDED", final.error
     expected, _ = reference(layout_free(common))
-    bf16, _ = reference(layout_free(TINY + BF16 + ["train.precision=bf16"]))
+    bf16, _ = reference(layout_free(TINY + FP8_LONG + ["train.precision=bf16"]))
     differences = [abs(a.loss - b.loss) / b.loss for a, b in zip(steps, expected, strict=True)]
     assert sum(differences) / len(differences) <= 1e-2 and max(differences) <= 5e-2, differences
     assert any(a.loss != b.loss for a, b in zip(expected, bf16))  # the reference multiplied in float8 too
-    assert steps[-1].loss < 0.7 * steps[0].loss
+    assert steps[-1].loss < 0.8 * steps[0].loss

@@ -129,13 +129,12 @@ def interleaf(w: peers.Workload, compile_override: str | None, profile_to: str |
 def run_side(side: str, w: peers.Workload, profile_dir: str | None = None) -> dict:
     if side in PEERS:
         return PEERS[side](w)
+    profile = profile_dir and os.path.join(profile_dir, f"profile_{side}.json.gz")
     if side == "interleaf-compile":
-        return interleaf(w, "on", profile_dir and os.path.join(profile_dir, f"profile_{side}.json.gz"))
+        return interleaf(w, "on", profile)
     if side == "interleaf-fp8":  # float8 products (tensorwise), compiled blocks: torchao's fast path
-        return interleaf(w, "on", precision="fp8")
-    # On the CPU train.compile's default (auto) is off already: the plain interleaf side
-    # leaves it unset there, so it runs on a tree whose config has no such field yet.
-    return interleaf(w, "off" if w.device == "cuda" else None)
+        return interleaf(w, "on", profile, precision="fp8")
+    return interleaf(w, "off", profile)
 
 
 def figures(label: str, run: dict, w: peers.Workload, warmup: int, peak: float, plain: dict | None) -> dict:
@@ -170,8 +169,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, help="default 12 (tiny: 3)")
     parser.add_argument("--warmup", type=int, help="steps left out of the median; default 3 (tiny: 1)")
     parser.add_argument("--compile-backend", help="torch.compile's backend; default inductor (tiny: aot_eager)")
-    parser.add_argument("--profile-dir", help="torch profiler trace of interleaf-compile's last step, written "
-                        "here (gzip Chrome trace); that step leaves the median")
+    parser.add_argument("--profile-dir", help="torch profiler trace of each Interleaf side's last step, written "
+                        "here as profile_SIDE.json.gz (gzip Chrome trace); that step leaves the median")
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "bench/results"), "gpu_train.json"))
     args = parser.parse_args()
     sides = args.sides.split(",")

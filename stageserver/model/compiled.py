@@ -17,6 +17,7 @@ from torch import nn
 
 
 def compile_blocks(chunk: nn.Module) -> None:
-    """Compiles each of the chunk's blocks (chunk.h) in place, on its first call."""
-    for block in chunk.h.values():
+    """Compiles each of the chunk's blocks (chunk.h, a ModuleDict) in place, on its first call."""
+    blocks = chunk.get_submodule("h")
+    for block in blocks.children():
         block.compile()

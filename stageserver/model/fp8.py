@@ -78,9 +78,10 @@ def convert_blocks_to_fp8(chunk: nn.Module, recipe: str, device: torch.device) -
     if recipe not in RECIPES:
         raise ValueError(f"train.fp8_recipe={recipe!r} must be one of {', '.join(RECIPES)}")
     check_ready(device)
-    if chunk.tp.size > 1:
-        raise ValueError(f"train.precision='fp8' runs whole linears only (parallel.tp=1), not tp={chunk.tp.size}")
+    blocks = chunk.get_submodule("h")
+    linears = [m for m in blocks.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]
+    if any(m.tp.size > 1 for m in linears):
+        raise ValueError("train.precision='fp8' runs whole linears only (parallel.tp=1)")
     matmul = Float8Matmul(recipe, emulate=device.type != "cuda")
-    for module in chunk.h.modules():
-        if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
-            module.float8 = matmul
+    for module in linears:
+        module.float8 = matmul

@@ -1,0 +1,101 @@
+"""Where a profiled step's GPU time goes: the torch profiler traces bench/gpu/train.py
+--profile-dir writes (one step each), reduced to time per kernel category and drawn as
+one stacked bar per trace (docs/gpus.md shows the picture, not the traces).
+
+Categories, by kernel name: matrix products (cuBLAS's nvjet and cutlass/gemm kernels),
+attention (cuDNN's and flash SDPA), inductor's fused kernels (triton_*), the optimizer
+(multi_tensor_apply: fused AdamW and the clipping norms), copies and fills (memcpy,
+memset, dtype and layout copies), other elementwise and reduction kernels (eager ones:
+the loss's chunks, norms, residual adds, gradient accumulation), and idle (the step's
+span on the GPU not covered by any kernel).
+
+    python bench/gpu/profile_breakdown.py LABEL=TRACE.json.gz ... --png OUT.png [--json OUT.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import pathlib
+
+CATEGORIES = ("matrix products", "attention", "inductor fused", "other elementwise", "copies", "optimizer", "idle")
+COLOURS = ("#4c72b0", "#8172b2", "#55a868", "#dd8452", "#937860", "#c44e52", "#dddddd")
+
+
+def category(name: str) -> str:
+    lowered = name.lower()
+    if lowered.startswith("nvjet") or "gemm" in lowered or "cutlass" in lowered or "xmma" in lowered:
+        return "matrix products"
+    if "sdpa" in lowered or "flash" in lowered or "fmha" in lowered or "attention" in lowered:
+        return "attention"
+    if lowered.startswith("triton_"):
+        return "inductor fused"
+    if "multi_tensor_apply" in lowered:
+        return "optimizer"
+    if "memcpy" in lowered or "memset" in lowered or "copy_kernel" in lowered or "fill" in lowered:
+        return "copies"
+    return "other elementwise"
+
+
+def breakdown(trace: dict) -> dict[str, float]:
+    """Milliseconds per category over the trace's GPU span (kernels, copies and fills)."""
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    kernels = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    if not kernels:
+        raise ValueError("the trace holds no GPU kernels (was it taken on a GPU?)")
+    times = dict.fromkeys(CATEGORIES, 0.0)
+    for e in kernels:
+        times[category(e["name"])] += e["dur"] / 1e3
+    intervals = sorted((e["ts"], e["ts"] + e["dur"]) for e in kernels)
+    covered, end = 0.0, intervals[0][0]
+    for start, stop in intervals:  # the union of kernel intervals: overlapping streams count once
+        if stop > end:
+            covered += stop - max(start, end)
+            end = stop
+    span = max(stop for _, stop in intervals) - intervals[0][0]
+    times["idle"] = (span - covered) / 1e3
+    return times
+
+
+def draw(rows: dict[str, dict[str, float]], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 1.4 + 0.5 * len(rows)))
+    labels = list(rows)
+    left = [0.0] * len(labels)
+    for name, colour in zip(CATEGORIES, COLOURS, strict=True):
+        widths = [rows[label][name] for label in labels]
+        ax.barh(labels, widths, left=left, color=colour, label=name, edgecolor="white", linewidth=0.5)
+        left = [a + b for a, b in zip(left, widths, strict=True)]
+    ax.set_xlabel("GPU time in one step, ms")
+    ax.invert_yaxis()
+    ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
+    fig.tight_layout()
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("traces", nargs="+", help="LABEL=PATH of a gzip-compressed Chrome trace")
+    parser.add_argument("--png", required=True)
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    rows = {}
+    for item in args.traces:
+        label, _, path = item.rpartition("=")  # a label may hold "=" (train.compile=on), a path not
+        rows[label] = breakdown(json.loads(gzip.decompress(pathlib.Path(path).read_bytes())))
+    draw(rows, args.png)
+    if args.json:
+        pathlib.Path(args.json).write_text(json.dumps(rows, indent=2) + "\n")
+    print(f"{'ms':<14}" + "".join(f"{label:>22}" for label in rows))
+    for name in (*CATEGORIES, "total"):
+        values = [sum(r.values()) if name == "total" else r[name] for r in rows.values()]
+        print(f"{name:<18}" + "".join(f"{v:>18.1f}" for v in values))
+
+
+if __name__ == "__main__":
+    main()
