@@ -75,3 +75,31 @@ def test_observe(tmp_path):
     result = json.loads((tmp_path / "gpu_observe.json").read_text())
     assert result["state"] == "SUCCEEDED" and len(result["losses"]) == 5
     assert result["mfu_metric_last_step"] > 0 and (tmp_path / "gpu_trace.png").exists()
+
+
+def test_expect_multi_gpu_from_the_committed_run(tmp_path):
+    out = tmp_path / "expect.json"
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu" / "expect_multi_gpu.py"),
+                           str(ROOT / "bench" / "results" / "gpu" / "train_gpt2.json"), "--json", str(out)],
+                          cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = {(r["dp"], r["pp"], r["vpp"]): r for r in json.loads(out.read_text())}
+    assert rows[(1, 1, 1)]["bubble"] == 0.0
+    assert 0.9 < rows[(1, 1, 1)]["per_gpu_vs_measured_one"] <= 1.1  # the simulation reproduces the measured step
+    assert rows[(8, 1, 1)]["per_gpu_vs_measured_one"] < rows[(1, 1, 1)]["per_gpu_vs_measured_one"]  # the all-reduce
+    assert rows[(4, 2, 2)]["bubble"] < rows[(4, 2, 1)]["bubble"]  # interleaving shrinks the bubble
+
+
+def test_profile_breakdown_counts_overlapping_kernels_once():
+    sys.path.insert(0, str(ROOT / "bench" / "gpu"))
+    from profile_breakdown import breakdown
+
+    kernels = [("nvjet_sm90_tst_128x256", 0, 50), ("triton_poi_fused_gelu", 40, 20),  # overlaps by 10
+               ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop", 70, 10), ("Memcpy DtoD", 90, 5),
+               ("void at::native::multi_tensor_apply_kernel", 95, 5)]
+    events = [{"ph": "X", "cat": "kernel", "name": n, "ts": t, "dur": d} for n, t, d in kernels]
+    times = breakdown({"traceEvents": events + [{"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 99}]})
+    assert times["matrix products"] == 0.05 and times["inductor fused"] == 0.02 and times["attention"] == 0.01
+    assert times["copies"] == 0.005 and times["optimizer"] == 0.005
+    assert abs(times["idle"] - 0.020) < 1e-12  # a 100 us span, 80 us covered: 60-70 and 80-90 idle
