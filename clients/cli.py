@@ -205,7 +205,7 @@ def _admit_locally(config, servers: int, device: str) -> None:
     from interleaf.coordinator.plan import plan_programs
 
     from interleaf.coordinator.config import ConfigError
-    from interleaf.coordinator.plan import check_memory_snapshot
+    from interleaf.coordinator.plan import check_fp8, check_memory_snapshot
 
     try:
         devices = local_devices(device, servers)
@@ -213,6 +213,7 @@ def _admit_locally(config, servers: int, device: str) -> None:
         raise UsageError(f"--device: {err}") from None
     try:
         check_memory_snapshot(config, devices)
+        check_fp8(config, devices)
     except ConfigError as err:
         raise UsageError(str(err)) from None
     programs, _ = plan_programs(config)

@@ -111,6 +111,7 @@ def plan_job(config: JobConfig, servers: list[ServerSlot],
     p = config.parallel
     transport = choose_transport(p.transport, [s.device for s in servers])
     check_memory_snapshot(config, [s.device for s in servers])
+    check_fp8(config, [s.device for s in servers])
     if transport == "nccl":
         _check_one_rank_per_gpu(servers)
     programs, bubble = planned or plan_programs(config)
@@ -236,6 +237,17 @@ def check_memory_snapshot(config: JobConfig, devices: list[str]) -> None:
     if config.trace.memory_snapshot and cpu:
         raise ConfigError(f"trace.memory_snapshot=true records CUDA memory history, and the job's servers "
                           f"compute on {', '.join(cpu)}: it needs CUDA servers (trace.torch_profiler works on both)")
+
+
+def check_fp8(config: JobConfig, devices: list[str]) -> None:
+    """train.precision=fp8 multiplies in float8 on GPUs (whose servers check their compute
+    capability at setup); CPU servers only emulate it, which train.fp8_emulate asks for."""
+    cpu = sorted({d for d in devices if not d.startswith("cuda")})
+    t = config.train
+    if t.precision == "fp8" and cpu and not t.fp8_emulate:
+        raise ConfigError(f"train.precision='fp8' needs stage servers on GPUs with float8 tensor cores (compute "
+                          f"capability 8.9 or newer: Ada, Hopper), and the job's servers compute on "
+                          f"{', '.join(cpu)}; train.fp8_emulate=true runs torchao's emulation there, for tests")
 
 
 def choose_transport(setting: str, devices: list[str]) -> str:

@@ -38,12 +38,17 @@ def test_auto_compiles_on_cuda_only_and_never_a_split_backward():
         compiles("yes", "cuda", splits_backward=False)
 
 
-def test_config_refuses_an_unknown_setting_and_on_with_a_zero_bubble_schedule():
-    with pytest.raises(ConfigError, match="train.compile='yes' must be one of auto, on, off"):
+def test_config_takes_true_false_or_auto_and_refuses_true_with_a_zero_bubble_schedule():
+    with pytest.raises(ConfigError, match="train.compile='yes' must be true, false or \"auto\""):
         load_config("", ["train.compile=yes"])
-    with pytest.raises(ConfigError, match="train.compile='on' cannot run parallel.schedule='zb-h1'"):
-        load_config("", ["train.compile=on", "parallel.pp=2", "parallel.vpp=1", "parallel.schedule=zb-h1"])
+    with pytest.raises(ConfigError, match="train.compile=3 must be true, false or a word"):
+        load_config("[train]\ncompile = 3\n")
+    with pytest.raises(ConfigError, match="train.compile=true cannot run parallel.schedule='zb-h1'"):
+        load_config("", ["train.compile=true", "parallel.pp=2", "parallel.vpp=1", "parallel.schedule=zb-h1"])
     assert load_config("", ["parallel.pp=2", "parallel.vpp=1", "parallel.schedule=zb-h1"]).train.compile == "auto"
+    # true and false, in TOML or on the command line, are the settings servers take
+    assert load_config("[train]\ncompile = true\n").train.compile == "on"
+    assert load_config("", ["train.compile=false"]).train.compile == "off"
 
 
 def _step(arch: str, dtype: torch.dtype, recompute: str, compiled: bool):
@@ -95,5 +100,5 @@ def test_a_job_of_compiled_blocks_matches_the_reference(client, cluster, tmp_pat
         return sum(text.count("compiles its blocks (train.compile=on)") for text in logs)
 
     before = compiling_ranks()
-    check_equivalent(client, COMPILED_JOBS[name] + ["train.compile=on"], tmp_path)
+    check_equivalent(client, COMPILED_JOBS[name] + ["train.compile=true"], tmp_path)
     assert compiling_ranks() - before == 4, "each of the job's four ranks compiles its blocks"

@@ -11,6 +11,8 @@ refuses what torchao's whole linears cannot do: tensor parallelism and split bac
 from __future__ import annotations
 
 import dataclasses
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -84,6 +86,22 @@ def test_config_refuses_tensor_parallel_split_backwards_and_a_stray_recipe():
         load_config("", ["train.precision=bf16", "train.fp8_recipe=rowwise"])
     with pytest.raises(ConfigError, match="train.fp8_recipe='blockwise' must be one of tensorwise, rowwise"):
         load_config("", ["train.precision=fp8", "train.fp8_recipe=blockwise"])
+    with pytest.raises(ConfigError, match="train.fp8_emulate=true needs train.precision='fp8', not 'fp32'"):
+        load_config("", ["train.fp8_emulate=true"])
+
+
+def test_fp8_on_cpu_servers_is_refused_unless_emulation_is_asked_for(client):
+    final, steps = run_job(client, TINY + ["parallel.pp=1", "parallel.vpp=1", "parallel.schedule=1f1b",
+                                           "train.precision=fp8"], timeout_s=60)
+    assert final.state == "FAILED" and not steps
+    assert ("train.precision='fp8' needs stage servers on GPUs with float8 tensor cores (compute capability 8.9 "
+            "or newer: Ada, Hopper), and the job's servers compute on cpu") in final.error
+    overrides = [a for o in TINY + ["parallel.pp=1", "parallel.vpp=1", "parallel.schedule=1f1b",
+                                    "train.precision=fp8"] for a in ("--set", o)]
+    result = subprocess.run([sys.executable, "-m", "interleaf.clients.cli", "run", "--local", "1", "--device", "cpu",
+                             *overrides], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "train.fp8_emulate=true runs torchao's emulation" in result.stderr
+    assert "starting a coordinator" not in result.stderr
 
 
 FP8_LONG = ["train.steps=25", "train.warmup_steps=5", "train.lr=0.003"]
@@ -94,7 +112,8 @@ def test_an_fp8_job_tracks_its_reference(client):
     25 steps of dp2·pp2·vpp2 with ZeRO-3, selective recompute and rowwise scaling: the
     layout rounds other partial sums than the reference does, and float8 rounds the
     operands of both alike."""
-    common = TINY + FP8_LONG + ["train.precision=fp8", "train.fp8_recipe=rowwise", "train.recompute=selective"]
+    common = TINY + FP8_LONG + ["train.precision=fp8", "train.fp8_recipe=rowwise", "train.fp8_emulate=true",
+                                "train.recompute=selective"]
     final, steps = run_job(client, common + layout(dp=2, pp=2, vpp=2) + ["parallel.zero=3"])
     assert final.state == "SUCCEEDED", final.error
     expected, _ = reference(layout_free(common))

@@ -105,6 +105,8 @@ def interleaf(w: peers.Workload, compile_override: str | None, profile_to: str |
     job = overrides(w.steps, w.model, w.device, precision, w.rows)
     if compile_override:
         job.append(f"train.compile={compile_override}")
+    if precision == "fp8" and w.device != "cuda":
+        job.append("train.fp8_emulate=true")
     if profile_to:  # torch's profiler over the last step (left out of the median by the caller)
         job += [f"trace.steps=[{w.steps - 1}]", "trace.torch_profiler=true"]
     with LocalCluster(1, device=w.device, steps_per_call=4, log_dir=os.environ.get("BENCH_LOG_DIR")) as cluster:
@@ -133,7 +135,7 @@ def run_side(side: str, w: peers.Workload, profile_dir: str | None = None) -> di
     if side == "interleaf-compile":
         return interleaf(w, "on", profile)
     if side == "interleaf-fp8":  # float8 products (tensorwise), compiled blocks: torchao's fast path
-        return interleaf(w, "on", profile, precision="fp8")
+        return interleaf(w, "on", profile, precision="fp8")  # (on the CPU, tiny: emulated, asked for below)
     return interleaf(w, "off", profile)
 
 

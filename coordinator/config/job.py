@@ -35,7 +35,7 @@ class JobConfig:
     Besides each key's own rules (below), the sections must agree: parallel.pp*vpp at
     most model.n_layers; model.n_heads, n_kv_heads and ffn_hidden divisible by
     parallel.tp; model.seq_len divisible by tp under sequence parallelism;
-    train.recompute_layers at most model.n_layers; train.compile not on, and train.precision
+    train.recompute_layers at most model.n_layers; train.compile not true, and train.precision
     not fp8, for a zero-bubble schedule; fp8 only at parallel.tp=1; train.global_batch divisible by
     parallel.dp*microbatches; trace.steps within train.steps; and, with eval.every,
     eval.samples a multiple of the training microbatch's rows (times parallel.pp for
@@ -81,9 +81,9 @@ class JobConfig:
             raise ConfigError(f"train.recompute_layers={t.recompute_layers} must not exceed model.n_layers="
                               f"{m.n_layers}: every K-th block is rerun whole, and no block would be")
         if t.compile == "on" and p.schedule in SPLIT_BACKWARD:
-            raise ConfigError(f"train.compile='on' cannot run parallel.schedule={p.schedule!r}: its backwards split "
+            raise ConfigError(f"train.compile=true cannot run parallel.schedule={p.schedule!r}: its backwards split "
                               f"into I and W in hand-written autograd Functions that compiled graphs replace "
-                              f"(train.compile='auto' runs it eager)")
+                              f"(train.compile=\"auto\" runs it eager)")
         if t.precision == "fp8" and p.tp > 1:
             raise ConfigError(f"train.precision='fp8' needs parallel.tp=1, not {p.tp}: the float8 products are "
                               f"torchao's whole linears, and the tensor-parallel ones fuse their collectives")

@@ -38,6 +38,10 @@ class _FloatPair:
     """The type of a field of two numbers, e.g. train.betas = [0.9, 0.95]."""
 
 
+class _Switch:
+    """The type of a field that is true, false or a word, e.g. train.compile = "auto"."""
+
+
 def _convert(section: str, key: str, kind: type, value):
     """Coerces a TOML or command-line value to the field's type, or says why not."""
     where = f"{section}.{key}={shown(value)}"
@@ -47,6 +51,10 @@ def _convert(section: str, key: str, kind: type, value):
                 isinstance(i, (int, float)) and not isinstance(i, bool) for i in items):
             raise ConfigError(f"{where} must be a pair of numbers, e.g. [0.9, 0.95]")
         return (float(items[0]), float(items[1]))
+    if kind is _Switch:  # the section's own check names the words it takes
+        if not isinstance(value, (bool, str)):
+            raise ConfigError(f"{where} must be true, false or a word")
+        return value
     if kind is bool:
         if not isinstance(value, bool):
             raise ConfigError(f"{where} must be true or false")
@@ -82,7 +90,7 @@ def _convert(section: str, key: str, kind: type, value):
 
 def _field_types(cls) -> dict[str, type]:
     hints = {"int": int, "float": float, "str": str, "bool": bool, "bool | None": bool, "tuple[int, ...]": tuple,
-             "tuple[float, float]": _FloatPair}
+             "tuple[float, float]": _FloatPair, "bool | str": _Switch}
     return {f.name: hints[f.type] for f in dataclasses.fields(cls)}
 
 
@@ -128,7 +136,7 @@ def _typed(section: str, cls, values: dict[str, tuple]) -> dict:
             raise ConfigError(
                 f"unknown key {section}.{_name(key)} (known: {', '.join(types)})"
             )
-        if from_text and types[key] is bool:
+        if from_text and types[key] in (bool, _Switch):
             value = {"true": True, "false": False}.get(value.lower(), value)
         elif from_text and types[key] in (tuple, _FloatPair):
             value = _list_from_text(value)

@@ -65,12 +65,16 @@ class TrainConfig:
     """fp32; bf16 (bf16 parameters, activations and gradients for compute, fp32 master
     weights, Adam moments and gradient reductions, softmax and loss in fp32); fp8 (bf16,
     with the blocks' linears multiplying in float8 through torchao: `pip install
-    interleaf[fp8]`, a GPU of compute capability 8.9 or newer, emulated on CPUs for
-    testing; parallel.tp=1, and no zero-bubble schedule); or fp64 (everything float64:
+    interleaf[fp8]`, a GPU of compute capability 8.9 or newer, or CPUs with
+    train.fp8_emulate; parallel.tp=1, and no zero-bubble schedule); or fp64 (everything float64:
     the verification mode, with no rounding noise to hide a bug)."""
     fp8_recipe: str = "tensorwise"
     """fp8 only: tensorwise (one float8 scale per tensor, the fastest) or rowwise (one per
     row of each operand, kinder to outliers): torchao's recipes of those names."""
+    fp8_emulate: bool = False
+    """fp8 only: lets servers on CPUs run the job through torchao's emulation (the same
+    float8 casts and scales, the products in high precision): for tests, never speed.
+    Without it an fp8 job on CPU servers is refused."""
     recompute: str = "none"
     """none; selective: each block keeps the outputs of its matrix multiplications,
     attention and collectives, and recomputes norms, activation functions, rotary
@@ -82,13 +86,14 @@ class TrainConfig:
     """selective only: K > 0 recomputes every K-th block in full (blocks whose global
     index i has (i + 1) % K == 0, torchtitan's layer-wise selective checkpointing) and
     keeps everything of the others; 0 (the default) is op-level selective in every block."""
-    compile: str = "auto"
-    """on: each transformer block of every chunk runs through `torch.compile` (inductor
+    compile: bool | str = "auto"
+    """true: each transformer block of every chunk runs through `torch.compile` (inductor
     fuses its norms, activation functions and residual adds; torchtitan's per-block
     compile), recompute, tensor-parallel collectives, ZeRO and every schedule without a
-    split backward unchanged; off: eager; auto (the default): on for servers on CUDA, off
-    on CPUs. The zero-bubble schedules (zb-h1, zbv) split each backward in hand-written
-    autograd Functions that compiled graphs replace, so they run eager (on is refused)."""
+    split backward unchanged; false: eager; "auto" (the default): true for servers on
+    CUDA, false on CPUs. The zero-bubble schedules (zb-h1, zbv) split each backward in
+    hand-written autograd Functions that compiled graphs replace, so they run eager (true
+    is refused)."""
 
     def __post_init__(self):
         _positive("train", self, "steps", "global_batch")
@@ -100,11 +105,17 @@ class TrainConfig:
             raise ConfigError(f"train.recompute={self.recompute!r} must be one of {', '.join(RECOMPUTE)}")
         if self.fp8_recipe not in FP8_RECIPES:
             raise ConfigError(f"train.fp8_recipe={shown(self.fp8_recipe)} must be one of {', '.join(FP8_RECIPES)}")
+        if self.fp8_emulate and self.precision != "fp8":
+            raise ConfigError(f"train.fp8_emulate=true needs train.precision='fp8', not {self.precision!r}")
         if self.fp8_recipe != "tensorwise" and self.precision != "fp8":
             raise ConfigError(f"train.fp8_recipe={self.fp8_recipe!r} needs train.precision='fp8', "
                               f"not {self.precision!r}")
-        if self.compile not in COMPILE:
-            raise ConfigError(f"train.compile={shown(self.compile)} must be one of {', '.join(COMPILE)}")
+        # Held as the setting servers take (common/model/compile_modes.py): on, off or auto.
+        switch = {True: "on", False: "off", "true": "on", "false": "off"}
+        setting = switch.get(self.compile, self.compile) if isinstance(self.compile, (bool, str)) else self.compile
+        if setting not in COMPILE:
+            raise ConfigError(f"train.compile={shown(self.compile)} must be true, false or \"auto\"")
+        object.__setattr__(self, "compile", setting)
         if self.recompute_layers < 0:
             raise ConfigError(f"train.recompute_layers={self.recompute_layers} must be 0 (off) or more")
         if self.recompute_layers and self.recompute != "selective":
