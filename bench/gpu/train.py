@@ -15,7 +15,7 @@ clipping at 1.0, 4 microbatches of 8 samples per step, the same steps and warm-u
 - interleaf, interleaf-compile: a coordinator and one stage server on this GPU
   (transport NCCL), `train.precision=bf16` (bf16 working weights and gradients, fp32
   master weights and Adam moments), pp=1 1f1b, submitted through the client, with
-  `train.compile=off` and `=on`;
+  `train.compile=false` and `=true`;
 - fsdp2-compile-fp8: torchtitan's float8 recipe (peers.py): fsdp2-compile with the
   blocks' linears multiplying in float8 through torchao, tensorwise scaling;
 - interleaf-fp8: `train.precision=fp8` (tensorwise) with compiled blocks.
