@@ -53,6 +53,7 @@ MAXIMA = {
     "eval.every": 10_000_000,  # train.steps' bound
     "eval.samples": 1 << 20,  # train.global_batch's bound
     "recovery.progress_timeout_s": 86400.0,
+    "recovery.compile_timeout_s": 86400.0,
 }
 """Inclusive upper bounds by field. train.lr has none beyond being finite: a huge rate is
 how the tests make a loss non-finite on purpose."""

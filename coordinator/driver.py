@@ -549,7 +549,8 @@ class JobDriver(threading.Thread):
         if self.plan is None:
             return False
         splits = any(a.kind is Kind.BACKWARD_INPUT for program in self.plan.programs for a in program)
-        return any(compiles(self.config.train.compile, s.device.split(":")[0], splits) for s in self.plan.servers)
+        setting = str(self.config.train.compile)  # on, off or auto once the config is built (config/train.py)
+        return any(compiles(setting, s.device.split(":")[0], splits) for s in self.plan.servers)
 
     def _step_event(self, reports: list[pb.StepReport], wall_s: float) -> pb.StepEvent:
         config = self.job.config

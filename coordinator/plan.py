@@ -184,7 +184,7 @@ def setup_requests(
                     data_start_step=data_start[0], data_start_samples=data_start[1],
                     beta1=t.betas[0], beta2=t.betas[1], eps=t.eps, lr_decay=t.lr_decay,
                     min_lr_ratio=t.min_lr_ratio, decay_fraction=t.decay_fraction,
-                    recompute_layers=t.recompute_layers, compile=t.compile, fp8_recipe=t.fp8_recipe,
+                    recompute_layers=t.recompute_layers, compile=str(t.compile), fp8_recipe=t.fp8_recipe,
                 ),
                 data_source=config.data.source,
                 init_from=init_from,

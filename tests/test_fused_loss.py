@@ -19,7 +19,8 @@ from tests.gloo_world import run_world
 from interleaf.common.model.config import ModelShape
 from interleaf.stageserver.model import full_model, fused_loss
 from interleaf.stageserver.model.fused_loss import chunk_tokens, fused_linear_cross_entropy
-from interleaf.stageserver.model.tensor_parallel import tp_shard, vocab_parallel_cross_entropy, vocab_parallel_logits
+from interleaf.stageserver.model.tensor_parallel import tp_shard, vocab_parallel_logits
+from interleaf.stageserver.model.vocab_parallel_loss import vocab_parallel_cross_entropy
 from interleaf.stageserver.transport import SoloTransport
 
 TOL = {torch.float64: (1e-12, 1e-12), torch.float32: (1e-6, 1e-6), torch.bfloat16: (1e-6, 2**-7)}  # (loss, grads)

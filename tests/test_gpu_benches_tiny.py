@@ -12,10 +12,9 @@ import subprocess
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-TINY_SIDES = "plain,compile,fsdp2-compile,fsdp2-compile-fp8,interleaf"
-"""The sides that run in seconds here: interleaf-compile and interleaf-fp8 compile with
-inductor in the stage server (tests/test_compiled_blocks.py and tests/test_fp8.py run
-such jobs)."""
+TINY_SIDES = "plain,compile,fsdp2-compile,fsdp2-compile-fp8,interleaf,interleaf-fp8"
+"""Every side but interleaf-compile, whose code interleaf-fp8 runs too (compiled blocks,
+here by inductor in the stage server, and float8 emulated)."""
 
 
 def _run(script: str, *args: str) -> subprocess.CompletedProcess:
@@ -28,15 +27,18 @@ def _run(script: str, *args: str) -> subprocess.CompletedProcess:
 
 def test_train(tmp_path):
     out = tmp_path / "train.json"
-    _run("train.py", "--sides", TINY_SIDES, "--out", str(out))
+    _run("train.py", "--sides", TINY_SIDES, "--profile-dir", str(tmp_path), "--out", str(out))
     result = json.loads(out.read_text())
+    for side in ("interleaf", "interleaf-fp8"):  # each Interleaf side's profiled last step and its spans
+        assert (tmp_path / f"profile_{side}.json.gz").stat().st_size > 0
+        assert {s["kind"] for s in result["runs"][side]["spans"]} >= {"forward", "backward", "update"}
     assert [r["side"] for r in result["sides"]] == [*TINY_SIDES.split(","), "plain (after)"]
     plain = result["sides"][0]["losses"]
     assert len(plain) == result["steps"] == 3
     for row in result["sides"]:
         assert row["tokens_per_second"] > 0 and row["mfu_measured_peak"] > 0, row
         assert max(abs(a - b) / b for a, b in zip(row["losses"], plain, strict=True)) < 1e-3, row  # bf16 alike
-    assert result["interleaf_over_best_peer"]["interleaf_side"] == "interleaf"
+    assert set(result["interleaf_over_best_peer"]) == {"bf16", "fp8"}  # each precision against its own peers
     assert result["compile_backend"] == "aot_eager" and result["dtype"] == "torch.bfloat16"
 
 
@@ -91,7 +93,7 @@ def test_expect_multi_gpu_from_the_committed_run(tmp_path):
     assert rows[(4, 2, 2)]["bubble"] < rows[(4, 2, 1)]["bubble"]  # interleaving shrinks the bubble
 
 
-def test_profile_breakdown_counts_overlapping_kernels_once():
+def test_profile_breakdown_sums_each_category_and_counts_idle_over_the_union():
     sys.path.insert(0, str(ROOT / "bench" / "gpu"))
     from profile_breakdown import breakdown
 
@@ -103,3 +105,15 @@ def test_profile_breakdown_counts_overlapping_kernels_once():
     assert times["matrix products"] == 0.05 and times["inductor fused"] == 0.02 and times["attention"] == 0.01
     assert times["copies"] == 0.005 and times["optimizer"] == 0.005
     assert abs(times["idle"] - 0.020) < 1e-12  # a 100 us span, 80 us covered: 60-70 and 80-90 idle
+
+
+def test_memory_check_of_the_committed_run_names_the_sides_outside_ten_percent(tmp_path):
+    out = tmp_path / "memory.json"
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu" / "memory_check.py"), "--train-json",
+                           str(ROOT / "bench" / "results" / "gpu" / "train_gpt2.json"), "--out", str(out)],
+                          cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 1 and "from the prediction: gpt2 interleaf-fp8" in done.stderr, done.stderr[-3000:]
+    errors = {r["case"]: r["error"] for r in json.loads(out.read_text())}
+    assert abs(errors["gpt2 interleaf"]) < 0.05 and abs(errors["gpt2 interleaf-compile"]) < 0.05
+    assert errors["gpt2 interleaf-fp8"] < -0.10  # compiled float8 keeps less than the model predicts

@@ -22,8 +22,8 @@ from interleaf.stageserver.model.tensor_parallel import (
     RowParallelLinear,
     VocabParallelEmbedding,
     tp_shard,
-    vocab_parallel_cross_entropy,
 )
+from interleaf.stageserver.model.vocab_parallel_loss import vocab_parallel_cross_entropy
 from interleaf.stageserver.transport import SoloTransport
 
 LAYER_TOL = dict(rtol=1e-5, atol=1e-6)

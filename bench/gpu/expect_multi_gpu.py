@@ -27,7 +27,10 @@ import sys
 import pathlib
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent.parent))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))  # bench/ siblings
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # and bench/gpu/ ones
 
+import train  # noqa: E402  (bench/gpu/train.py: the workload behind its JSON)
 from interleaf.coordinator.schedule import CostModel, build_programs, simulate  # noqa: E402
 
 BANDWIDTH = 150e9
@@ -54,7 +57,7 @@ def expectations(result: dict, side: str) -> list[dict]:
     d_model = int(model.split("d_model=")[1].split(",")[0])
     seq = int(model.split("seq_len=")[1].split(",")[0])
     parameters = result["parameters"]
-    rows, base_microbatches = 8, 4
+    rows, base_microbatches = train.ROWS, train.MICROBATCHES  # the workload the JSON's sides ran
     tokens_per_replica_microbatch = rows * seq
     out = []
     for dp, pp, vpp, schedule, microbatches in LAYOUTS:
@@ -73,7 +76,7 @@ def expectations(result: dict, side: str) -> list[dict]:
                     "gpus": dp * pp, "step_s": simulated.makespan_s, "bubble": simulated.bubble_fraction,
                     "tokens_per_s": tokens / simulated.makespan_s,
                     "tokens_per_s_per_gpu": tokens / simulated.makespan_s / (dp * pp)})
-    measured = rows * base_microbatches * seq / statistics.median(run["step_seconds"][3:])
+    measured = rows * base_microbatches * seq / statistics.median(run["step_seconds"][result["warmup"]:])
     for row in out:
         row["per_gpu_vs_measured_one"] = row["tokens_per_s_per_gpu"] / measured
     return out

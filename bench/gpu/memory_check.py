@@ -11,7 +11,9 @@ Cases (bf16, one stage server, pp=1, 4 microbatches of 8 samples of 2048 tokens)
   holds the prediction (an H200), it says whether the refusal was right.
 
 A case passes when the measured peak is within 10% of the prediction (the issue's
-bound). `--device cpu --tiny`: a tiny GPT on the CPU, where no device peak exists, so
+bound). `--train-json PATH` does the same, with no GPU, for every Interleaf side of a
+bench/gpu/train.py result: its recorded per-step device peaks against the prediction for
+its job's overrides (the eager, compiled and float8 sides of both architectures). `--device cpu --tiny`: a tiny GPT on the CPU, where no device peak exists, so
 the ledger peak is compared instead (equal to the prediction, as tests/test_memory.py
 holds it); it runs the same client, planning and prediction code in seconds.
 
@@ -27,6 +29,7 @@ import pathlib
 import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))  # bench/ siblings
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # and bench/gpu/ ones
 
 from interleaf.clients.launcher import LocalCluster  # noqa: E402
 from interleaf.coordinator.config import load_config  # noqa: E402
@@ -69,13 +72,41 @@ def check(client, name: str, overrides: list[str], gpu: bool) -> dict:
             "ledger_peak_bytes": ledger, "error": measured / predicted - 1, "losses": run["losses"]}
 
 
+def from_train_json(path: str) -> list[dict]:
+    """Each Interleaf side of a bench/gpu/train.py result against the prediction for it."""
+    import train  # bench/gpu/train.py: the jobs its sides submitted
+
+    result = json.loads(pathlib.Path(path).read_text())
+    model = train.ARCHS[result["arch"]]
+    rows = []
+    for side, run in result["runs"].items():
+        if not side.startswith("interleaf"):
+            continue
+        job = train.overrides(result["steps"], model, "cuda", "fp8" if side.endswith("fp8") else "bf16", train.ROWS)
+        job.append(f"train.compile={'false' if side == 'interleaf' else 'true'}")
+        config = load_config("", job)
+        programs, _ = plan_programs(config)
+        predicted = predict(config, programs)[0]["peak_bytes"]
+        after_first = [rank for step in run["memory"][1:] for rank in step]
+        measured = max(r["device_peak_bytes"] for r in after_first)
+        rows.append({"case": f"{result['arch']} {side}", "overrides": job, "predicted_peak_bytes": predicted,
+                     "measured_peak_bytes": measured, "measured": "torch.cuda.max_memory_allocated",
+                     "ledger_peak_bytes": max(r["peak_bytes"] for r in after_first),
+                     "error": measured / predicted - 1, "losses": run["losses"]})
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     parser.add_argument("--tiny", action="store_true", help="a tiny GPT (with --device cpu: in seconds)")
     parser.add_argument("--cases", default="", help="comma-separated names (default: all of the mode's)")
+    parser.add_argument("--train-json", help="no GPU: the Interleaf sides of this bench/gpu/train.py result")
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "bench/results"), "gpu_memory.json"))
     args = parser.parse_args()
+    if args.train_json:
+        report(from_train_json(args.train_json), args.out)
+        return
     cases = TINY_CASES if args.tiny else GPU_CASES
     names = [n for n in args.cases.split(",") if n] or list(cases)
     unknown = sorted(set(names) - set(cases))
@@ -91,16 +122,19 @@ def main() -> None:
                 print(json.dumps(rows[-1]), flush=True)
         finally:
             client.close()
-    pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    pathlib.Path(args.out).write_text(json.dumps(rows, indent=2) + "\n")
-    print(f"{'case':<22}{'predicted MiB':>14}{'measured MiB':>14}{'ledger MiB':>12}{'error':>8}")
+    report(rows, args.out)
+
+
+def report(rows: list[dict], out: str) -> None:
+    pathlib.Path(out).parent.mkdir(parents=True, exist_ok=True)
+    pathlib.Path(out).write_text(json.dumps(rows, indent=2) + "\n")
+    print(f"{'case':<26}{'predicted MiB':>14}{'measured MiB':>14}{'ledger MiB':>12}{'error':>8}")
     for r in rows:
-        print(f"{r['case']:<22}{r['predicted_peak_bytes'] / 2**20:>14.1f}{r['measured_peak_bytes'] / 2**20:>14.1f}"
+        print(f"{r['case']:<26}{r['predicted_peak_bytes'] / 2**20:>14.1f}{r['measured_peak_bytes'] / 2**20:>14.1f}"
               f"{r['ledger_peak_bytes'] / 2**20:>12.1f}{r['error']:>+8.1%}")
     outside = [r["case"] for r in rows if abs(r["error"]) > BOUND]
     if outside:
         raise SystemExit(f"measured peak more than {BOUND:.0%} from the prediction: {', '.join(outside)}")
-
 
 if __name__ == "__main__":
     main()

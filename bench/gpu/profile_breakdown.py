@@ -7,7 +7,10 @@ attention (cuDNN's and flash SDPA), inductor's fused kernels (triton_*), the opt
 (multi_tensor_apply: fused AdamW and the clipping norms), copies and fills (memcpy,
 memset, dtype and layout copies), other elementwise and reduction kernels (eager ones:
 the loss's chunks, norms, residual adds, gradient accumulation), and idle (the step's
-span on the GPU not covered by any kernel).
+span on the GPU not covered by any kernel). Each category sums its kernels' own times,
+so kernels on two streams at once count in both, while idle is the span less the union
+of all kernels: with overlap the bars add up to more than the span (one rank, as here,
+overlaps little: its only other streams are the NCCL groups', idle with one member).
 
     python bench/gpu/profile_breakdown.py LABEL=TRACE.json.gz ... --png OUT.png [--json OUT.json]
 """
@@ -33,7 +36,7 @@ def category(name: str) -> str:
         return "inductor fused"
     if "multi_tensor_apply" in lowered:
         return "optimizer"
-    if "memcpy" in lowered or "memset" in lowered or "copy_kernel" in lowered or "fill" in lowered:
+    if "memcpy" in lowered or "memset" in lowered or "copy_kernel" in lowered or "fillfunctor" in lowered:
         return "copies"
     return "other elementwise"
 

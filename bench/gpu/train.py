@@ -30,9 +30,10 @@ server), tokens/s, model FLOPs utilization (coordinator/flops.py's accounting) a
 the datasheet's 989 TFLOP/s (H100 SXM) and against the GPU's measured bf16 matrix rate
 (peak.py), peak memory (torch.cuda.max_memory_allocated per in-process side, reset
 between sides; the stage server's per-step device peak for Interleaf), the losses and
-their largest relative difference from the first side's (plain's by default). Then
-Interleaf's best tokens/s over the best peer's, naming that peer. The run fails if a
-side's losses disagree with the first side's
+their largest relative difference from the first side's of the same precision (plain's
+for bf16 by default, fsdp2-compile-fp8's for float8). Then, per precision, Interleaf's
+best tokens/s over the best peer's, naming that peer. The run fails if a side's losses
+disagree with that side's
 beyond bf16's tolerance (the same function, rounded differently).
 
 `--device cpu --tiny`: a 2-layer d_model 64 model, 3 steps, bf16 as on a GPU (autocast,
@@ -151,15 +152,23 @@ def figures(label: str, run: dict, w: peers.Workload, warmup: int, peak: float, 
             "loss_relative_difference_max": max(differences) if differences else None}
 
 
-def best_ratio(rows: list[dict]) -> dict | None:
-    """Interleaf's best tokens/s over the best peer's, and which peer that was."""
-    ours = [r for r in rows if r["side"].startswith("interleaf")]
-    theirs = [r for r in rows if not r["side"].startswith("interleaf")]
-    if not ours or not theirs:
-        return None
-    best, peer = (max(group, key=lambda r: r["tokens_per_second"]) for group in (ours, theirs))
-    return {"interleaf_side": best["side"], "peer_side": peer["side"],
-            "ratio": best["tokens_per_second"] / peer["tokens_per_second"]}
+def precision(side: str) -> str:
+    """bf16, or fp8 for the float8 sides: a side is held to, and ranked against, its own."""
+    return "fp8" if side.split(" ")[0].endswith("-fp8") else "bf16"
+
+
+def best_ratios(rows: list[dict]) -> dict[str, dict]:
+    """Per precision: Interleaf's best tokens/s over the best peer's, and which peer."""
+    ratios = {}
+    for kind in sorted({precision(r["side"]) for r in rows}):
+        same = [r for r in rows if precision(r["side"]) == kind]
+        ours = [r for r in same if r["side"].startswith("interleaf")]
+        theirs = [r for r in same if not r["side"].startswith("interleaf")]
+        if ours and theirs:
+            best, peer = (max(group, key=lambda r: r["tokens_per_second"]) for group in (ours, theirs))
+            ratios[kind] = {"interleaf_side": best["side"], "peer_side": peer["side"],
+                            "ratio": best["tokens_per_second"] / peer["tokens_per_second"]}
+    return ratios
 
 
 def main() -> None:
@@ -199,11 +208,12 @@ def main() -> None:
             failed[label] = f"{type(err).__name__}: {err}"
             print(f"  {label}: FAILED {failed[label][:2000]}", flush=True)
             continue
-        # Losses are held to the first side's (plain's, when it runs).
-        rows.append(figures(label, runs[label], w, warmup, peak, runs.get(order[0]) if i else None))
+        # Losses are held to the first side's of the same precision (plain's, when it runs).
+        first = next((runs[o] for o in runs if precision(o) == precision(side) and o != label), None)
+        rows.append(figures(label, runs[label], w, warmup, peak, first))
         print(f"  {label}: {rows[-1]['median_step_seconds']:.3f} s/step, losses "
               f"{[round(x, 4) for x in runs[label]['losses']]}", flush=True)
-    ratio = best_ratio(rows)
+    ratios = best_ratios(rows)
     parameters = next((r["parameters"] for r in runs.values() if "parameters" in r), None)
     if parameters:
         print(f"{args.arch}: {parameters / 1e9:.3f}B parameters")
@@ -211,7 +221,7 @@ def main() -> None:
               "parameters": parameters, "matrix_parameters": matrix_parameters(w.model),
               "dtype": str(w.dtype), "compile_backend": w.compile_backend,
               "measured_bf16_peak_flops": peak, "steps": w.steps, "warmup": warmup, "sides": rows,
-              "runs": runs, "failed": failed, "interleaf_over_best_peer": ratio}
+              "runs": runs, "failed": failed, "interleaf_over_best_peer": ratios}
     pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     pathlib.Path(args.out).write_text(json.dumps(result, indent=2, default=str) + "\n")
     print(f"{'side':<20}{'step s':>8}{'tokens/s':>11}{'MFU (measured)':>16}{'MFU (989 TFLOP/s)':>19}"
@@ -222,14 +232,15 @@ def main() -> None:
         print(f"{r['side']:<20}{r['median_step_seconds']:>8.3f}{r['tokens_per_second']:>11.0f}"
               f"{r['mfu_measured_peak']:>16.3f}{r['mfu_datasheet_peak']:>19.3f}"
               f"{'-' if memory is None else f'{memory / 2**30:.1f}':>10}{'-' if diff is None else f'{diff:.2e}':>15}")
-    if ratio:
-        print(f"Interleaf ({ratio['interleaf_side']}) / best peer ({ratio['peer_side']}) tokens/s: "
+    for kind, ratio in ratios.items():
+        print(f"{kind}: Interleaf ({ratio['interleaf_side']}) / best peer ({ratio['peer_side']}) tokens/s: "
               f"{ratio['ratio']:.3f}")
     apart = [r["side"] for r in rows if r["loss_relative_difference_max"] is not None and
              (r["loss_relative_difference_mean"] > LOSS_MEAN_TOLERANCE or
               r["loss_relative_difference_max"] > LOSS_MAX_TOLERANCE)]
     if apart:
-        raise SystemExit(f"{apart} did not train {order[0]}'s run: losses disagree beyond bf16 tolerance")
+        raise SystemExit(f"{apart} did not train the run of the first side of their precision: losses "
+                         f"disagree beyond bf16 tolerance")
     if failed:
         raise SystemExit(f"sides that failed: {', '.join(failed)}")
 

@@ -39,7 +39,7 @@ class _FloatPair:
 
 
 class _Switch:
-    """The type of a field that is true, false or a word, e.g. train.compile = "auto"."""
+    """The type of a field that is true, false or "auto": train.compile."""
 
 
 def _convert(section: str, key: str, kind: type, value):
@@ -53,7 +53,7 @@ def _convert(section: str, key: str, kind: type, value):
         return (float(items[0]), float(items[1]))
     if kind is _Switch:  # the section's own check names the words it takes
         if not isinstance(value, (bool, str)):
-            raise ConfigError(f"{where} must be true, false or a word")
+            raise ConfigError(f"{where} must be true, false or \"auto\"")
         return value
     if kind is bool:
         if not isinstance(value, bool):

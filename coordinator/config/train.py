@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from interleaf.common.limits import shown
 from interleaf.common.lr_schedule import DECAY_FRACTION, DECAYS, MIN_LR_RATIO
 from interleaf.common.model.compile_modes import COMPILE
+from interleaf.common.model.fp8_recipes import FP8_RECIPES
 from interleaf.common.model.recompute_modes import MODES
 from interleaf.coordinator.config.rules import ConfigError, _bounded, _positive
 
@@ -16,7 +17,6 @@ the products' operands are float8, cast as they are multiplied)."""
 MASTER_BYTES = {"fp32": 4, "bf16": 4, "fp64": 8, "fp8": 4}
 """Bytes per element of the master weights, Adam moments and gradient reductions."""
 PRECISIONS = tuple(PRECISION_BYTES)
-FP8_RECIPES = ("tensorwise", "rowwise")  # stageserver/model/fp8.py RECIPES
 RECOMPUTE = MODES
 
 
@@ -91,7 +91,7 @@ class TrainConfig:
     fuses its norms, activation functions and residual adds; torchtitan's per-block
     compile), recompute, tensor-parallel collectives, ZeRO and every schedule without a
     split backward unchanged; false: eager; "auto" (the default): true for servers on
-    CUDA, false on CPUs. The zero-bubble schedules (zb-h1, zbv) split each backward in
+    CUDA, false on CPUs ("on" and "off" are taken for true and false). The zero-bubble schedules (zb-h1, zbv) split each backward in
     hand-written autograd Functions that compiled graphs replace, so they run eager (true
     is refused)."""
 

@@ -5,9 +5,10 @@ accumulated in higher precision, the output in bf16; the backward's products lik
 
 The weights, their gradients, the master copy and the optimizer stay as bf16 runs keep
 them; only the products' operands are cast, dynamically, so there is no scale history
-to checkpoint or shard, and ZeRO, pipelining and recompute see bf16 tensors. What a
-linear saves for its backward is its bf16 input and weight, as under bf16 (the memory
-model's bytes). The embedding, the final norm and the head stay bf16, as torchtitan
+to checkpoint or shard, and ZeRO, pipelining and recompute see bf16 tensors. Eager, a
+linear saves its bf16 input and weight for its backward, as under bf16 (the memory
+model's bytes); compiled (train.compile), inductor may save the float8 copies instead,
+and the model then over-predicts (docs/gpus.md, "Memory: predicted against measured"). The embedding, the final norm and the head stay bf16, as torchtitan
 leaves the output projection out of float8.
 
 Recipes (train.fp8_recipe): tensorwise, one scale per tensor (fastest); rowwise, one
@@ -29,9 +30,9 @@ import dataclasses
 import torch
 from torch import nn
 
+from interleaf.common.model.fp8_recipes import FP8_RECIPES
 from interleaf.stageserver.model.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
-RECIPES = ("tensorwise", "rowwise")
 MIN_CAPABILITY = (8, 9)
 
 
@@ -75,13 +76,14 @@ def check_ready(device: torch.device) -> None:
 def convert_blocks_to_fp8(chunk: nn.Module, recipe: str, device: torch.device) -> None:
     """Every tensor-parallel linear of the chunk's blocks (chunk.h) multiplies in float8
     (emulated on a CPU); the embedding and the head are left as they are."""
-    if recipe not in RECIPES:
-        raise ValueError(f"train.fp8_recipe={recipe!r} must be one of {', '.join(RECIPES)}")
+    if recipe not in FP8_RECIPES:
+        raise ValueError(f"train.fp8_recipe={recipe!r} must be one of {', '.join(FP8_RECIPES)}")
     check_ready(device)
     blocks = chunk.get_submodule("h")
     linears = [m for m in blocks.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]
-    if any(m.tp.size > 1 for m in linears):
-        raise ValueError("train.precision='fp8' runs whole linears only (parallel.tp=1)")
+    split = sorted({m.tp.size for m in linears} - {1})
+    if split:
+        raise ValueError(f"train.precision='fp8' runs whole linears only (parallel.tp=1), not tp={split[0]}")
     matmul = Float8Matmul(recipe, emulate=device.type != "cuda")
     for module in linears:
         module.float8 = matmul

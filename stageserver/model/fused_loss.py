@@ -8,7 +8,7 @@ for its backward: for a vocabulary large against the width, the largest tensors 
 step. Fused, the forward walks the tokens in chunks of `chunk_tokens`; for each it
 makes the chunk's logits (x_c W^T, the compute dtype, as the linear did), upcasts and
 masks them, takes the vocab-parallel max, sum of exponentials and target logit over
-the tensor group (tensor_parallel.exp_and_sums, the unfused cross-entropy's own
+the tensor group (vocab_parallel_loss.exp_and_sums, the unfused cross-entropy's own
 helpers and collectives), and turns them at once into the gradient of the mean loss,
 (softmax - onehot) / n in the compute dtype, from which it adds the chunk's rows of
 grad_x = grad W and its share of grad_W += grad^T x_c. Only grad_x [b*s, d] and grad_W
@@ -22,11 +22,14 @@ example, vocabulary 50304 at t=1 in bf16: 2**28 // (50304 * 4) = 1334 tokens a c
 rounded down to whole tiles of 128 rows, 1280, so 8 samples of 2048 tokens (16384) run
 as 12 chunks of 1280 and one of 1024. In flight per chunk: its bf16 logits (129 MB)
 while they are upcast, then only their float32 copy (258 MB), which becomes the masked
-logits, the softmax and the gradient in place, and with it at the end the gradient cast
-back to bf16 (129 MB): at most 386 MB, where
-the unfused forward held all 16384 tokens' bf16 logits and their float32 copy (4.9 GB),
-and kept the float32 softmax (3.3 GB) to the backward; fused, the backward keeps
-grad_x (67 MB) and grad_W (206 MB) instead (coordinator/activation_bytes.py).
+logits, the softmax and the gradient in place, and with it the gradient cast back to
+bf16 (129 MB) and its product with the chunk's inputs, the chunk's share of grad_W in
+bf16 (206 MB); beside them, for the whole forward, grad_W's float32 sum (412 MB), cast
+to bf16 at the end (206 MB more). So the forward's peak is about 1 GB over what it
+keeps, where the unfused forward held all 16384 tokens' bf16 logits and their float32
+copy (4.9 GB); these temporaries are not on the memory ledger, like every forward's.
+Fused, the backward keeps grad_x (67 MB) and grad_W (206 MB), where unfused it kept the
+float32 softmax (3.3 GB) (coordinator/activation_bytes.py).
 
 Tensor parallelism keeps the unfused path's collectives: every rank's grad_x is a
 partial sum over its vocabulary slice, all-reduced in the backward as copy_to_tp's is,
@@ -47,18 +50,23 @@ import torch.nn.functional as F
 
 from interleaf.stageserver.model import sequence_parallel as sp
 from interleaf.stageserver.model.param_ops import plain
-from interleaf.stageserver.model.tensor_parallel import (
+from interleaf.stageserver.model.tensor_parallel import vocab_parallel_logits
+from interleaf.stageserver.model.vocab_parallel_loss import (
     exp_and_sums,
     minus_onehot_,
     upcast_masked,
     vocab_parallel_cross_entropy,
-    vocab_parallel_logits,
 )
 from interleaf.stageserver.transport import Transport
 
 CHUNK_BYTES = 256 * 2**20
 """The most one chunk's float32 (float64) softmax may take: the bound on the loss's
-[tokens x V/t] temporaries, of which a chunk has about two of that size at once."""
+[tokens x V/t] temporaries (a chunk has about two of that size at once; beside them
+the forward holds the head's [V/t x d] gradient, summed in float32, and one chunk's
+share of it: see the module's worked example)."""
+ROWS_ALIGN = 128
+"""Chunks of whole 128-row tiles: the tensor cores' products run in tiles of 64 or 128
+rows, and a chunk that ends mid-tile wastes the rest of it, every chunk of the step."""
 
 
 def softmax_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -131,11 +139,6 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         elif ctx.tp.size > 1:
             ctx.tp.all_reduce(grad_x)  # copy_to_tp's sum, in place: grad_x is this backward's own tensor
         return grad_x, grad_w * grad_loss, None, None, None, None, None
-
-
-ROWS_ALIGN = 128
-"""Chunks of whole 128-row tiles: the tensor cores' products run in tiles of 64 or 128
-rows, and a chunk that ends mid-tile wastes the rest of it, every chunk of the step."""
 
 
 def fused_linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, tp: Transport,

@@ -32,6 +32,10 @@ from interleaf.stageserver.model.weight_grads import param_grads, remember
 from interleaf.stageserver.transport import Transport
 
 
+Float8Product = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+"""What a linear runs instead of its product under train.precision=fp8 (fp8.py, tp=1)."""
+
+
 def _divide(n: int, tp: Transport, what: str) -> int:
     if n % tp.size:
         raise ValueError(f"{what}={n} must be divisible by the tensor-parallel size {tp.size}")
@@ -108,8 +112,7 @@ class ColumnParallelLinear(nn.Module):
     Sequence parallel: x is this rank's slice of the sequence, y covers all of it."""
 
     TP_DIMS: ClassVar[dict[str, int | None]] = {"weight": 0, "bias": 0}
-    float8: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor] | None = None
-    """train.precision=fp8 (fp8.py, tp=1 only): the product in float8 instead."""
+    float8: Float8Product | None = None
 
     def __init__(self, in_features: int, out_features: int, tp: Transport, bias: bool = True,
                  sequence_parallel: bool = False):
@@ -139,8 +142,7 @@ class RowParallelLinear(nn.Module):
     The bias is replicated and added once, after the partial products are summed."""
 
     TP_DIMS: ClassVar[dict[str, int | None]] = {"weight": 1, "bias": None}
-    float8: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor] | None = None
-    """train.precision=fp8 (fp8.py, tp=1 only): the product in float8 instead."""
+    float8: Float8Product | None = None
 
     def __init__(self, in_features: int, out_features: int, tp: Transport, bias: bool = True,
                  sequence_parallel: bool = False):
@@ -206,101 +208,3 @@ def vocab_parallel_logits(x: torch.Tensor, head_weight: torch.Tensor, tp: Transp
     if sequence_parallel and tp.size > 1:
         return sp.gathered_linears(x, [(head_weight, None)], tp)[0]
     return linear(copy_to_tp(x, tp), head_weight)
-
-
-def upcast_masked(logits: torch.Tensor, start: int, vocab_size: int, own: bool = False) -> torch.Tensor:
-    """[n, V/t] logits of this rank's vocabulary slice (ids start, start+1, ...) as the
-    softmax reads them: float32 where narrower (DESIGN.md, Precision), padding columns
-    of a padded vocabulary at -inf. A fresh tensor where either applies, else `logits`;
-    `own`: the caller's own tensor, which may be masked in place."""
-    if torch.finfo(logits.dtype).bits < 32:
-        logits, own = logits.float(), True
-    local_vocab = logits.size(-1)
-    if start + local_vocab > vocab_size:
-        # Padding rows of a padded vocabulary: their logits never enter the softmax
-        # (exp(-inf) = 0), so the loss and every gradient are the unpadded model's.
-        # In place only on our own copy: the logits may be autograd's output.
-        padding = torch.arange(start, start + local_vocab, device=logits.device) >= vocab_size
-        logits = logits.masked_fill_(padding, float("-inf")) if own else logits.masked_fill(padding, float("-inf"))
-    return logits
-
-
-def exp_and_sums(logits: torch.Tensor, targets: torch.Tensor, start: int, tp: Transport) -> tuple[torch.Tensor, ...]:
-    """From upcast, masked logits [n, V/t] (overwritten: the caller's own copy) and the
-    targets [n] (global ids): (exp(logits - row max), the target logit, the softmax
-    denominator, the targets local to this slice, which targets lie outside it), the
-    max and both sums over the whole vocabulary, i.e. all tp ranks. Only per-token
-    scalars cross the network, never logits."""
-    n, local_vocab = logits.shape
-    # The Transport sums but has no MAX, so gather every rank's per-token maxima
-    # (n floats each) and take the max locally. Every rank then shifts by exactly the
-    # unsharded row maximum, so exp() cannot overflow and the math is the plain op's.
-    maxima = logits.new_empty(tp.size * n)
-    tp.all_gather(maxima, logits.max(dim=-1).values)
-    shifted = logits.sub_(maxima.view(tp.size, n).max(dim=0).values.unsqueeze(1))
-
-    outside = (targets < start) | (targets >= start + local_vocab)
-    local_targets = (targets - start).masked_fill(outside, 0)
-    predicted = shifted.gather(1, local_targets.unsqueeze(1)).squeeze(1)
-    exp = shifted.exp_()
-    # One all-reduce for both per-token sums: the target logit (only its owner
-    # contributes a non-zero) and the softmax denominator.
-    sums = torch.stack([predicted.masked_fill(outside, 0.0), exp.sum(dim=-1)])
-    tp.all_reduce(sums)
-    target_logit, sum_exp = sums
-    return exp, target_logit, sum_exp, local_targets, outside
-
-
-def minus_onehot_(softmax: torch.Tensor, local_targets: torch.Tensor, outside: torch.Tensor) -> torch.Tensor:
-    """softmax - onehot(target), in place: d(CE)/d logits per token. The one-hot is
-    non-zero only on the rank that owns the target's vocab slice."""
-    return softmax.scatter_add_(1, local_targets.unsqueeze(1), (outside.to(softmax.dtype) - 1.0).unsqueeze(1))
-
-
-class _VocabParallelCrossEntropy(torch.autograd.Function):
-    """Cross-entropy over logits split along the vocabulary, as Megatron's
-    _VocabParallelCrossEntropy (the model's head uses fused_loss.py, which never holds
-    every token's logits; this is the plain op over given logits).
-
-    Logits narrower than float32 (bf16, fp16) are upcast first: the softmax, its saved
-    copy and the loss are float32 (DESIGN.md, Precision), while the gradient goes back in
-    the logits' own dtype. float32 and float64 logits are used as they are."""
-
-    @staticmethod
-    def forward(ctx, logits_shard: torch.Tensor, targets: torch.Tensor, tp: Transport, vocab_size: int):
-        local_vocab = logits_shard.size(-1)
-        start = tp.rank * local_vocab
-        flat = logits_shard.reshape(-1, local_vocab)
-        logits = upcast_masked(flat, start, vocab_size)
-        flat_targets = targets.reshape(-1)
-        if flat_targets.numel() != logits.size(0):
-            raise ValueError(
-                f"targets hold {flat_targets.numel()} tokens but logits hold {logits.size(0)}"
-            )
-        exp, target_logit, sum_exp, local_targets, outside = exp_and_sums(
-            logits.clone() if logits is flat else logits, flat_targets, start, tp)
-        loss = (sum_exp.log() - target_logit).mean()
-
-        softmax = exp.div_(sum_exp.unsqueeze(1))
-        ctx.save_for_backward(softmax, local_targets, outside)
-        ctx.logits_shape = logits_shard.shape
-        ctx.logits_dtype = logits_shard.dtype
-        return loss
-
-    @staticmethod
-    def backward(ctx, grad_loss: torch.Tensor):
-        softmax, local_targets, outside = ctx.saved_tensors
-        grad = minus_onehot_(softmax.clone(), local_targets, outside)  # d(mean CE)/d logits, times n
-        grad.mul_(grad_loss / softmax.size(0))
-        return grad.view(ctx.logits_shape).to(ctx.logits_dtype), None, None, None
-
-
-def vocab_parallel_cross_entropy(
-    logits_shard: torch.Tensor, targets: torch.Tensor, tp: Transport, vocab_size: int | None = None
-) -> torch.Tensor:
-    """Mean cross-entropy over all tokens; `logits_shard` [..., Vp/tp] is this rank's
-    slice of a vocabulary padded to Vp, of which ids from `vocab_size` on (default: none)
-    are padding; `targets` [...] (int64) are global token ids. Returns the same scalar on
-    every rank."""
-    padded = logits_shard.size(-1) * tp.size
-    return _VocabParallelCrossEntropy.apply(logits_shard, targets, tp, padded if vocab_size is None else vocab_size)
