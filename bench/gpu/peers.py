@@ -78,10 +78,16 @@ def compiled(w: Workload) -> dict:
     return _train(w, model, autocast=True)
 
 
-def fsdp2_compiled(w: Workload) -> dict:
-    """torchtitan's FSDP2 + per-block compile recipe, on one rank."""
+def fsdp2_compiled(w: Workload, float8: bool = False) -> dict:
+    """torchtitan's FSDP2 + per-block compile recipe, on one rank. `float8`: its float8
+    recipe, the blocks converted first (tensorwise scaling). torchtitan converts nn.Linear
+    modules (torchao's convert_to_float8_training); this model's linears take the same
+    torchao matmul through Interleaf's own conversion (stageserver/model/fp8.py), so both
+    sides' products are torchao's."""
     with _world_of_one(w.device):
         model = _model(w)
+        if float8:
+            convert_blocks_to_fp8(model, "tensorwise", torch.device(w.device))
         _compile_blocks(model, w.compile_backend)  # torchtitan compiles before it shards
         policy = MixedPrecisionPolicy(param_dtype=w.dtype, reduce_dtype=torch.float32)
         for block in model.h.values():
@@ -91,20 +97,8 @@ def fsdp2_compiled(w: Workload) -> dict:
 
 
 def fsdp2_compiled_fp8(w: Workload) -> dict:
-    """torchtitan's float8 recipe on one rank: the float8 conversion first (tensorwise
-    scaling), then per-block compile and FSDP2 with a bf16 policy. torchtitan converts
-    nn.Linear modules (torchao's convert_to_float8_training); this model's linears take
-    the same torchao matmul through Interleaf's own conversion (stageserver/model/fp8.py),
-    so both sides' products are torchao's."""
-    with _world_of_one(w.device):
-        model = _model(w)
-        convert_blocks_to_fp8(model, "tensorwise", torch.device(w.device))
-        _compile_blocks(model, w.compile_backend)
-        policy = MixedPrecisionPolicy(param_dtype=w.dtype, reduce_dtype=torch.float32)
-        for block in model.h.values():
-            fully_shard(block, mp_policy=policy)
-        fully_shard(model, mp_policy=policy)
-        return _train(w, model, autocast=False)
+    """torchtitan's float8 recipe on one rank (fsdp2_compiled's float8 variant)."""
+    return fsdp2_compiled(w, float8=True)
 
 
 def _model(w: Workload) -> ModelChunk:
