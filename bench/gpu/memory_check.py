@@ -59,17 +59,27 @@ TINY_CASES = {
 }
 
 
-def check(client, name: str, overrides: list[str], gpu: bool) -> dict:
+def predicted_peak(overrides: list[str]) -> int:
+    """The memory model's peak for the job these overrides make (pipeline rank 0: pp=1)."""
     config = load_config("", overrides)
     programs, _ = plan_programs(config)
-    predicted = predict(config, programs)[0]["peak_bytes"]
-    run = run_job(client, overrides)
-    after_first = [rank for step in run["memory"][1:] for rank in step]  # the model predicts steps after the first
+    return predict(config, programs)[0]["peak_bytes"]
+
+
+def compared(name: str, overrides: list[str], run: dict, gpu: bool) -> dict:
+    """A finished run's measured peak (the steps after the first, which the model
+    predicts) beside the prediction for its overrides."""
+    predicted = predicted_peak(overrides)
+    after_first = [rank for step in run["memory"][1:] for rank in step]
     measured = max(r["device_peak_bytes" if gpu else "peak_bytes"] for r in after_first)
-    ledger = max(r["peak_bytes"] for r in after_first)
     return {"case": name, "overrides": overrides, "predicted_peak_bytes": predicted, "measured_peak_bytes": measured,
             "measured": "torch.cuda.max_memory_allocated" if gpu else "ledger peak_bytes",
-            "ledger_peak_bytes": ledger, "error": measured / predicted - 1, "losses": run["losses"]}
+            "ledger_peak_bytes": max(r["peak_bytes"] for r in after_first), "error": measured / predicted - 1,
+            "losses": run["losses"]}
+
+
+def check(client, name: str, overrides: list[str], gpu: bool) -> dict:
+    return compared(name, overrides, run_job(client, overrides), gpu)
 
 
 def from_train_json(path: str) -> list[dict]:
@@ -84,15 +94,7 @@ def from_train_json(path: str) -> list[dict]:
             continue
         job = train.overrides(result["steps"], model, "cuda", "fp8" if side.endswith("fp8") else "bf16", train.ROWS)
         job.append(f"train.compile={'false' if side == 'interleaf' else 'true'}")
-        config = load_config("", job)
-        programs, _ = plan_programs(config)
-        predicted = predict(config, programs)[0]["peak_bytes"]
-        after_first = [rank for step in run["memory"][1:] for rank in step]
-        measured = max(r["device_peak_bytes"] for r in after_first)
-        rows.append({"case": f"{result['arch']} {side}", "overrides": job, "predicted_peak_bytes": predicted,
-                     "measured_peak_bytes": measured, "measured": "torch.cuda.max_memory_allocated",
-                     "ledger_peak_bytes": max(r["peak_bytes"] for r in after_first),
-                     "error": measured / predicted - 1, "losses": run["losses"]})
+        rows.append(compared(f"{result['arch']} {side}", job, run, gpu=True))
     return rows
 
 
