@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import pathlib
@@ -109,10 +110,13 @@ def cmd_run(args) -> int:
     from interleaf.clients.launcher import LocalCluster
 
     remote = args.coordinator and args.local is None
+    if args.plan:
+        args.set.append(f"parallel.plan={args.plan}")
     text, config = _load(args, remote)  # None: the remote coordinator alone reads checkpoint.init
+    planned = config is not None and config.parallel.plan == "auto"
     world = None if remote else config.parallel.world_size
     servers = args.local if args.local is not None else world
-    if not remote and servers != world:
+    if not remote and servers != world and not planned:
         raise UsageError(f"--local {servers} must equal parallel.dp*parallel.tp*parallel.pp={world}")
     given = [f for f in ("token_file", "tls_cert", "tls_key", "tls_ca") if getattr(args, f)]
     if not remote and given:
@@ -121,7 +125,8 @@ def cmd_run(args) -> int:
     client = _client(args) if remote else None  # a bad --token-file or --tls-* stops it here
     if not remote:
         _check_vocab_locally(config)
-        _admit_locally(config, servers, args.device)
+        if not planned:  # a planned layout is admitted by the planner
+            _admit_locally(config, servers, args.device)
     _check_run_logs(args)
     metrics = MetricsOut(args.metrics_out)
     logs = RunLogs()  # opened once the job has an id: W&B names its run after it
@@ -129,18 +134,25 @@ def cmd_run(args) -> int:
     try:
         with _StopSignals(note) as signals:
             if remote:
-                job = client.submit(text, args.set)
+                overrides, refine = _plan_remote(client, text, args) if planned else ([], None)
+                job = client.submit(text, args.set + overrides)
                 print(f"submitted {job.job_id}", file=sys.stderr)
                 logs = _run_logs(args, job.job_id, config, client)
-                return follow(client, job.job_id, job.steps, metrics, logs)
+                status = follow(client, job.job_id, job.steps, metrics, logs)
+                if refine and status == 0:
+                    refine(job.job_id)
+                return status
             print(f"starting a coordinator and {servers} stage servers", file=sys.stderr)
             cluster = LocalCluster(servers, log_dir=args.log_dir, device=args.device)
             try:
                 cluster.start()  # stops what it started should it fail or be stopped
                 client = cluster.client()
-                job = client.submit(text, args.set)
+                overrides, refine = _plan_local(client, config, servers, args) if planned else ([], None)
+                job = client.submit(text, args.set + overrides)
                 logs = _run_logs(args, job.job_id, config, client)
                 status = follow(client, job.job_id, config.train.steps, metrics, logs)
+                if refine and status == 0:
+                    refine(job.job_id)
             finally:
                 signals.holding = True
                 cluster.stop()
@@ -150,6 +162,67 @@ def cmd_run(args) -> int:
     finally:
         metrics.close()
         logs.close()
+
+
+def _plan_local(client, config, servers: int, args):
+    """parallel.plan=auto on `servers` local servers: the chosen layout's overrides, and
+    what feeds the job's trace back into the device profile."""
+    from interleaf.clients import plan_command as planning
+
+    try:
+        cluster, device = planning.local_cluster(servers, args.device)
+        report, profile = planning.plan_on(client, config, cluster, device, 1, None, _stderr)
+    except planning.PlanError as err:
+        raise UsageError(f"parallel.plan=auto: {err}") from None
+    overrides = planning.chosen(report, cluster, profile, config)
+    final = report.plans[0].config
+    return overrides, lambda job_id: planning.refine_from_job(client, job_id, final, profile, cluster)
+
+
+def _plan_remote(client, text: str, args):
+    """parallel.plan=auto at a coordinator: planned for its idle servers."""
+    from interleaf.clients import plan_command as planning
+    from interleaf.coordinator.config import load_config
+
+    config = load_config(text, args.set)
+    try:
+        cluster, device = planning.remote_cluster(client.servers())
+        report, profile = planning.plan_on(client, config, cluster, device, 1, None, _stderr)
+    except planning.PlanError as err:
+        raise UsageError(f"parallel.plan=auto: {err}") from None
+    overrides = planning.chosen(report, cluster, profile, config)
+    final = report.plans[0].config
+    return overrides, lambda job_id: planning.refine_from_job(client, job_id, final, profile, cluster)
+
+
+def _stderr(text: str) -> None:
+    print(text, file=sys.stderr)
+
+
+def cmd_plan(args) -> int:
+    from interleaf.clients import plan_command as planning
+
+    text, config = _load(args)
+    try:
+        if args.servers is not None:
+            if args.servers < 1:
+                raise UsageError(f"--servers {args.servers} must be at least 1")
+            report, cluster, profile = planning.plan_described(
+                config, args.servers, args.server_memory, args.servers_per_host, args.device, args.top,
+                args.profile, _stderr)
+        else:
+            client = _client(args)
+            cluster, device = planning.remote_cluster(client.servers())
+            if args.server_memory:
+                cluster = dataclasses.replace(cluster, memory_bytes=args.server_memory)
+            report, profile = planning.plan_on(client, config, cluster, device, args.top, args.profile, _stderr)
+    except planning.PlanError as err:
+        raise UsageError(str(err)) from None
+    if args.json:
+        planning.print_json(report)
+    else:
+        print(planning.report_text(report, cluster, profile, config))
+    return 0
 
 
 def _check_run_logs(args) -> None:
@@ -342,8 +415,10 @@ def cmd_stage_server(args) -> int:
 
 
 def cmd_submit(args) -> int:
-    text, _ = _load(args, remote=True)
-    print(_client(args).submit(text, args.set).job_id)
+    text, config = _load(args, remote=True)
+    client = _client(args)
+    overrides = _plan_remote(client, text, args)[0] if config is not None and config.parallel.plan == "auto" else []
+    print(client.submit(text, args.set + overrides).job_id)
     return 0
 
 
@@ -515,6 +590,32 @@ def _parser() -> argparse.ArgumentParser:
                    help="local servers compute on: one GPU each (cuda), the CPU, or auto (GPUs when "
                         "there is one per server)")
     p.set_defaults(fn=cmd_run)
+
+    p.add_argument("--plan", choices=("auto",), help="choose the layout for the servers (parallel.plan=auto): "
+                                                    "plans as `interleaf plan` does, prints the choice, runs it")
+
+    p = sub.add_parser("plan", help="rank the layouts (dp, tp, pp, vpp, schedule, microbatches, zero, recompute) "
+                                    "that fit the servers by predicted step time (docs/planning.md)")
+    with_config(p)
+    p.add_argument("--servers", type=int, metavar="N",
+                   help="plan for N servers described here instead of a coordinator's idle ones")
+    p.add_argument("--server-memory", type=int, metavar="BYTES",
+                   help="memory each server offers (default: the coordinator's servers', or with --servers "
+                        "this machine's device's)")
+    p.add_argument("--servers-per-host", type=int, metavar="N",
+                   help="with --servers: servers per host, which bounds tp (default min(N, 8))")
+    p.add_argument("--top", type=int, default=5, metavar="K", help="how many plans to print (default 5)")
+    p.add_argument("--json", action="store_true",
+                   help="print a JSON list, best first: parallel, train (the --set values), "
+                        "predicted_step_seconds, predicted_peak_bytes, ...")
+    p.add_argument("--profile", metavar="FILE",
+                   help="device profile JSON to cost with (default: the cache's, else measured)")
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
+                   help="with --servers: the device the profile is measured on here")
+    p.add_argument("--coordinator", default=DEFAULT_COORDINATOR, metavar="HOST:PORT",
+                   help=f"plan for this coordinator's idle servers (default {DEFAULT_COORDINATOR})")
+    with_security(p)
+    p.set_defaults(fn=cmd_plan)
 
     p = sub.add_parser("reference", help="the single-process reference run of a config")
     with_config(p)

@@ -90,6 +90,9 @@ class CoordinatorService(rpc.CoordinatorServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, refused)
         try:
             config = load_config(request.config_toml, list(request.overrides))
+            if config.parallel.plan:
+                raise ValueError("parallel.plan='auto' is planned before submitting (`interleaf run --plan auto`, "
+                                 "`interleaf submit` or `interleaf plan`): submit the layout it chose")
             check_vocab(config.model.vocab_size, config.data.source, config.data.tokenizer, tokenizer_needed=False)
             if config.eval.enabled:
                 check_eval_source(config.model.vocab_size, config.eval.source, config.data.source)

@@ -83,8 +83,17 @@ class ParallelConfig:
     to the next stage, whose ranks all-gather it within their tensor group. Moves the
     same values (false: every rank sends the whole tensor, to compare)."""
 
+    plan: str = ""
+    """"auto": `interleaf run` and `interleaf submit` choose dp, tp, pp, vpp, the schedule,
+    microbatches, zero and sequence_parallel here, and train.recompute, for the servers
+    the job will run on (`interleaf plan`, docs/planning.md), print the choice and why,
+    and submit that layout; the values given for them are ignored. "" (default): the
+    layout is as given. A coordinator refuses "auto": it is planned before submitting."""
+
     def __post_init__(self):
         _positive("parallel", self, "dp", "tp", "pp", "vpp", "microbatches")
+        if self.plan not in ("", "auto"):
+            raise ConfigError(f"parallel.plan={self.plan!r} must be \"auto\" or \"\" (the layout as given)")
         if self.sequence_parallel and self.tp < 2:
             raise ConfigError(f"parallel.sequence_parallel=true needs parallel.tp>=2, not parallel.tp={self.tp}: it "
                               f"splits the sequence over the tensor-parallel ranks")

@@ -1,0 +1,213 @@
+"""`interleaf plan` and `interleaf run --plan auto`: the cluster to plan for, its device
+profile (cached, or measured on its servers), the search, and the report.
+
+Worked example: `interleaf plan --servers 4 --server-memory 2000000000 --top 3` plans a
+described cluster of four servers with 2 GB each: it reads the cached profile of the
+model on this machine's device (measuring it on two local servers first, once), searches
+every layout of four servers and prints the three fastest that fit, each with its
+predicted step, bubble, peak memory and why.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+from collections.abc import Callable
+
+from interleaf.coordinator.config import JobConfig
+from interleaf.coordinator.planner.costs import DeviceProfile
+from interleaf.coordinator.planner.search import Cluster, SearchReport, explain, search
+
+from interleaf.clients import plan_profile
+
+
+class PlanError(ValueError):
+    """No layout fits, or the cluster cannot be planned for; the message says why."""
+
+
+def host_slowdown(servers_on_host: int, threads_per_server: int, cores: int) -> float:
+    """How much slower each local server computes when all compute at once: their
+    threads over the host's cores, at least 1."""
+    return max(1.0, servers_on_host * threads_per_server / max(1, cores))
+
+
+def local_cluster(servers: int, device: str, memory_bytes: int | None = None) -> tuple[Cluster, str]:
+    """A cluster of `servers` local servers on this machine (interleaf run --local), and
+    their device kind."""
+    from interleaf.clients.launcher import local_devices, memory_per_local_server
+
+    devices = local_devices(device, servers)
+    cores = os.cpu_count() or 1
+    slowdown = host_slowdown(servers, max(1, cores // servers), cores) if devices[0] == "cpu" else 1.0
+    memory = memory_bytes or memory_per_local_server(devices)
+    return Cluster(servers, memory, servers_per_host=servers, compute_slowdown=slowdown), device_kind(devices[0])
+
+
+def device_kind(device: str) -> str:
+    if device.startswith("cuda"):
+        import torch
+
+        return torch.cuda.get_device_name(torch.device(device))
+    return "cpu"
+
+
+def remote_cluster(servers) -> tuple[Cluster, str]:
+    """The idle servers a coordinator has registered (ListServers)."""
+    idle = [s for s in servers if s.state == "IDLE"]
+    if not idle:
+        raise PlanError("the coordinator has no idle server to plan for")
+    kinds = sorted({s.device for s in idle})
+    if len(kinds) > 1:
+        raise PlanError(f"the idle servers compute on {', '.join(kinds)}: a job's servers share one device kind")
+    hosts: dict[str, int] = {}
+    for s in idle:
+        hosts[s.host] = hosts.get(s.host, 0) + 1
+    return Cluster(len(idle), min(s.memory_bytes for s in idle), servers_per_host=max(hosts.values())), kinds[0]
+
+
+def obtain_profile(config: JobConfig, device: str, *, measure_on: Callable | None, profile_path: str | None = None,
+                   log=print) -> DeviceProfile:
+    """--profile's file, else the cache's, else measured by `measure_on()` -> (client,
+    idle servers) and cached."""
+    if profile_path:
+        try:
+            with open(profile_path) as f:
+                return DeviceProfile.from_json(json.load(f))
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            raise PlanError(f"--profile {profile_path}: not a device profile ({err})") from None
+    model = plan_profile.profile_model(config)
+    cached = plan_profile.load_cached(model, device)
+    if cached is not None:
+        log(f"device profile from the cache ({plan_profile.cache_dir()})")
+        return cached
+    if measure_on is None:
+        raise PlanError(f"no device profile of this model on {device} is cached, and nothing to measure it on")
+    log(f"measuring the device profile of this model on {device}")
+    with measure_on() as (client, idle):
+        profile = plan_profile.measure(client, config, device, idle, log=log)
+    path = plan_profile.store(profile, model)
+    log(f"device profile written to {path}")
+    return profile
+
+
+def describe_profile(profile: DeviceProfile) -> str:
+    f, b = profile.forward, profile.backward
+    links = ", ".join(f"{kind} {law.overhead_s * 1e6:.0f} µs + {law.rate / 1e9:.2f} GB/s"
+                      for kind, law in profile.links.items())
+    return (f"costs measured on {profile.device} ({profile.measured_on}): forward {f.overhead_s * 1e3:.2f} ms + "
+            f"{f.rate / 1e9:.1f} GFLOP/s, backward {b.overhead_s * 1e3:.2f} ms + {b.rate / 1e9:.1f} GFLOP/s; "
+            f"links {links}")
+
+
+def run_search(config: JobConfig, cluster: Cluster, profile: DeviceProfile, top: int) -> SearchReport:
+    report = search(config, cluster, profile, top=top)
+    if not report.plans:
+        leanest = "; ".join(f"{layout} needs {need / 2**30:.2f} GiB" for need, layout in report.smallest_refused)
+        raise PlanError(f"no layout of {cluster.servers} servers fits {cluster.memory_bytes / 2**30:.2f} GiB each"
+                        + (f" (leanest: {leanest})" if leanest else "")
+                        + f"; {report.refused_by_rules} of {report.candidates} candidates broke the config's rules")
+    return report
+
+
+def report_text(report: SearchReport, cluster: Cluster, profile: DeviceProfile, config: JobConfig) -> str:
+    tokens = config.train.global_batch * config.model.seq_len
+    lines = [describe_profile(profile),
+             f"{cluster.servers} servers of {cluster.memory_bytes / 2**30:.2f} GiB, {cluster.servers_per_host} per host"
+             + (f", computing {cluster.compute_slowdown:.1f}x slower when all are busy (shared cores)"
+                if cluster.compute_slowdown > 1 else ""),
+             f"searched {report.candidates} layouts in {report.seconds:.1f} s: {report.refused_by_rules} broke the "
+             f"config's rules, {report.refused_by_memory} would not fit, {report.simulated} simulated, "
+             f"{report.dominated} matched by a fitting one with less recompute or with sequence parallelism, "
+             f"{report.bounded_out} could not beat the top by their compute alone"
+             + (" (stopped at the time budget)" if report.stopped_by_time else ""),
+             "", f"{'#':>2}  {'layout':<48} {'step s':>9} {'tokens/s':>10} {'bubble':>7} {'peak GiB':>9}"]
+    for i, plan in enumerate(report.plans, 1):
+        lines.append(f"{i:>2}  {plan.layout.describe():<48} {plan.step_s:>9.4f} {tokens / plan.step_s:>10,.0f} "
+                     f"{plan.bubble:>7.1%} {max(plan.peak_bytes) / 2**30:>9.3f}")
+    best = report.plans[0]
+    for i, plan in enumerate(report.plans, 1):
+        lines.append(f"\n{i}. {plan.layout.describe()}")
+        lines += [f"   {line}" for line in explain(plan, best)]
+    lines.append("\nrun the best: " + " ".join(set_arguments(best.as_json())))
+    return "\n".join(lines)
+
+
+def set_arguments(plan: dict) -> list[str]:
+    """--set SECTION.KEY=VALUE for each of a plan's settings."""
+    out = []
+    for section in ("parallel", "train"):
+        for key, value in plan[section].items():
+            text = ("true" if value else "false") if isinstance(value, bool) else str(value)
+            out += ["--set", f"{section}.{key}={text}"]
+    return out
+
+
+def overrides(plan: dict) -> list[str]:
+    args = set_arguments(plan)
+    return [a for a in args if a != "--set"] + ["parallel.plan="]
+
+
+def print_json(report: SearchReport, file=sys.stdout) -> None:
+    json.dump([plan.as_json() for plan in report.plans], file, indent=1)
+    file.write("\n")
+
+
+@contextlib.contextmanager
+def local_servers(count: int, device: str):
+    """`count` stage servers started here for the profile jobs, stopped after."""
+    from interleaf.clients.launcher import LocalCluster
+
+    with LocalCluster(count, device=device, metrics=False) as cluster:
+        yield cluster.client(), count
+
+
+@contextlib.contextmanager
+def given_servers(client, idle: int):
+    yield client, idle
+
+
+def plan_described(config: JobConfig, servers: int, memory_bytes: int | None, servers_per_host: int | None,
+                   device: str, top: int, profile_path: str | None, log) -> tuple[SearchReport, Cluster, DeviceProfile]:
+    """Plans for `servers` servers that need not exist; costs measured on this machine's
+    device (two local servers) unless cached or given."""
+    from interleaf.clients.launcher import local_devices, memory_per_local_server
+
+    devices = local_devices(device, min(2, servers))
+    memory = memory_bytes or memory_per_local_server(local_devices(device, 1))
+    cluster = Cluster(servers, memory, servers_per_host=servers_per_host or min(servers, 8))
+    profile = obtain_profile(config, device_kind(devices[0]), profile_path=profile_path, log=log,
+                             measure_on=lambda: local_servers(len(devices), device))
+    return run_search(config, cluster, profile, top), cluster, profile
+
+
+def plan_on(client, config: JobConfig, cluster: Cluster, device: str, top: int, profile_path: str | None,
+            log) -> tuple[SearchReport, DeviceProfile]:
+    """Plans for servers a coordinator holds; profile jobs, if needed, run on them."""
+    profile = obtain_profile(config, device, profile_path=profile_path, log=log,
+                             measure_on=lambda: given_servers(client, cluster.servers))
+    return run_search(config, cluster, profile, top), profile
+
+
+def chosen(report: SearchReport, cluster: Cluster, profile: DeviceProfile, config: JobConfig) -> list[str]:
+    """The best plan's overrides, after printing it and why (to stderr)."""
+    best = report.plans[0]
+    print(f"planned: {best.layout.describe()}, predicted {best.step_s:.4f} s a step, bubble {best.bubble:.1%}, "
+          f"peak {max(best.peak_bytes) / 2**30:.3f} GiB (best of {report.candidates} layouts of "
+          f"{cluster.servers} servers)", file=sys.stderr)
+    for line in explain(best):
+        print(f"  {line}", file=sys.stderr)
+    print(f"  {describe_profile(profile)}", file=sys.stderr)
+    return overrides(best.as_json())
+
+
+def refine_from_job(client, job_id: str, config: JobConfig, profile: DeviceProfile, cluster: Cluster) -> None:
+    """Feeds a planned job's newest traced step back into its cached profile."""
+    try:
+        trace = client.trace(job_id)
+    except Exception:  # a job that traced nothing (trace.steps=[]) leaves the profile as it was
+        return
+    if trace.reports:
+        plan_profile.store(plan_profile.refine(profile, trace, config, cluster.compute_slowdown),
+                           plan_profile.profile_model(config))

@@ -1,0 +1,256 @@
+"""Measures a device profile (coordinator/planner/costs.py) on real stage servers, caches
+it per (model, device kind, software), and refines it from the traces of real jobs.
+
+The profile runs short traced jobs of the model on the servers: a pipeline of one chunk
+per server (two where two are idle) at a small and a four-times-larger microbatch, with
+whole backwards (1f1b) and with split ones (zb-h1), three steps each, tracing the third.
+Every traced forward, backward, input- and weight-gradient half is one observation
+(its chunk's forward FLOPs, its seconds), every update one of seconds per parameter; a
+least-squares line through each kind's observations gives its law. A model whose layer
+would take more than a second to run here is measured through a proxy: the same
+architecture narrowed until one layer's forward is PROXY_LAYER_FLOPS, the law's rate
+carried over (said in the profile's `measured_on`).
+
+Links are measured between two processes of this machine over gloo, as the local servers
+talk: a point-to-point message and an all-reduce at 4 KiB and 4 MiB, a line through each.
+
+Worked example: `interleaf plan --servers 4` on this CPU machine starts two local
+servers, runs three profile jobs (about 10 s) and the link probe (about 3 s), and writes
+~/.cache/interleaf/plan-profiles/<key>.json; the next plan of the same model, device
+and software reads it back at once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import pathlib
+import socket
+import time
+
+from interleaf.coordinator.config import JobConfig
+from interleaf.coordinator.partition import partition
+from interleaf.coordinator.planner.costs import DeviceProfile, Law, chunk_forward_flops, chunk_parameters
+from interleaf.protos import interleaf_pb2 as pb
+from interleaf.protos.actions import parse
+
+PROXY_LAYER_FLOPS = 2e9
+"""The most FLOPs one profiled layer's forward may take at the small microbatch."""
+SMALL_ROWS = 2
+LARGE_ROWS = 8
+SPAN_LAWS = {"forward": "forward", "backward": "backward", "input-grad": "input_grad", "weight-grad": "weight_grad"}
+
+
+def cache_dir() -> pathlib.Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return pathlib.Path(base) / "interleaf" / "plan-profiles"
+
+
+def software() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    import torch
+
+    try:
+        own = version("interleaf")
+    except PackageNotFoundError:
+        own = "source"
+    return f"interleaf {own}, torch {torch.__version__}"
+
+
+def profile_model(config: JobConfig) -> dict:
+    """The [model] values the profile runs: the job's, or a narrower proxy of it."""
+    model = dataclasses.asdict(config.model)
+    shape_flops = _layer_flops(config, SMALL_ROWS)
+    scale = 1.0
+    while shape_flops / scale**2 > PROXY_LAYER_FLOPS and model["d_model"] / scale > 64:
+        scale *= 2
+    if scale > 1:
+        heads = max(1, int(model["n_heads"] / scale))
+        kv = max(1, min(heads, int(model["n_kv_heads"] / scale)))
+        while heads % kv:
+            kv -= 1
+        model.update(d_model=int(model["d_model"] / scale), n_heads=heads, n_kv_heads=kv,
+                     ffn_hidden=int(model["ffn_hidden"] / scale), seq_len=max(32, int(model["seq_len"] / scale)))
+    return model
+
+
+def _layer_flops(config: JobConfig, rows: int) -> float:
+    one = partition(config.model.n_layers, config.model.n_layers, 1, "1f1b")[1 if config.model.n_layers > 1 else 0]
+    single = dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, pp=1, vpp=1, dp=1, tp=1,
+                                                                       schedule="1f1b", microbatches=1, plan=""))
+    return chunk_forward_flops(single, dataclasses.replace(one, has_head=False), rows)
+
+
+def cache_key(model: dict, device: str) -> str:
+    text = json.dumps({"model": model, "device": device, "software": software()}, sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def load_cached(model: dict, device: str) -> DeviceProfile | None:
+    path = cache_dir() / f"{cache_key(model, device)}.json"
+    try:
+        return DeviceProfile.from_json(json.loads(path.read_text()))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def store(profile: DeviceProfile, model: dict) -> pathlib.Path:
+    path = cache_dir() / f"{cache_key(model, profile.device)}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(profile.to_json(), indent=1))
+    tmp.replace(path)
+    return path
+
+
+def _job_overrides(model: dict, pp: int, rows: int, schedule: str) -> list[str]:
+    values = [f"model.{k}={_toml(v)}" for k, v in model.items() if v is not None]
+    microbatches = 2 * pp
+    values += [f"parallel.dp=1", f"parallel.tp=1", f"parallel.pp={pp}", f"parallel.vpp=1",
+               f"parallel.schedule={schedule}", f"parallel.microbatches={microbatches}", "parallel.zero=0",
+               "parallel.plan=", f"train.global_batch={rows * microbatches}", "train.steps=3",
+               "trace.steps=[2]", "checkpoint.every=0", "eval.every=0", "train.recompute=none",
+               "train.recompute_layers=0"]
+    return values
+
+
+def _toml(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
+
+
+def observe(trace: pb.StepTrace, config: JobConfig) -> list[dict]:
+    """(kind, FLOPs, seconds) of every traced compute of a step of `config`, and
+    (update, parameters, seconds) of every update."""
+    p = config.parallel
+    rows = config.train.global_batch // (p.dp * p.microbatches)
+    chunks = partition(config.model.n_layers, p.pp, p.vpp, p.schedule)
+    flops = [chunk_forward_flops(config, c, rows) for c in chunks]
+    stages = {info.rank: info.coordinates.pp for info in trace.ranks}
+    found = []
+    for report in trace.reports:
+        stage = stages[report.rank]
+        for span in report.spans:
+            seconds = span.end_seconds - span.start_seconds
+            if span.kind in SPAN_LAWS:
+                found.append({"kind": SPAN_LAWS[span.kind], "amount": flops[parse(span.action).chunk],
+                              "seconds": seconds})
+            elif span.kind == "update":
+                held = sum(chunk_parameters(config, c) for c in chunks if c.pipeline_rank == stage)
+                found.append({"kind": "update", "amount": held, "seconds": seconds})
+    return found
+
+
+def fit_line(points: list[tuple[float, float]]) -> Law:
+    """Least squares seconds = overhead + amount / rate, overhead kept >= 0."""
+    n = len(points)
+    mean_x = sum(x for x, _ in points) / n
+    mean_y = sum(y for _, y in points) / n
+    var = sum((x - mean_x) ** 2 for x, _ in points)
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in points) / var if var else 0.0
+    intercept = mean_y - slope * mean_x
+    if slope <= 0 or intercept < 0:  # through the origin instead
+        slope, intercept = sum(x * y for x, y in points) / sum(x * x for x, _ in points), 0.0
+    return Law(intercept, 1.0 / slope)
+
+
+def fit(observations: list[dict], device: str, links: dict[str, Law], measured_on: str) -> DeviceProfile:
+    laws = {}
+    for law in SPAN_LAWS.values():
+        points = [(o["amount"], o["seconds"]) for o in observations if o["kind"] == law]
+        laws[law] = fit_line(points) if points else None
+    if laws["input_grad"] is None:  # no split backward measured: each half is half a B
+        b = laws["backward"]
+        laws["input_grad"] = laws["weight_grad"] = Law(b.overhead_s / 2, b.rate * 2)
+    updates = [o["seconds"] / o["amount"] for o in observations if o["kind"] == "update" and o["amount"]]
+    return DeviceProfile(device=device, links=links, update_s_per_param=sum(updates) / max(1, len(updates)),
+                         measured_on=measured_on, observations=observations, **laws)
+
+
+def refine(profile: DeviceProfile, trace: pb.StepTrace, config: JobConfig, slowdown: float = 1.0) -> DeviceProfile:
+    """The profile refitted with a real job's traced step added (planned jobs' traces
+    feed their profile back: `interleaf run --plan auto`); `slowdown`: how much the job's
+    servers slowed each other (shared cores), taken out of its compute times."""
+    seen = [dict(o, seconds=o["seconds"] / slowdown) for o in observe(trace, config)]
+    return fit(profile.observations + seen, profile.device, profile.links,
+               profile.measured_on + f"; refined from a traced step of {config.parallel.world_size} ranks")
+
+
+def measure(client, config: JobConfig, device: str, idle_servers: int, log=print) -> DeviceProfile:
+    """Runs the profile jobs on the coordinator `client` talks to and fits the laws."""
+    from interleaf.coordinator.config import load_config
+
+    model = profile_model(config)
+    pp = 2 if idle_servers >= 2 and model["n_layers"] >= 2 else 1
+    observations = []
+    shapes = []
+    for schedule, rows in (("1f1b", SMALL_ROWS), ("1f1b", LARGE_ROWS), ("zb-h1", LARGE_ROWS)):
+        overrides = _job_overrides(model, pp, rows, schedule)
+        job_config = load_config("", overrides)
+        started = time.monotonic()
+        status = client.submit("", overrides)
+        final, _ = client.wait(status.job_id, timeout_s=600)
+        if final.state != "SUCCEEDED":
+            raise RuntimeError(f"profile job {status.job_id} ({schedule}, {rows} rows) ended {final.state}: "
+                               f"{final.error or final.reason}")
+        observations += observe(client.trace(status.job_id, 2), job_config)
+        shapes.append(f"{schedule} pp{pp} {rows} rows")
+        log(f"profiled {schedule} pp={pp} at {rows} rows per microbatch in {time.monotonic() - started:.1f} s")
+    proxy = "" if model == dataclasses.asdict(config.model) else (
+        f" (a proxy: d_model {model['d_model']}, seq_len {model['seq_len']})")
+    links = measure_links()
+    return fit(observations, device, links, f"{len(shapes)} jobs{proxy}: " + ", ".join(shapes)
+               + "; links: two local gloo processes")
+
+
+def _link_worker(rank: int, port: int, out) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    results = {}
+    for size in (1 << 12, 1 << 22):
+        tensor = torch.zeros(size // 4)
+        for kind in ("p2p", "allreduce"):
+            times = []
+            for _ in range(6):
+                dist.barrier()
+                start = time.perf_counter()
+                if kind == "allreduce":
+                    dist.all_reduce(tensor)
+                elif rank == 0:
+                    dist.send(tensor, 1)
+                    dist.recv(tensor, 1)
+                else:
+                    dist.recv(tensor, 0)
+                    dist.send(tensor, 0)
+                elapsed = time.perf_counter() - start
+                times.append(elapsed / 2 if kind == "p2p" else elapsed)
+            results[(kind, size)] = sorted(times)[len(times) // 2]
+    if rank == 0:
+        out.put(results)
+    dist.destroy_process_group()
+
+
+def measure_links() -> dict[str, Law]:
+    """Latency and bandwidth of a gloo message and all-reduce between two processes."""
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    context = mp.get_context("spawn")
+    out = context.SimpleQueue()
+    mp.start_processes(_link_worker, args=(port, out), nprocs=2, join=True, start_method="spawn")
+    results = out.get()
+    laws = {}
+    for kind in ("p2p", "allreduce"):
+        small, large = results[(kind, 1 << 12)], results[(kind, 1 << 22)]
+        rate = ((1 << 22) - (1 << 12)) / max(large - small, 1e-9)
+        laws[kind] = Law(max(small - (1 << 12) / rate, 0.0), rate)
+    return laws

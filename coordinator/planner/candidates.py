@@ -1,0 +1,141 @@
+"""Every layout the planner weighs for a model on a cluster: pure enumeration, before any
+cost or memory is looked at.
+
+A layout uses every server: dp * tp * pp = servers. tp divides the servers of one host
+(a tensor group talks every layer and stays on one host) and the model's heads, key/value
+heads and MLP width; pp is at most n_layers. Per (dp, tp, pp): every schedule that runs
+that pp (one chunk per rank for gpipe, 1f1b and zb-h1; vpp 2 to 4 for interleaved-1f1b;
+the V's 2 for zbv; a single stage runs 1f1b), microbatch counts that divide the replica's
+samples (at most 8 * pp * vpp of them, since more only adds per-microbatch cost once the
+bubble is small), every ZeRO stage where dp > 1, every recompute mode, and sequence
+parallelism on or off where tp > 1. The job config's rules are applied to each
+(config/job.py) and the ones they refuse are counted, not kept.
+
+Worked example: 2 servers on one host, a 4-layer model, global batch 8 gives
+(dp, tp, pp) = (2, 1, 1), (1, 2, 1), (1, 1, 2); for (1, 1, 2) the schedules gpipe, 1f1b,
+zb-h1 (microbatches 2, 4, 8), interleaved-1f1b with vpp 2 (microbatches 2, 4, 8) and zbv
+(microbatches 2, 4, 8), each under recompute none, selective and full.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from interleaf.coordinator.config import ConfigError, JobConfig
+
+SINGLE_CHUNK = ("gpipe", "1f1b", "zb-h1")
+MAX_VPP = 4
+RECOMPUTE_ORDER = ("none", "selective", "full")
+
+
+@dataclass(frozen=True)
+class Layout:
+    dp: int
+    tp: int
+    pp: int
+    vpp: int
+    schedule: str
+    microbatches: int
+    zero: int
+    recompute: str
+    sequence_parallel: bool = False
+
+    def parallel(self) -> dict:
+        values = {"dp": self.dp, "tp": self.tp, "pp": self.pp, "vpp": self.vpp, "schedule": self.schedule,
+                  "microbatches": self.microbatches, "zero": self.zero}
+        if self.tp > 1:
+            values["sequence_parallel"] = self.sequence_parallel
+        return values
+
+    def train(self) -> dict:
+        values: dict = {"recompute": self.recompute}
+        if self.recompute != "selective":
+            values["recompute_layers"] = 0
+        return values
+
+    def describe(self) -> str:
+        text = f"dp{self.dp}·tp{self.tp}·pp{self.pp}"
+        if self.vpp > 1:
+            text += f"·vpp{self.vpp}"
+        text += f" {self.schedule} m={self.microbatches}"
+        if self.zero:
+            text += f" zero{self.zero}"
+        if self.recompute != "none":
+            text += f" recompute={self.recompute}"
+        if self.sequence_parallel:
+            text += " sp"
+        return text
+
+
+def apply(config: JobConfig, layout: Layout) -> JobConfig:
+    """`config` with `layout`'s settings; ConfigError where a rule refuses them. The
+    plan itself (parallel.plan) is spent: the result names one layout."""
+    parallel = dataclasses.replace(config.parallel, plan="", **layout.parallel())
+    train = dataclasses.replace(config.train, **layout.train())
+    return dataclasses.replace(config, parallel=parallel, train=train)
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def grids(config: JobConfig, servers: int, servers_per_host: int) -> Iterator[tuple[int, int, int]]:
+    """(dp, tp, pp) using every server, tp within a host and dividing the model's split
+    dimensions, pp at most the layers."""
+    m = config.model
+    for tp in divisors(servers):
+        if tp > servers_per_host or m.n_heads % tp or m.n_kv_heads % tp or m.ffn_hidden % tp:
+            continue
+        for pp in divisors(servers // tp):
+            if pp <= m.n_layers:
+                yield servers // (tp * pp), tp, pp
+
+
+def pipelines(pp: int, n_layers: int) -> Iterator[tuple[str, int]]:
+    """(schedule, vpp) that run pp pipeline ranks."""
+    if pp == 1:
+        yield "1f1b", 1
+        return
+    for schedule in SINGLE_CHUNK:
+        yield schedule, 1
+    for vpp in range(2, MAX_VPP + 1):
+        if pp * vpp <= n_layers:
+            yield "interleaved-1f1b", vpp
+    if 2 * pp <= n_layers:
+        yield "zbv", 2
+
+
+def microbatch_counts(samples: int, pp: int, vpp: int, schedule: str) -> list[int]:
+    """Divisors of a replica's samples per step, from pp (fewer leave most ranks idle)
+    to 8 * pp * vpp; interleaved-1f1b needs multiples of pp."""
+    low, high = (pp if pp > 1 else 1), 8 * pp * vpp
+    counts = [m for m in divisors(samples) if low <= m <= high]
+    if schedule == "interleaved-1f1b":
+        counts = [m for m in counts if m % pp == 0]
+    return counts or [m for m in divisors(samples) if schedule != "interleaved-1f1b" or m % pp == 0][-1:]
+
+
+def layouts(config: JobConfig, servers: int, servers_per_host: int) -> Iterator[Layout]:
+    """Every candidate layout, before the config's rules are applied."""
+    for dp, tp, pp in grids(config, servers, servers_per_host):
+        if config.train.global_batch % dp:
+            continue
+        for schedule, vpp in pipelines(pp, config.model.n_layers):
+            for microbatches in microbatch_counts(config.train.global_batch // dp, pp, vpp, schedule):
+                for zero in (range(4) if dp > 1 else (0,)):
+                    for recompute in RECOMPUTE_ORDER:
+                        for sp in ((False, True) if tp > 1 else (False,)):
+                            yield Layout(dp, tp, pp, vpp, schedule, microbatches, zero, recompute, sp)
+
+
+def valid_configs(config: JobConfig, servers: int, servers_per_host: int) -> tuple[list[tuple[Layout, JobConfig]], int]:
+    """(layout, its config) for every candidate the rules admit, and how many they refused."""
+    kept, refused = [], 0
+    for layout in layouts(config, servers, servers_per_host):
+        try:
+            kept.append((layout, apply(config, layout)))
+        except ConfigError:
+            refused += 1
+    return kept, refused

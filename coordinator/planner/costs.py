@@ -1,0 +1,206 @@
+"""What a layout's actions cost, from a device profile measured on real servers.
+
+A `DeviceProfile` holds the fitted laws of one device kind running one model family
+(clients/plan_profile.py measures them; traces of real jobs refine them):
+
+    compute seconds of one chunk's forward  = forward_overhead_s  + forward FLOPs / forward_flops_per_s
+    ... of its backward B                    = backward_overhead_s + forward FLOPs / backward_flops_per_s
+    ... of the halves I and W                = the same law with their own constants
+    a message or collective of n bytes       = latency_s + n / bytes_per_s   (per link kind)
+    the weight update                        = update_s_per_param * parameters the rank steps
+
+The overheads are what a compute costs beyond its arithmetic (the executor's work, kernel
+launches); on small models they dominate, which is why the law is affine and not FLOPs
+alone. Forward FLOPs count every matrix product of the chunk on one tensor rank (1/tp of
+each block's weights, the attention scores, the head's vocabulary slice).
+
+`layout_costs` turns a job config into the simulator's inputs: per chunk its F, B, I and
+W seconds (recompute's rerun and the tensor group's collectives included), the
+pipeline message's seconds, and one data-parallel reduction's, parameter gather's and
+update's.
+
+Worked example: a chunk of 2 GPT-2 layers (d_model 64, seq_len 32) at 4 rows, tp=1,
+does 2 * 4 * 32 * (2 * 12 * 64 * 64 + 4 * 64 * 32) = 13.6 MFLOP forward; with
+forward_overhead_s 2 ms and 1 GFLOP/s, its forward costs 2 + 13.6 = 15.6 ms.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from dataclasses import dataclass, field
+
+from interleaf.common.model.architectures import architecture
+from interleaf.common.model.config import shape_of
+from interleaf.common.model.shapes import chunk_param_specs, local_numel
+from interleaf.coordinator.config import PRECISION_BYTES, JobConfig
+from interleaf.coordinator.memory_model import message_bytes
+from interleaf.coordinator.partition import Chunk, partition
+
+LINK_KINDS = ("p2p", "allreduce")
+"""The link laws a profile holds: point-to-point pipeline messages, and collectives
+(tensor-parallel all-reduces, data-parallel reductions and gathers, the tie's sum)."""
+
+
+@dataclass(frozen=True)
+class Law:
+    """seconds = overhead_s + amount / rate: the affine cost of one action."""
+    overhead_s: float
+    rate: float
+    """Amount per second (FLOP/s for compute, bytes/s for links)."""
+
+    def seconds(self, amount: float) -> float:
+        return self.overhead_s + amount / self.rate
+
+
+@dataclass(frozen=True)
+class DeviceProfile:
+    device: str
+    """The device kind measured: cpu, or the CUDA device's name."""
+    forward: Law
+    backward: Law
+    input_grad: Law
+    weight_grad: Law
+    links: dict[str, Law]
+    update_s_per_param: float
+    measured_on: str = ""
+    """What was run to measure it (the profile jobs' shapes), for the plan's report."""
+    observations: list[dict] = field(default_factory=list)
+    """Every (kind, FLOPs, seconds) fitted, profile jobs' and traces' alike."""
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict) -> "DeviceProfile":
+        laws = {k: Law(**data[k]) for k in ("forward", "backward", "input_grad", "weight_grad")}
+        return cls(device=data["device"], links={k: Law(**v) for k, v in data["links"].items()},
+                   update_s_per_param=data["update_s_per_param"], measured_on=data.get("measured_on", ""),
+                   observations=list(data.get("observations", [])), **laws)
+
+
+@dataclass(frozen=True)
+class LayoutCosts:
+    forward_s: list[float]
+    """Per chunk (global index), one microbatch's forward."""
+    backward_s: list[float]
+    input_s: list[float]
+    weight_s: list[float]
+    message_s: float
+    reduce_s: float
+    """One chunk's data-parallel gradient reduction (all-reduce, or reduce-scatter under
+    ZeRO 2 and 3), the largest chunk's."""
+    gather_s: float
+    """ZeRO-3: one chunk's parameter all-gather."""
+    update_s: list[float]
+    """Per pipeline rank, its weight update, with ZeRO's all-gather of the stepped shard."""
+    tp_collective_s: float
+    """Of each chunk's forward, the tensor group's collectives (for the report)."""
+
+
+def chunk_forward_flops(config: JobConfig, chunk: Chunk, rows: int) -> float:
+    """Matrix FLOPs of one chunk's forward on one microbatch of `rows`, on one tensor rank."""
+    tp = config.parallel.tp
+    block_matrix, attention, head = _per_token(config.model, tp)
+    tokens = rows * config.model.seq_len
+    flops = len(chunk.layers) * tokens * (2 * block_matrix + attention) / tp
+    if chunk.has_head:
+        flops += tokens * head / tp
+    return flops
+
+
+@functools.lru_cache(maxsize=256)
+def _per_token(model, tp: int) -> tuple[int, int, int]:
+    """A block's matrix weights, its attention FLOPs per token (the scores and their
+    weighted sum), and the head's FLOPs per token on the vocabulary padded for tp."""
+    shape = shape_of(model)
+    block = architecture(shape.arch).block_parameters(shape)
+    block_matrix = sum(math.prod(full) for full, _ in block.values() if len(full) == 2)
+    return block_matrix, 4 * shape.d_model * shape.seq_len, 2 * shape.padded_vocab(tp) * shape.d_model
+
+
+def chunk_parameters(config: JobConfig, chunk: Chunk) -> int:
+    """Parameters one tensor rank holds of the chunk."""
+    return _parameters(config.model, chunk.layers.start, chunk.layers.stop, chunk.has_embedding, chunk.has_head,
+                       config.parallel.tp)
+
+
+@functools.lru_cache(maxsize=4096)
+def _parameters(model, start: int, stop: int, has_embedding: bool, has_head: bool, tp: int) -> int:
+    """(Cached: the planner asks it of every chunk of thousands of layouts.)"""
+    specs = chunk_param_specs(shape_of(model), range(start, stop), has_embedding, has_head, tp)
+    return sum(local_numel(spec, tp) for spec in specs.values())
+
+
+def _ring(law: Law, members: int, total_bytes: float, passes: float) -> float:
+    """A ring collective over `members`: `passes` times (members-1)/members of the bytes
+    cross each link, in (members-1)*passes latency-bound steps."""
+    if members <= 1:
+        return 0.0
+    share = (members - 1) / members
+    return passes * (members - 1) * law.overhead_s + passes * share * total_bytes / law.rate
+
+
+def layout_costs(config: JobConfig, profile: DeviceProfile, slowdown: float = 1.0) -> LayoutCosts:
+    """The simulator's inputs for `config` on devices `profile` describes. `slowdown`
+    stretches compute where servers share cores (planner/cluster.py)."""
+    p, t, m = config.parallel, config.train, config.model
+    rows = t.global_batch // (p.dp * p.microbatches)
+    act_bytes = PRECISION_BYTES[t.precision]
+    chunks = partition(m.n_layers, p.pp, p.vpp, p.schedule)
+    allreduce = profile.links["allreduce"]
+    # Each block sums its attention and MLP outputs over the tensor group in the forward
+    # and their input gradients in the backward (sequence parallelism's reduce-scatter
+    # and all-gather move the same bytes).
+    hidden = rows * m.seq_len * m.d_model * act_bytes
+    tp_per_layer = 2 * _ring(allreduce, p.tp, hidden, 2)
+    forward, backward, inputs, weights, tp_share = [], [], [], [], []
+    for chunk in chunks:
+        flops = chunk_forward_flops(config, chunk, rows)
+        tp_s = len(chunk.layers) * tp_per_layer
+        f = profile.forward.seconds(flops) * slowdown + tp_s
+        rerun = _recompute_share(config, chunk) * (f - profile.forward.overhead_s * slowdown)
+        forward.append(f)
+        backward.append(profile.backward.seconds(flops) * slowdown + tp_s + rerun)
+        inputs.append(profile.input_grad.seconds(flops) * slowdown + tp_s + rerun)
+        weights.append(profile.weight_grad.seconds(flops) * slowdown)
+        tp_share.append(tp_s)
+    params = [chunk_parameters(config, c) for c in chunks]
+    grad_bytes = max(params) * _master_bytes(t.precision)
+    param_bytes = max(params) * act_bytes
+    reduce_s = _ring(allreduce, p.dp, grad_bytes, 1 if p.zero >= 2 else 2)
+    gather_s = _ring(allreduce, p.dp, param_bytes, 1) if p.zero == 3 else 0.0
+    update_s = []
+    for rank in range(p.pp):
+        held = sum(n for n, c in zip(params, chunks) if c.pipeline_rank == rank)
+        seconds = profile.update_s_per_param * held / (p.dp if p.zero else 1) * slowdown
+        if p.zero in (1, 2):  # the stepped shards are gathered back into every replica
+            seconds += _ring(allreduce, p.dp, held * act_bytes, 1)
+        update_s.append(seconds)
+    p2p = profile.links["p2p"]
+    return LayoutCosts(forward, backward, inputs, weights, p2p.seconds(message_bytes(config)),
+                       reduce_s, gather_s, update_s, max(tp_share))
+
+
+def _master_bytes(precision: str) -> int:
+    """Bytes of a reduced gradient: fp32 under bf16 and fp8 (the reduction's accumulator),
+    the compute dtype otherwise."""
+    return 8 if precision == "fp64" else 4
+
+
+def _recompute_share(config: JobConfig, chunk: Chunk) -> float:
+    """Share of the chunk's forward its backward reruns: all of it under full recompute;
+    under selective the attention core and pointwise work, about the attention scores'
+    share of the block's FLOPs (Korthikanti et al. 2022); every K-th block whole with
+    recompute_layers=K."""
+    t, m = config.train, config.model
+    if t.recompute == "full":
+        return 1.0
+    if t.recompute != "selective":
+        return 0.0
+    if t.recompute_layers:
+        whole = sum(1 for i in chunk.layers if (i + 1) % t.recompute_layers == 0)
+        return whole / max(1, len(chunk.layers))
+    block_matrix, attention, _ = _per_token(m, 1)
+    return attention / (2 * block_matrix + attention)

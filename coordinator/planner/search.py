@@ -1,0 +1,244 @@
+"""The planner's search: every candidate layout (candidates.py), pruned by the memory
+model, ranked by the simulator running its programs at the measured costs (costs.py).
+
+Exact branch and bound: a rank computes its forwards, backwards and update one after
+another, so the busiest rank's compute is a lower bound on the step the simulator would
+predict. Candidates are visited from the lowest bound up; once a bound comes within TOLERANCE
+(1%) of the K-th best simulated step, no later candidate can enter the top K by more than
+the cost model could tell, and the search stops. What
+it skips is counted, never silently lost: the report says how many candidates the rules
+refused, how many the memory model did, and how many were simulated.
+
+Worked example (tests/test_planner.py): 2 CPU servers, a 4-layer model. dp2 at recompute
+none has the lowest bound and fits: simulated first; pp2 gpipe m=2 has a bound above
+dp2's simulated step, and is never simulated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass, field
+
+from interleaf.coordinator.admission import RUNTIME_RESERVE_BYTES
+from interleaf.coordinator.config import JobConfig
+from interleaf.coordinator.memory_model import predict
+from interleaf.coordinator.partition import partition
+from interleaf.coordinator.schedule import CostModel, DeadlockError, SimResult, build_programs, simulate
+from interleaf.coordinator.schedule.placement import chunk_ranks
+from interleaf.protos.actions import COMPUTE, Action, Kind
+
+from .candidates import RECOMPUTE_ORDER, Layout, valid_configs
+from .costs import DeviceProfile, LayoutCosts, layout_costs
+
+TOLERANCE = 0.01
+"""A candidate whose compute alone is within this share of the K-th best predicted step
+is not simulated: the cost model's own error is larger (bench/planner.py)."""
+LINKS = "eager"
+"""The executor never waits for its sends (coordinator/executed_step.py's prediction)."""
+
+
+@dataclass(frozen=True)
+class Cluster:
+    servers: int
+    memory_bytes: int
+    """What each server offers (the least of the servers', where they differ)."""
+    servers_per_host: int = 8
+    compute_slowdown: float = 1.0
+    """How much slower a server computes when its host's servers all compute at once
+    (more threads than cores: local servers on a small machine)."""
+
+
+@dataclass(frozen=True)
+class RankedPlan:
+    layout: Layout
+    config: JobConfig
+    step_s: float
+    bubble: float
+    peak_bytes: list[int]
+    """Per pipeline rank, the memory model's peak."""
+    costs: LayoutCosts
+    lower_bound_s: float
+
+    @property
+    def admission_bytes(self) -> int:
+        return max(self.peak_bytes) + RUNTIME_RESERVE_BYTES
+
+    def as_json(self) -> dict:
+        return {"parallel": self.layout.parallel(), "train": self.layout.train(),
+                "predicted_step_seconds": self.step_s, "predicted_bubble": self.bubble,
+                "predicted_peak_bytes": max(self.peak_bytes), "predicted_admission_bytes": self.admission_bytes,
+                "peak_bytes_per_pipeline_rank": self.peak_bytes, "describe": self.layout.describe()}
+
+
+@dataclass
+class SearchReport:
+    plans: list[RankedPlan]
+    candidates: int = 0
+    refused_by_rules: int = 0
+    refused_by_memory: int = 0
+    simulated: int = 0
+    dominated: int = 0
+    """Not simulated: a variant with less recompute, or with sequence parallelism, fitted."""
+    bounded_out: int = 0
+    seconds: float = 0.0
+    stopped_by_time: bool = False
+    smallest_refused: list[tuple[int, str]] = field(default_factory=list)
+    """(bytes needed, layout) of the leanest layouts memory refused, when none fits."""
+
+
+def compute_bound(config: JobConfig, costs: LayoutCosts) -> float:
+    """A lower bound on the step: per pipeline rank, the forwards of the chunks before
+    its first (microbatch 0 must pass them before it can start), then all its own
+    compute (every forward and backward of its chunks for every microbatch, and its
+    update), then, for whole backwards, the backwards of those earlier chunks (its last
+    backward, of its first chunk, must still pass them); the largest over the ranks."""
+    p = config.parallel
+    ranks = chunk_ranks(p.schedule, p.pp, p.vpp)
+    split = p.schedule in ("zb-h1", "zbv")
+    busy = list(costs.update_s)
+    for chunk, rank in enumerate(ranks):
+        backward = costs.input_s[chunk] + costs.weight_s[chunk] if split else costs.backward_s[chunk]
+        busy[rank] += p.microbatches * (costs.forward_s[chunk] + backward)
+    bound = 0.0
+    for rank in range(p.pp):
+        first = ranks.index(rank)
+        before = range(first)
+        warmup = sum(costs.forward_s[c] for c in before)
+        drain = 0.0 if split else sum(costs.backward_s[c] for c in before)
+        bound = max(bound, warmup + busy[rank] + drain)
+    return bound
+
+
+def simulate_layout(config: JobConfig, programs: list[list[Action]], costs: LayoutCosts) -> SimResult:
+    """The step the simulator predicts: each compute its chunk's cost, each update its
+    rank's, each message the measured link's time, each reduction and gather the
+    collective's."""
+    measured: list[list[float | None]] = []
+    for rank, program in enumerate(programs):
+        row: list[float | None] = []
+        for action in program:
+            if action.kind in COMPUTE:
+                row.append(_compute_s(costs, action))
+            elif action.kind is Kind.OPTIMIZER_STEP:
+                row.append(costs.update_s[rank])
+            else:
+                row.append(None)
+        measured.append(row)
+    cost = CostModel(latency_s=costs.message_s, reduce_s=costs.reduce_s, gather_s=costs.gather_s)
+    return simulate(programs, cost, links=LINKS, measured=measured)
+
+
+def _compute_s(costs: LayoutCosts, action: Action) -> float:
+    table = {Kind.FORWARD: costs.forward_s, Kind.BACKWARD: costs.backward_s,
+             Kind.BACKWARD_INPUT: costs.input_s, Kind.BACKWARD_WEIGHT: costs.weight_s}
+    return table[action.kind][action.chunk]
+
+
+def search(config: JobConfig, cluster: Cluster, profile: DeviceProfile, top: int = 5,
+           budget_s: float = 30.0) -> SearchReport:
+    """The `top` fastest layouts that fit, best first (ties: less memory first)."""
+    started = time.monotonic()
+    valid, refused = valid_configs(config, cluster.servers, cluster.servers_per_host)
+    report = SearchReport([], candidates=len(valid) + refused, refused_by_rules=refused)
+    bounded = []
+    for layout, cfg in valid:
+        costs = layout_costs(cfg, profile, cluster.compute_slowdown)
+        bounded.append((compute_bound(cfg, costs), layout, cfg, costs))
+    # Equal bounds: sequence parallelism, lower ZeRO stages and less recompute first (as
+    # fast, and fewer collectives or reruns for the same prediction).
+    bounded.sort(key=lambda b: (b[0], not b[1].sequence_parallel, b[1].zero, RECOMPUTE_ORDER.index(b[1].recompute)))
+    programs_cache: dict[tuple, list[list[Action]]] = {}
+    simulated: set[Layout] = set()
+    refused_sizes: list[tuple[int, str]] = []
+    for index, (bound, layout, cfg, costs) in enumerate(bounded):
+        if len(report.plans) >= top and bound >= report.plans[top - 1].step_s * (1 - TOLERANCE):
+            report.bounded_out = len(bounded) - index
+            break
+        if time.monotonic() - started > budget_s:
+            report.stopped_by_time = True
+            report.bounded_out = len(bounded) - index
+            break
+        if _dominated(layout, simulated):
+            report.dominated += 1
+            continue
+        p = cfg.parallel
+        key = (p.schedule, p.pp, p.vpp, p.microbatches, p.dp > 1, p.zero, p.zero_prefetch, cfg.model.tie_embeddings)
+        if key not in programs_cache:
+            programs_cache[key] = build_programs(p.schedule, p.pp, p.vpp, p.microbatches, p.dp, p.zero,
+                                                 p.zero_prefetch, tied=cfg.model.tie_embeddings)
+        programs = programs_cache[key]
+        peaks = [prediction["peak_bytes"] for prediction in predict(cfg, programs)]
+        if max(peaks) + RUNTIME_RESERVE_BYTES > cluster.memory_bytes:
+            report.refused_by_memory += 1
+            refused_sizes.append((max(peaks) + RUNTIME_RESERVE_BYTES, layout.describe()))
+            continue
+        try:
+            result = simulate_layout(cfg, programs, costs)
+        except DeadlockError:  # build_programs' programs are deadlock-free; kept honest
+            continue
+        report.simulated += 1
+        simulated.add(layout)
+        plan = RankedPlan(layout, cfg, result.makespan_s, result.bubble_fraction, peaks, costs, bound)
+        rival = next((i for i, kept in enumerate(report.plans) if _shape(kept.layout) == _shape(layout)), None)
+        if rival is not None:  # one plan per shape: its best ZeRO stage, recompute and sequence parallelism
+            if _order(plan) >= _order(report.plans[rival]):
+                continue
+            del report.plans[rival]
+        report.plans.append(plan)
+        report.plans.sort(key=_order)
+        del report.plans[top:]
+    if not report.plans:
+        report.smallest_refused = sorted(refused_sizes)[:3]
+    report.seconds = time.monotonic() - started
+    return report
+
+
+def _dominated(layout: Layout, simulated: set[Layout]) -> bool:
+    """Whether a layout that fitted is as fast and no larger: the same with less
+    recompute (a rerun only adds time), or with sequence parallelism where this has none
+    (the same collectives' bytes, activations divided by tp)."""
+    index = RECOMPUTE_ORDER.index(layout.recompute)
+    if any(dataclasses.replace(layout, recompute=r) in simulated for r in RECOMPUTE_ORDER[:index]):
+        return True
+    return not layout.sequence_parallel and dataclasses.replace(layout, sequence_parallel=True) in simulated
+
+
+def _shape(layout: Layout) -> tuple:
+    """What makes two plans different layouts rather than variants of one."""
+    return layout.dp, layout.tp, layout.pp, layout.vpp, layout.schedule, layout.microbatches
+
+
+def _order(plan: RankedPlan) -> tuple:
+    """Faster first; at equal predicted time (to the microsecond), less memory."""
+    return round(plan.step_s, 6), max(plan.peak_bytes)
+
+
+def explain(plan: RankedPlan, best: RankedPlan | None = None) -> list[str]:
+    """Why the plan's step takes what it does: where its time goes and what it holds."""
+    cfg, costs = plan.config, plan.costs
+    p, t = cfg.parallel, cfg.train
+    compute = plan.lower_bound_s
+    lines = [f"compute of the busiest rank {compute:.4f} s; ranks idle {plan.bubble:.1%} of the step, in the "
+             f"pipeline's bubble ({p.microbatches} microbatches over pp={p.pp}, {p.schedule}) and waiting "
+             f"for messages and collectives"]
+    if p.tp > 1:
+        share = costs.tp_collective_s / max(costs.forward_s)
+        lines.append(f"tp={p.tp}: the tensor group's all-reduces are {share:.0%} of the largest chunk's forward")
+    if p.dp > 1:
+        what = "reduce-scatter" if p.zero >= 2 else "all-reduce"
+        lines.append(f"dp={p.dp}: each chunk's gradient {what} {costs.reduce_s * 1e3:.1f} ms"
+                     + (f", each parameter gather {costs.gather_s * 1e3:.1f} ms" if p.zero == 3 else ""))
+    if t.recompute != "none":
+        lines.append(f"recompute={t.recompute} reruns forward work in the backward, to fit or to save memory")
+    chunks = partition(cfg.model.n_layers, p.pp, p.vpp, p.schedule)
+    sizes = sorted({len(c.layers) for c in chunks})
+    if len(sizes) > 1:
+        lines.append(f"uneven split: chunks hold {sizes[0]}-{sizes[-1]} layers")
+    lines.append(f"peak memory {max(plan.peak_bytes) / 2**30:.2f} GiB (+{RUNTIME_RESERVE_BYTES / 2**30:.1f} GiB "
+                 f"process reserve) on pipeline rank {plan.peak_bytes.index(max(plan.peak_bytes))}")
+    if best is not None and best is not plan:
+        lines.append(f"{plan.step_s / best.step_s - 1:+.1%} against the best")
+    return lines
+
+
