@@ -351,7 +351,7 @@ def cmd_schedule(args) -> int:
         for blocked in err.blocked:
             print(f"  {blocked}")
         return 1
-    print(describe(partition(config.model.n_layers, p.pp, p.vpp, p.schedule), p.pp))
+    print(describe(partition(config.model.n_layers, p.pp, p.vpp, p.schedule, p.layers), p.pp))
     print(RankGrid(p.dp, p.pp, p.tp, tie_ranks(chunk_ranks(p.schedule, p.pp, p.vpp))).describe())
     print(describe_state(config))
     print(timeline_table(programs, result))

@@ -128,7 +128,7 @@ def observe(trace: pb.StepTrace, config: JobConfig) -> list[dict]:
     (update, parameters, seconds) of every update."""
     p = config.parallel
     rows = config.train.global_batch // (p.dp * p.microbatches)
-    chunks = partition(config.model.n_layers, p.pp, p.vpp, p.schedule)
+    chunks = partition(config.model.n_layers, p.pp, p.vpp, p.schedule, p.layers)
     flops = [chunk_forward_flops(config, c, rows) for c in chunks]
     stages = {info.rank: info.coordinates.pp for info in trace.ranks}
     found = []

@@ -75,7 +75,7 @@ class _ProgramWalk:
         self.recompute = t.recompute == "full"
         self.block_recompute = (t.recompute, t.recompute_layers)  # selective: inside the blocks
         self.sequence_parallel = p.sequence_parallel and p.tp > 1
-        self.chunks = {c.index: c for c in chunks_of(partition(m.n_layers, p.pp, p.vpp, p.schedule), pipeline_rank)}
+        self.chunks = {c.index: c for c in chunks_of(partition(m.n_layers, p.pp, p.vpp, p.schedule, p.layers), pipeline_rank)}
         self.full = {c: sum(-(-n // p.dp) * p.dp for n in bucket_sizes(config, chunk))
                      for c, chunk in self.chunks.items()}  # padded elements, all buckets
         self.shard = {c: n // p.dp for c, n in self.full.items()}
@@ -300,7 +300,7 @@ def partial_grad_elements(config: JobConfig, pipeline_rank: int, dp_rank: int = 
     tensor group at the optimizer step (stageserver/model_state.py)."""
     p = config.parallel
     count = 0
-    for chunk in chunks_of(partition(config.model.n_layers, p.pp, p.vpp, p.schedule), pipeline_rank):
+    for chunk in chunks_of(partition(config.model.n_layers, p.pp, p.vpp, p.schedule, p.layers), pipeline_rank):
         specs = chunk_param_specs(shape_of(config.model), chunk.layers, chunk.has_embedding, chunk.has_head, p.tp)
         for names in ([n for n in specs if n == TIED], [n for n in specs if n != TIED]):
             if not names:

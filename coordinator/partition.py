@@ -6,6 +6,8 @@ chunk also holds the embedding, the last the final norm, head and loss. When the
 do not divide evenly the first chunks take one extra each, since the last chunk already
 carries the head and loss (the costliest single matmul in a small-vocabulary model is
 cheaper than a layer, in a large one it is not: the report shows what was chosen).
+parallel.layers gives each chunk's count instead (`interleaf plan` weighs a split that
+takes layers off the head's chunk: planner/candidates.py).
 """
 
 from __future__ import annotations
@@ -24,15 +26,19 @@ class Chunk:
     has_head: bool
 
 
-def partition(n_layers: int, pp: int, vpp: int, schedule: str = "interleaved-1f1b") -> list[Chunk]:
+def partition(n_layers: int, pp: int, vpp: int, schedule: str = "interleaved-1f1b",
+              sizes: tuple[int, ...] = ()) -> list[Chunk]:
+    """`sizes`: each chunk's layers (parallel.layers); empty: as even as they divide."""
     count = pp * vpp
     ranks = chunk_ranks(schedule, pp, vpp)
     if not 1 <= count <= n_layers:
         raise ValueError(f"cannot split {n_layers} layers into {count} non-empty chunks")
+    if sizes and (len(sizes) != count or sum(sizes) != n_layers or min(sizes) < 1):
+        raise ValueError(f"layers per chunk {list(sizes)} must be {count} counts >= 1 summing to {n_layers}")
     base, extra = divmod(n_layers, count)
     chunks, start = [], 0
     for c in range(count):
-        size = base + (1 if c < extra else 0)
+        size = sizes[c] if sizes else base + (1 if c < extra else 0)
         chunks.append(Chunk(c, range(start, start + size), ranks[c], c == 0, c == count - 1))
         start += size
     return chunks
@@ -54,5 +60,5 @@ def describe(chunks: list[Chunk], pp: int) -> str:
         lines.append(f"pipeline rank {rank}: " + ", ".join(parts))
     sizes = sorted({len(c.layers) for c in chunks})
     if len(sizes) > 1:
-        lines.append(f"uneven split: chunks hold {sizes[0]}-{sizes[-1]} layers (first chunks take the extra)")
+        lines.append(f"uneven split: chunks hold {sizes[0]}-{sizes[-1]} layers")
     return "\n".join(lines)

@@ -118,7 +118,7 @@ def plan_job(config: JobConfig, servers: list[ServerSlot],
     return JobPlan(
         transport=transport,
         grid=RankGrid(p.dp, p.pp, p.tp, tie_ranks(chunk_ranks(p.schedule, p.pp, p.vpp))),
-        chunks=partitioning.partition(config.model.n_layers, p.pp, p.vpp, p.schedule),
+        chunks=partitioning.partition(config.model.n_layers, p.pp, p.vpp, p.schedule, p.layers),
         programs=programs,
         servers=list(servers),
         predicted_bubble=bubble,

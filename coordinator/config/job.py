@@ -64,6 +64,8 @@ class JobConfig:
                 f"parallel.pp*parallel.vpp={p.pp * p.vpp} must not exceed model.n_layers="
                 f"{m.n_layers}: every chunk needs at least one layer"
             )
+        if p.layers:
+            self._check_layers()
         if m.n_heads % p.tp:
             raise ConfigError(
                 f"model.n_heads={m.n_heads} must be divisible by parallel.tp={p.tp}"
@@ -97,6 +99,17 @@ class JobConfig:
             )
         if self.eval.enabled:
             self._check_eval()
+
+    def _check_layers(self) -> None:
+        p, n = self.parallel, self.model.n_layers
+        given = ",".join(map(str, p.layers))
+        if len(p.layers) != p.pp * p.vpp:
+            raise ConfigError(f"parallel.layers=[{given}] must give one count per chunk: parallel.pp*parallel.vpp="
+                              f"{p.pp * p.vpp} of them, not {len(p.layers)}")
+        if min(p.layers) < 1:
+            raise ConfigError(f"parallel.layers=[{given}] must give every chunk at least 1 layer")
+        if sum(p.layers) != n:
+            raise ConfigError(f"parallel.layers=[{given}] must sum to model.n_layers={n}, not {sum(p.layers)}")
 
     def _check_eval(self) -> None:
         """An evaluation runs microbatches of the training microbatch's shape through the

@@ -83,6 +83,12 @@ class ParallelConfig:
     to the next stage, whose ranks all-gather it within their tensor group. Moves the
     same values (false: every rank sends the whole tensor, to compare)."""
 
+    layers: tuple[int, ...] = ()
+    """Layers of each chunk, in chunk order (pp*vpp counts summing to model.n_layers,
+    each at least 1), to move layers away from a chunk whose embedding or head makes it
+    the slowest; `--set parallel.layers=3,3,2`. Empty (default): as even as they divide,
+    the first chunks taking the extra. `interleaf plan` weighs a split that evens out
+    the head's cost."""
     plan: str = ""
     """"auto": `interleaf run` and `interleaf submit` choose dp, tp, pp, vpp, the schedule,
     microbatches, zero and sequence_parallel here, and train.recompute, for the servers

@@ -7,8 +7,9 @@ heads and MLP width; pp is at most n_layers. Per (dp, tp, pp): every schedule th
 that pp (one chunk per rank for gpipe, 1f1b and zb-h1; vpp 2 to 4 for interleaved-1f1b;
 the V's 2 for zbv; a single stage runs 1f1b), microbatch counts that divide the replica's
 samples (at most 8 * pp * vpp of them, since more only adds per-microbatch cost once the
-bubble is small), every ZeRO stage where dp > 1, every recompute mode, and sequence
-parallelism on or off where tp > 1. The job config's rules are applied to each
+bubble is small), every ZeRO stage where dp > 1, every recompute mode, sequence
+parallelism on or off where tp > 1, and beside the even split of the layers the one
+that takes layers off the head's chunk (head_balanced_split). The job config's rules are applied to each
 (config/job.py) and the ones they refuse are counted, not kept.
 
 Worked example: 2 servers on one host, a 4-layer model, global batch 8 gives
@@ -41,12 +42,15 @@ class Layout:
     zero: int
     recompute: str
     sequence_parallel: bool = False
+    layers: tuple[int, ...] = ()
+    """Layers per chunk; empty: the even split."""
 
     def parallel(self) -> dict:
         values = {"dp": self.dp, "tp": self.tp, "pp": self.pp, "vpp": self.vpp, "schedule": self.schedule,
                   "microbatches": self.microbatches, "zero": self.zero}
         if self.tp > 1:
             values["sequence_parallel"] = self.sequence_parallel
+        values["layers"] = list(self.layers)
         return values
 
     def train(self) -> dict:
@@ -66,6 +70,8 @@ class Layout:
             text += f" recompute={self.recompute}"
         if self.sequence_parallel:
             text += " sp"
+        if self.layers:
+            text += " layers=" + ",".join(map(str, self.layers))
         return text
 
 
@@ -117,23 +123,47 @@ def microbatch_counts(samples: int, pp: int, vpp: int, schedule: str) -> list[in
     return counts or [m for m in divisors(samples) if schedule != "interleaved-1f1b" or m % pp == 0][-1:]
 
 
-def layouts(config: JobConfig, servers: int, servers_per_host: int) -> Iterator[Layout]:
-    """Every candidate layout, before the config's rules are applied."""
+def head_balanced_split(n_layers: int, chunks: int, head_layers: float) -> tuple[int, ...]:
+    """Layers per chunk that even out the chunks' work when the last one also runs the
+    head, costing `head_layers` layers: the last chunk gets the share left after its
+    head (at least one layer), the others the rest, as evenly as they divide; () where
+    that is the even split itself.
+
+    Worked example: 8 layers in 4 chunks, a head costing 2 layers: each chunk's share
+    of the 10 layers' work is 2.5, the last chunk takes round(2.5 - 2) = 0, raised to
+    the least of 1, and the other 7 layers spread 3, 2, 2: (3, 2, 2, 1).
+    """
+    if chunks < 2:
+        return ()
+    last = max(1, min(n_layers - (chunks - 1), round((n_layers + head_layers) / chunks - head_layers)))
+    base, extra = divmod(n_layers - last, chunks - 1)
+    sizes = tuple(base + (1 if c < extra else 0) for c in range(chunks - 1)) + (last,)
+    even_base, even_extra = divmod(n_layers, chunks)
+    even = tuple(even_base + (1 if c < even_extra else 0) for c in range(chunks))
+    return () if sizes == even or min(sizes) < 1 else sizes
+
+
+def layouts(config: JobConfig, servers: int, servers_per_host: int, head_layers: float = 0.0) -> Iterator[Layout]:
+    """Every candidate layout, before the config's rules are applied; `head_layers`: the
+    head's cost in layers, for the split that evens it out."""
     for dp, tp, pp in grids(config, servers, servers_per_host):
         if config.train.global_batch % dp:
             continue
         for schedule, vpp in pipelines(pp, config.model.n_layers):
+            splits = {(), head_balanced_split(config.model.n_layers, pp * vpp, head_layers)}
             for microbatches in microbatch_counts(config.train.global_batch // dp, pp, vpp, schedule):
                 for zero in (range(4) if dp > 1 else (0,)):
                     for recompute in RECOMPUTE_ORDER:
                         for sp in ((False, True) if tp > 1 else (False,)):
-                            yield Layout(dp, tp, pp, vpp, schedule, microbatches, zero, recompute, sp)
+                            for split in sorted(splits):
+                                yield Layout(dp, tp, pp, vpp, schedule, microbatches, zero, recompute, sp, split)
 
 
-def valid_configs(config: JobConfig, servers: int, servers_per_host: int) -> tuple[list[tuple[Layout, JobConfig]], int]:
+def valid_configs(config: JobConfig, servers: int, servers_per_host: int,
+                  head_layers: float = 0.0) -> tuple[list[tuple[Layout, JobConfig]], int]:
     """(layout, its config) for every candidate the rules admit, and how many they refused."""
     kept, refused = [], 0
-    for layout in layouts(config, servers, servers_per_host):
+    for layout in layouts(config, servers, servers_per_host, head_layers):
         try:
             kept.append((layout, apply(config, layout)))
         except ConfigError:

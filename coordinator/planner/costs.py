@@ -110,6 +110,13 @@ def chunk_forward_flops(config: JobConfig, chunk: Chunk, rows: int) -> float:
     return flops
 
 
+def head_layers(config: JobConfig) -> float:
+    """The head's forward FLOPs in layers' worth: what the chunk holding it does beyond
+    its layers."""
+    block_matrix, attention, head = _per_token(config.model, 1)
+    return head / (2 * block_matrix + attention)
+
+
 @functools.lru_cache(maxsize=256)
 def _per_token(model, tp: int) -> tuple[int, int, int]:
     """A block's matrix weights, its attention FLOPs per token (the scores and their
@@ -148,7 +155,7 @@ def layout_costs(config: JobConfig, profile: DeviceProfile, slowdown: float = 1.
     p, t, m = config.parallel, config.train, config.model
     rows = t.global_batch // (p.dp * p.microbatches)
     act_bytes = PRECISION_BYTES[t.precision]
-    chunks = partition(m.n_layers, p.pp, p.vpp, p.schedule)
+    chunks = partition(m.n_layers, p.pp, p.vpp, p.schedule, p.layers)
     allreduce = profile.links["allreduce"]
     # Each block sums its attention and MLP outputs over the tensor group in the forward
     # and their input gradients in the backward (sequence parallelism's reduce-scatter

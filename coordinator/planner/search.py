@@ -29,7 +29,7 @@ from interleaf.coordinator.schedule.placement import chunk_ranks
 from interleaf.protos.actions import COMPUTE, Action, Kind
 
 from .candidates import RECOMPUTE_ORDER, Layout, valid_configs
-from .costs import DeviceProfile, LayoutCosts, layout_costs
+from .costs import DeviceProfile, LayoutCosts, head_layers, layout_costs
 
 TOLERANCE = 0.01
 """A candidate whose compute alone is within this share of the K-th best predicted step
@@ -139,7 +139,7 @@ def search(config: JobConfig, cluster: Cluster, profile: DeviceProfile, top: int
            budget_s: float = 30.0) -> SearchReport:
     """The `top` fastest layouts that fit, best first (ties: less memory first)."""
     started = time.monotonic()
-    valid, refused = valid_configs(config, cluster.servers, cluster.servers_per_host)
+    valid, refused = valid_configs(config, cluster.servers, cluster.servers_per_host, head_layers(config))
     report = SearchReport([], candidates=len(valid) + refused, refused_by_rules=refused)
     bounded = []
     for layout, cfg in valid:
@@ -206,7 +206,7 @@ def _dominated(layout: Layout, simulated: set[Layout]) -> bool:
 
 def _shape(layout: Layout) -> tuple:
     """What makes two plans different layouts rather than variants of one."""
-    return layout.dp, layout.tp, layout.pp, layout.vpp, layout.schedule, layout.microbatches
+    return layout.dp, layout.tp, layout.pp, layout.vpp, layout.schedule, layout.microbatches, layout.layers
 
 
 def _order(plan: RankedPlan) -> tuple:
@@ -231,7 +231,7 @@ def explain(plan: RankedPlan, best: RankedPlan | None = None) -> list[str]:
                      + (f", each parameter gather {costs.gather_s * 1e3:.1f} ms" if p.zero == 3 else ""))
     if t.recompute != "none":
         lines.append(f"recompute={t.recompute} reruns forward work in the backward, to fit or to save memory")
-    chunks = partition(cfg.model.n_layers, p.pp, p.vpp, p.schedule)
+    chunks = partition(cfg.model.n_layers, p.pp, p.vpp, p.schedule, p.layers)
     sizes = sorted({len(c.layers) for c in chunks})
     if len(sizes) > 1:
         lines.append(f"uneven split: chunks hold {sizes[0]}-{sizes[-1]} layers")

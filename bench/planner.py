@@ -1,0 +1,181 @@
+"""The planner's predictions against measured steps (`interleaf plan`, docs/planning.md).
+
+On one local cluster (a coordinator and 2 stage servers of one torch thread each, the
+workload of every benchmark: workload.py), this
+
+1. measures the device profile afresh on the cluster's servers (the profile jobs
+   `interleaf plan` runs when nothing is cached: clients/plan_profile.py);
+2. runs a hand grid of layouts (HAND_GRID: data, tensor and pipeline parallelism, every
+   schedule, microbatch counts, ZeRO, recompute, an uneven split), each for --steps
+   steps, and takes the median of each one's steady step times (the slowest rank's
+   step inside the servers, what the simulator predicts);
+3. predicts each of them with the planner's cost model and simulator;
+4. asks the planner for its best layout and runs it too, unless the grid holds it.
+
+It reports the Spearman rank correlation of predicted against measured step times, the
+median and worst relative error, and the planned layout's measured step against the
+grid's best and the default layout's (parallel's defaults: pp=2, vpp=2, interleaved
+1F1B, 4 microbatches). Every run trains the same run: each one's losses must agree with
+the first's within measure.LOSS_TOLERANCE, or the script exits non-zero after writing
+its JSON; it also exits non-zero when a target (Spearman >= 0.8, median error <= 15%,
+the plan at least as fast as the grid's best within NOISE, faster than the default)
+is missed.
+
+    python bench/planner.py [--arch gpt2|llama] [--steps 8] [--warmup 2] [--tiny] [--out PATH]
+
+--tiny: a 4-layer model of d_model 32 for 3 steps on four layouts, a check that
+everything runs (seconds); its figures mean nothing and no target is held.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+from interleaf.clients import plan_profile
+from interleaf.clients.launcher import LocalCluster
+from interleaf.coordinator.config import load_config
+from interleaf.coordinator.planner.candidates import Layout, apply
+from interleaf.coordinator.planner.costs import layout_costs
+from interleaf.coordinator.planner.search import Cluster, search, simulate_layout
+from interleaf.coordinator.schedule import build_programs
+
+# Siblings in bench/ (the script's own directory is first on sys.path).
+from interleaf_run import run_job
+from measure import LOSS_TOLERANCE, arguments, machine, max_relative_difference, steady, table, write_json
+from workload import MODELS
+
+SERVERS = 2
+GLOBAL_BATCH = 16
+NOISE = 0.05
+"""Run-to-run spread of a step on this machine: a plan within it of the grid's best is
+as fast."""
+
+
+def L(dp=1, tp=1, pp=1, vpp=1, schedule="1f1b", m=1, zero=0, recompute="none", sp=False, layers=()):
+    return Layout(dp, tp, pp, vpp, schedule, m, zero, recompute, sp, tuple(layers))
+
+
+DEFAULT = L(pp=2, vpp=2, schedule="interleaved-1f1b", m=4)
+HAND_GRID = [
+    L(dp=2, m=1), L(dp=2, m=2), L(dp=2, m=4), L(dp=2, m=2, zero=3), L(dp=2, m=2, recompute="full"),
+    L(tp=2, m=1), L(tp=2, m=4, sp=True),
+    L(pp=2, schedule="gpipe", m=4), L(pp=2, m=2), L(pp=2, m=8), L(pp=2, schedule="zb-h1", m=4),
+    DEFAULT, L(pp=2, vpp=4, schedule="interleaved-1f1b", m=8), L(pp=2, vpp=2, schedule="zbv", m=4),
+    L(pp=2, m=4, recompute="selective"), L(pp=2, m=4, layers=(5, 3)),
+]
+TINY_MODEL = ["model.n_layers=4", "model.d_model=32", "model.n_heads=4", "model.seq_len=16", "model.vocab_size=256"]
+TINY_GRID = [L(dp=2, m=2), L(tp=2, m=2), L(pp=2, m=4), DEFAULT]
+
+
+def spearman(a: list[float], b: list[float]) -> float:
+    """Spearman's rank correlation (ties take their mean rank)."""
+    def ranks(values):
+        order = sorted(range(len(values)), key=values.__getitem__)
+        out = [0.0] * len(values)
+        i = 0
+        while i < len(order):
+            j = i
+            while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
+                j += 1
+            for k in range(i, j + 1):
+                out[order[k]] = (i + j) / 2
+            i = j + 1
+        return out
+    ra, rb = ranks(a), ranks(b)
+    mean_a, mean_b = statistics.fmean(ra), statistics.fmean(rb)
+    cov = sum((x - mean_a) * (y - mean_b) for x, y in zip(ra, rb))
+    var = (sum((x - mean_a) ** 2 for x in ra) * sum((y - mean_b) ** 2 for y in rb)) ** 0.5
+    return cov / var if var else 0.0
+
+
+def settings(layout: Layout) -> list[str]:
+    values = [f"parallel.{k}={','.join(map(str, v)) if isinstance(v, list) else v}"
+              for k, v in layout.parallel().items()]
+    return values + [f"train.{k}={v}" for k, v in layout.train().items()]
+
+
+def predicted_step(config, layout: Layout, profile, cluster: Cluster) -> float:
+    job = apply(config, layout)
+    p = job.parallel
+    programs = build_programs(p.schedule, p.pp, p.vpp, p.microbatches, p.dp, p.zero, p.zero_prefetch,
+                              tied=job.model.tie_embeddings)
+    return simulate_layout(job, programs, layout_costs(job, profile, cluster.compute_slowdown)).makespan_s
+
+
+def main() -> int:
+    args = arguments(__doc__.splitlines()[0], "planner",
+                     lambda p: p.add_argument("--tiny", action="store_true", help="a seconds-long check that it runs"))
+    model = TINY_MODEL if args.tiny else MODELS[args.arch]
+    steps = 3 if args.tiny else args.steps
+    warmup = 1 if args.tiny else args.warmup
+    grid = TINY_GRID if args.tiny else HAND_GRID
+    base = [*model, f"train.global_batch={GLOBAL_BATCH}", f"train.steps={steps}", "checkpoint.every=0"]
+    config = load_config("", base)
+    before = machine()
+    runs: list[dict] = []
+    with LocalCluster(SERVERS, steps_per_call=args.steps_per_call, metrics=False) as cluster:
+        client = cluster.client()
+        profile = plan_profile.measure(client, config, "cpu", SERVERS, log=lambda line: print(line, flush=True))
+        memory = cluster.memory_per_server
+        planning = Cluster(SERVERS, memory, servers_per_host=SERVERS, compute_slowdown=1.0)
+        report = search(config, planning, profile, top=5)
+        plan = report.plans[0].layout
+        layouts = grid + ([] if plan in grid else [plan])
+        for layout in layouts:
+            result = run_job(client, base + settings(layout))
+            measured = statistics.median(steady(result["step_seconds"], warmup))
+            predicted = predicted_step(config, layout, profile, planning)
+            runs.append({"layout": layout.describe(), "settings": settings(layout), "in_grid": layout in grid,
+                         "planned": layout == plan, "default": layout == DEFAULT, "measured_step_s": measured,
+                         "predicted_step_s": predicted, "error": predicted / measured - 1,
+                         "losses": result["losses"]})
+            print(f"{layout.describe():<52} measured {measured:.4f} s, predicted {predicted:.4f} s "
+                  f"({predicted / measured - 1:+.1%})", flush=True)
+    grid_runs = [r for r in runs if r["in_grid"]]
+    rho = spearman([r["predicted_step_s"] for r in grid_runs], [r["measured_step_s"] for r in grid_runs])
+    errors = sorted(abs(r["error"]) for r in grid_runs)
+    median_error = statistics.median(errors)
+    planned = next(r for r in runs if r["planned"])
+    best = min(grid_runs, key=lambda r: r["measured_step_s"])
+    default = next(r for r in runs if r["default"])
+    disagree = [r["layout"] for r in runs
+                if max_relative_difference(r["losses"], runs[0]["losses"]) > LOSS_TOLERANCE]
+    summary = {
+        "spearman": rho, "median_abs_error": median_error, "worst_abs_error": errors[-1],
+        "planned": planned["layout"], "planned_step_s": planned["measured_step_s"],
+        "grid_best": best["layout"], "grid_best_step_s": best["measured_step_s"],
+        "default_step_s": default["measured_step_s"],
+        "planned_vs_grid_best": planned["measured_step_s"] / best["measured_step_s"],
+        "planned_vs_default": planned["measured_step_s"] / default["measured_step_s"],
+        "search": {"candidates": report.candidates, "simulated": report.simulated, "seconds": report.seconds},
+        "losses_disagree": disagree,
+    }
+    write_json(args.out, {"benchmark": "planner", "machine_before": before, "machine_after": machine(),
+                          "servers": SERVERS, "model": model, "global_batch": GLOBAL_BATCH, "steps": steps,
+                          "warmup": warmup, "profile": profile.to_json(), "runs": runs, "summary": summary})
+    rows = [[r["layout"] + (" (planned)" if r["planned"] else "") + (" (default)" if r["default"] else ""),
+             f"{r['measured_step_s']:.4f}", f"{r['predicted_step_s']:.4f}", f"{r['error']:+.1%}"]
+            for r in sorted(runs, key=lambda r: r["measured_step_s"])]
+    print(table(["layout", "measured s", "predicted s", "error"], rows))
+    print(f"Spearman {rho:.3f}; median |error| {median_error:.1%}, worst {errors[-1]:.1%}; planned "
+          f"{planned['layout']}: {summary['planned_vs_grid_best']:.3f}x the grid's best step "
+          f"({best['layout']}), {summary['planned_vs_default']:.3f}x the default's")
+    missed = []
+    if disagree:
+        missed.append(f"losses differ from the first run's: {', '.join(disagree)}")
+    if not args.tiny:
+        if rho < 0.8:
+            missed.append(f"Spearman {rho:.3f} < 0.8")
+        if median_error > 0.15:
+            missed.append(f"median error {median_error:.1%} > 15%")
+        if summary["planned_vs_grid_best"] > 1 + NOISE:
+            missed.append(f"the plan is {summary['planned_vs_grid_best']:.3f}x the grid's best")
+        if summary["planned_vs_default"] >= 1:
+            missed.append(f"the plan is not faster than the default ({summary['planned_vs_default']:.3f}x)")
+    for line in missed:
+        print(f"MISSED: {line}")
+    return 1 if missed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
