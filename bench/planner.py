@@ -7,8 +7,10 @@ workload of every benchmark: workload.py), this
    `interleaf plan` runs when nothing is cached: clients/plan_profile.py);
 2. runs a hand grid of layouts (HAND_GRID: data, tensor and pipeline parallelism, every
    schedule, microbatch counts, ZeRO, recompute, an uneven split), each for --steps
-   steps, and takes the median of each one's steady step times (the slowest rank's
-   step inside the servers, what the simulator predicts);
+   steps, in ROUNDS rounds (the grid in order, then reversed), and takes for each the
+   least of its rounds' median steady step times (the slowest rank's step inside the
+   servers, what the simulator predicts): steps on this 2-core machine vary by up to a
+   quarter between runs minutes apart, and the least is the one least disturbed;
 3. predicts each of them with the planner's cost model and simulator;
 4. asks the planner for its best layout and runs it too, unless the grid holds it.
 
@@ -46,6 +48,7 @@ from workload import MODELS
 
 SERVERS = 2
 GLOBAL_BATCH = 16
+ROUNDS = 2
 NOISE = 0.05
 """Run-to-run spread of a step on this machine: a plan within it of the grid's best is
 as fast."""
@@ -121,16 +124,20 @@ def main() -> int:
         report = search(config, planning, profile, top=5)
         plan = report.plans[0].layout
         layouts = grid + ([] if plan in grid else [plan])
+        rounds: dict[Layout, list[dict]] = {layout: [] for layout in layouts}
+        for order in range(ROUNDS):  # forward, then backward: drift on the machine hits both ends alike
+            for layout in (layouts if order % 2 == 0 else layouts[::-1]):
+                rounds[layout].append(run_job(client, base + settings(layout)))
         for layout in layouts:
-            result = run_job(client, base + settings(layout))
-            measured = statistics.median(steady(result["step_seconds"], warmup))
+            medians = [statistics.median(steady(r["step_seconds"], warmup)) for r in rounds[layout]]
+            measured = min(medians)
             predicted = predicted_step(config, layout, profile, planning)
             runs.append({"layout": layout.describe(), "settings": settings(layout), "in_grid": layout in grid,
                          "planned": layout == plan, "default": layout == DEFAULT, "measured_step_s": measured,
-                         "predicted_step_s": predicted, "error": predicted / measured - 1,
-                         "losses": result["losses"]})
-            print(f"{layout.describe():<52} measured {measured:.4f} s, predicted {predicted:.4f} s "
-                  f"({predicted / measured - 1:+.1%})", flush=True)
+                         "round_medians_s": medians, "predicted_step_s": predicted,
+                         "error": predicted / measured - 1, "losses": rounds[layout][0]["losses"]})
+            print(f"{layout.describe():<52} measured {measured:.4f} s (rounds {', '.join(f'{m:.4f}' for m in medians)}),"
+                  f" predicted {predicted:.4f} s ({predicted / measured - 1:+.1%})", flush=True)
     grid_runs = [r for r in runs if r["in_grid"]]
     rho = spearman([r["predicted_step_s"] for r in grid_runs], [r["measured_step_s"] for r in grid_runs])
     errors = sorted(abs(r["error"]) for r in grid_runs)

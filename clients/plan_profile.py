@@ -3,10 +3,12 @@ it per (model, device kind, software), and refines it from the traces of real jo
 
 The profile runs short traced jobs of the model on the servers: a pipeline of one chunk
 per server (two where two are idle) at a small and a four-times-larger microbatch, with
-whole backwards (1f1b) and with split ones (zb-h1), three steps each, tracing the third.
+whole backwards (1f1b) and with split ones (zb-h1), with chunks of one layer
+(interleaved 1F1B, vpp up to 4) and of two (zbv) at the small one, and once under
+selective recompute; five steps each, tracing the last three.
 Every traced forward, backward, input- and weight-gradient half is one observation
 (its chunk's forward FLOPs, its seconds), every update one of seconds per parameter; a
-least-squares line through each kind's observations gives its law. A model whose layer
+least-squares line through each kind's median at each size gives its law. A model whose layer
 would take more than a second to run here is measured through a proxy: the same
 architecture narrowed until one layer's forward is PROXY_LAYER_FLOPS, the law's rate
 carried over (said in the profile's `measured_on`).
@@ -15,7 +17,7 @@ Links are measured between two processes of this machine over gloo, as the local
 talk: a point-to-point message and an all-reduce at 4 KiB and 4 MiB, a line through each.
 
 Worked example: `interleaf plan --servers 4` on this CPU machine starts two local
-servers, runs three profile jobs (about 10 s) and the link probe (about 3 s), and writes
+servers, runs five profile jobs (about 10 s) and the link probe (about 3 s), and writes
 ~/.cache/interleaf/plan-profiles/<key>.json; the next plan of the same model, device
 and software reads it back at once.
 """
@@ -28,6 +30,7 @@ import json
 import os
 import pathlib
 import socket
+import statistics
 import time
 
 from interleaf.coordinator.config import JobConfig
@@ -36,10 +39,13 @@ from interleaf.coordinator.planner.costs import DeviceProfile, Law, chunk_forwar
 from interleaf.protos import interleaf_pb2 as pb
 from interleaf.protos.actions import parse
 
-PROXY_LAYER_FLOPS = 2e9
+PROXY_LAYER_FLOPS = 5e8
 """The most FLOPs one profiled layer's forward may take at the small microbatch."""
 SMALL_ROWS = 2
 LARGE_ROWS = 8
+STEPS = 5
+TRACED = (2, 3, 4)
+"""The steps of a profile job whose actions are timed: past the first two's warm-up."""
 SPAN_LAWS = {"forward": "forward", "backward": "backward", "input-grad": "input_grad", "weight-grad": "weight_grad"}
 
 
@@ -106,14 +112,38 @@ def store(profile: DeviceProfile, model: dict) -> pathlib.Path:
     return path
 
 
-def _job_overrides(model: dict, pp: int, rows: int, schedule: str) -> list[str]:
+@dataclasses.dataclass(frozen=True)
+class ProfileJob:
+    schedule: str
+    vpp: int
+    rows: int
+    recompute: str = "none"
+
+    def describe(self, pp: int) -> str:
+        return (f"{self.schedule} pp{pp}" + (f"·vpp{self.vpp}" if self.vpp > 1 else "") + f" {self.rows} rows"
+                + (f" {self.recompute} recompute" if self.recompute != "none" else ""))
+
+
+def profile_jobs(n_layers: int, pp: int) -> list[ProfileJob]:
+    """Chunks from one layer at the small microbatch to a pipeline rank's share at the
+    large one, whole backwards and split, and selective recompute's rerun."""
+    small_vpp = max(1, min(4, n_layers // pp))
+    jobs = [ProfileJob("interleaved-1f1b" if small_vpp > 1 else "1f1b", small_vpp, SMALL_ROWS),
+            ProfileJob("1f1b", 1, LARGE_ROWS),
+            ProfileJob("zbv" if n_layers >= 2 * pp else "zb-h1", 2 if n_layers >= 2 * pp else 1, SMALL_ROWS),
+            ProfileJob("zb-h1", 1, LARGE_ROWS),
+            ProfileJob("1f1b", 1, LARGE_ROWS, "selective")]
+    return jobs
+
+
+def _job_overrides(model: dict, pp: int, job: ProfileJob) -> list[str]:
     values = [f"model.{k}={_toml(v)}" for k, v in model.items() if v is not None]
     microbatches = 2 * pp
-    values += [f"parallel.dp=1", f"parallel.tp=1", f"parallel.pp={pp}", f"parallel.vpp=1",
-               f"parallel.schedule={schedule}", f"parallel.microbatches={microbatches}", "parallel.zero=0",
-               "parallel.plan=", f"train.global_batch={rows * microbatches}", "train.steps=3",
-               "trace.steps=[2]", "checkpoint.every=0", "eval.every=0", "train.recompute=none",
-               "train.recompute_layers=0"]
+    values += [f"parallel.dp=1", f"parallel.tp=1", f"parallel.pp={pp}", f"parallel.vpp={job.vpp}",
+               f"parallel.schedule={job.schedule}", f"parallel.microbatches={microbatches}", "parallel.zero=0",
+               "parallel.plan=", "parallel.layers=[]", f"train.global_batch={job.rows * microbatches}",
+               f"train.steps={STEPS}", f"trace.steps={list(TRACED)}", "checkpoint.every=0", "eval.every=0",
+               f"train.recompute={job.recompute}", "train.recompute_layers=0"]
     return values
 
 
@@ -137,16 +167,26 @@ def observe(trace: pb.StepTrace, config: JobConfig) -> list[dict]:
         for span in report.spans:
             seconds = span.end_seconds - span.start_seconds
             if span.kind in SPAN_LAWS:
-                found.append({"kind": SPAN_LAWS[span.kind], "amount": flops[parse(span.action).chunk],
-                              "seconds": seconds})
+                kind = SPAN_LAWS[span.kind]
+                if config.train.recompute != "none":  # a backward with a rerun: not the law's
+                    if config.train.recompute != "selective" or kind != "backward":
+                        continue
+                    kind = "backward_selective"
+                found.append({"kind": kind, "amount": flops[parse(span.action).chunk], "seconds": seconds})
             elif span.kind == "update":
                 held = sum(chunk_parameters(config, c) for c in chunks if c.pipeline_rank == stage)
                 found.append({"kind": "update", "amount": held, "seconds": seconds})
     return found
 
 
-def fit_line(points: list[tuple[float, float]]) -> Law:
-    """Least squares seconds = overhead + amount / rate, overhead kept >= 0."""
+def fit_line(observed: list[tuple[float, float]]) -> Law:
+    """Least squares seconds = overhead + amount / rate through the median seconds of
+    each amount (a compute that another process delayed is an outlier, not a cost),
+    overhead kept >= 0."""
+    by_amount: dict[float, list[float]] = {}
+    for amount, seconds in observed:
+        by_amount.setdefault(amount, []).append(seconds)
+    points = [(amount, statistics.median(seconds)) for amount, seconds in sorted(by_amount.items())]
     n = len(points)
     mean_x = sum(x for x, _ in points) / n
     mean_y = sum(y for _, y in points) / n
@@ -167,8 +207,21 @@ def fit(observations: list[dict], device: str, links: dict[str, Law], measured_o
         b = laws["backward"]
         laws["input_grad"] = laws["weight_grad"] = Law(b.overhead_s / 2, b.rate * 2)
     updates = [o["seconds"] / o["amount"] for o in observations if o["kind"] == "update" and o["amount"]]
-    return DeviceProfile(device=device, links=links, update_s_per_param=sum(updates) / max(1, len(updates)),
-                         measured_on=measured_on, observations=observations, **laws)
+    return DeviceProfile(device=device, links=links, update_s_per_param=statistics.median(updates) if updates else 0.0,
+                         measured_on=measured_on, observations=observations,
+                         selective_share=_selective_share(observations, laws["forward"], laws["backward"]), **laws)
+
+
+def _selective_share(observations: list[dict], forward: Law, backward: Law) -> float | None:
+    """What selective recompute's rerun costs, as a share of the forward's arithmetic:
+    the median over the sizes measured of (B with it - B) / (F - its overhead)."""
+    by_amount: dict[float, list[float]] = {}
+    for o in observations:
+        if o["kind"] == "backward_selective":
+            by_amount.setdefault(o["amount"], []).append(o["seconds"])
+    shares = [(statistics.median(s) - backward.seconds(a)) / (forward.seconds(a) - forward.overhead_s)
+              for a, s in by_amount.items()]
+    return max(0.0, statistics.median(shares)) if shares else None
 
 
 def refine(profile: DeviceProfile, trace: pb.StepTrace, config: JobConfig, slowdown: float = 1.0) -> DeviceProfile:
@@ -188,18 +241,19 @@ def measure(client, config: JobConfig, device: str, idle_servers: int, log=print
     pp = 2 if idle_servers >= 2 and model["n_layers"] >= 2 else 1
     observations = []
     shapes = []
-    for schedule, rows in (("1f1b", SMALL_ROWS), ("1f1b", LARGE_ROWS), ("zb-h1", LARGE_ROWS)):
-        overrides = _job_overrides(model, pp, rows, schedule)
+    for job in profile_jobs(model["n_layers"], pp):
+        overrides = _job_overrides(model, pp, job)
         job_config = load_config("", overrides)
         started = time.monotonic()
         status = client.submit("", overrides)
         final, _ = client.wait(status.job_id, timeout_s=600)
         if final.state != "SUCCEEDED":
-            raise RuntimeError(f"profile job {status.job_id} ({schedule}, {rows} rows) ended {final.state}: "
+            raise RuntimeError(f"profile job {status.job_id} ({job.describe(pp)}) ended {final.state}: "
                                f"{final.error or final.reason}")
-        observations += observe(client.trace(status.job_id, 2), job_config)
-        shapes.append(f"{schedule} pp{pp} {rows} rows")
-        log(f"profiled {schedule} pp={pp} at {rows} rows per microbatch in {time.monotonic() - started:.1f} s")
+        for step in TRACED:
+            observations += observe(client.trace(status.job_id, step), job_config)
+        shapes.append(job.describe(pp))
+        log(f"profiled {job.describe(pp)} in {time.monotonic() - started:.1f} s")
     proxy = "" if model == dataclasses.asdict(config.model) else (
         f" (a proxy: d_model {model['d_model']}, seq_len {model['seq_len']})")
     links = measure_links()

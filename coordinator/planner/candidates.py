@@ -78,7 +78,7 @@ class Layout:
 def apply(config: JobConfig, layout: Layout) -> JobConfig:
     """`config` with `layout`'s settings; ConfigError where a rule refuses them. The
     plan itself (parallel.plan) is spent: the result names one layout."""
-    parallel = dataclasses.replace(config.parallel, plan="", **layout.parallel())
+    parallel = dataclasses.replace(config.parallel, plan="", **{**layout.parallel(), "layers": layout.layers})
     train = dataclasses.replace(config.train, **layout.train())
     return dataclasses.replace(config, parallel=parallel, train=train)
 

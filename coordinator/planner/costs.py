@@ -20,8 +20,8 @@ pipeline message's seconds, and one data-parallel reduction's, parameter gather'
 update's.
 
 Worked example: a chunk of 2 GPT-2 layers (d_model 64, seq_len 32) at 4 rows, tp=1,
-does 2 * 4 * 32 * (2 * 12 * 64 * 64 + 4 * 64 * 32) = 13.6 MFLOP forward; with
-forward_overhead_s 2 ms and 1 GFLOP/s, its forward costs 2 + 13.6 = 15.6 ms.
+does 2 layers * 128 tokens * (2 * 12 * 64^2 + 4 * 64 * 32) = 27,262,976 FLOPs forward;
+with a forward law of 2 ms + 1 GFLOP/s, its forward costs 2 + 27.26 = 29.26 ms.
 """
 
 from __future__ import annotations
@@ -64,6 +64,9 @@ class DeviceProfile:
     weight_grad: Law
     links: dict[str, Law]
     update_s_per_param: float
+    selective_share: float | None = None
+    """Selective recompute's rerun as a share of the forward's arithmetic, measured;
+    None: estimated from the FLOPs it reruns."""
     measured_on: str = ""
     """What was run to measure it (the profile jobs' shapes), for the plan's report."""
     observations: list[dict] = field(default_factory=list)
@@ -77,6 +80,7 @@ class DeviceProfile:
         laws = {k: Law(**data[k]) for k in ("forward", "backward", "input_grad", "weight_grad")}
         return cls(device=data["device"], links={k: Law(**v) for k, v in data["links"].items()},
                    update_s_per_param=data["update_s_per_param"], measured_on=data.get("measured_on", ""),
+                   selective_share=data.get("selective_share"),
                    observations=list(data.get("observations", [])), **laws)
 
 
@@ -167,7 +171,7 @@ def layout_costs(config: JobConfig, profile: DeviceProfile, slowdown: float = 1.
         flops = chunk_forward_flops(config, chunk, rows)
         tp_s = len(chunk.layers) * tp_per_layer
         f = profile.forward.seconds(flops) * slowdown + tp_s
-        rerun = _recompute_share(config, chunk) * (f - profile.forward.overhead_s * slowdown)
+        rerun = _recompute_share(config, chunk, profile.selective_share) * (f - profile.forward.overhead_s * slowdown)
         forward.append(f)
         backward.append(profile.backward.seconds(flops) * slowdown + tp_s + rerun)
         inputs.append(profile.input_grad.seconds(flops) * slowdown + tp_s + rerun)
@@ -196,11 +200,11 @@ def _master_bytes(precision: str) -> int:
     return 8 if precision == "fp64" else 4
 
 
-def _recompute_share(config: JobConfig, chunk: Chunk) -> float:
+def _recompute_share(config: JobConfig, chunk: Chunk, selective: float | None) -> float:
     """Share of the chunk's forward its backward reruns: all of it under full recompute;
     under selective the attention core and pointwise work, about the attention scores'
-    share of the block's FLOPs (Korthikanti et al. 2022); every K-th block whole with
-    recompute_layers=K."""
+    share of the block's FLOPs (Korthikanti et al. 2022), or the share the profile
+    measured; every K-th block whole with recompute_layers=K."""
     t, m = config.train, config.model
     if t.recompute == "full":
         return 1.0
@@ -209,5 +213,7 @@ def _recompute_share(config: JobConfig, chunk: Chunk) -> float:
     if t.recompute_layers:
         whole = sum(1 for i in chunk.layers if (i + 1) % t.recompute_layers == 0)
         return whole / max(1, len(chunk.layers))
+    if selective is not None:
+        return selective
     block_matrix, attention, _ = _per_token(m, 1)
     return attention / (2 * block_matrix + attention)

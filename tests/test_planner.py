@@ -1,0 +1,220 @@
+"""The planner's pure parts (coordinator/planner/): candidates, cost laws, the bound, the
+search against brute force, memory pruning against admission, and what it prints.
+Costs come from a fixed device profile here; tests/test_planner_jobs.py measures one on
+real servers and runs the plans."""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+
+import pytest
+
+from interleaf.clients import plan_command, plan_profile
+from interleaf.coordinator.admission import AdmissionError, check_fits, needed_bytes
+from interleaf.coordinator.config import ConfigError, load_config
+from interleaf.coordinator.partition import partition
+from interleaf.coordinator.planner.candidates import Layout, apply, grids, head_balanced_split, pipelines, valid_configs
+from interleaf.coordinator.planner.costs import DeviceProfile, Law, chunk_forward_flops, layout_costs
+from interleaf.coordinator.planner.search import Cluster, compute_bound, search, simulate_layout
+from interleaf.coordinator.schedule import build_programs
+
+SMALL = ["model.n_layers=8", "model.d_model=64", "model.n_heads=4", "model.seq_len=32", "train.global_batch=16"]
+GIB = 1 << 30
+
+
+def profile(overhead_s=2e-3, flops=1e9, link_rate=1e9, latency_s=1e-4) -> DeviceProfile:
+    """A device: affine compute laws (a backward twice a forward's arithmetic) and links."""
+    return DeviceProfile("cpu", Law(overhead_s, flops), Law(overhead_s, flops / 2), Law(overhead_s / 2, flops),
+                         Law(overhead_s / 2, flops), {"p2p": Law(latency_s, link_rate),
+                                                      "allreduce": Law(latency_s, link_rate)}, 1e-8)
+
+
+def programs_of(config):
+    p = config.parallel
+    return build_programs(p.schedule, p.pp, p.vpp, p.microbatches, p.dp, p.zero, p.zero_prefetch,
+                          tied=config.model.tie_embeddings)
+
+
+def test_candidates_worked_example():
+    """candidates.py's docstring: 2 servers on one host, 4 layers, global batch 8."""
+    config = load_config("", ["model.n_layers=4", "train.global_batch=8"])
+    assert sorted(grids(config, 2, 2)) == [(1, 1, 2), (1, 2, 1), (2, 1, 1)]
+    assert list(pipelines(2, 4)) == [("gpipe", 1), ("1f1b", 1), ("zb-h1", 1), ("interleaved-1f1b", 2), ("zbv", 2)]
+    kept, refused = valid_configs(config, 2, 2)
+    zbv = sorted({(l.microbatches, l.recompute) for l, _ in kept if l.schedule == "zbv"})
+    assert zbv == [(m, r) for m in (2, 4, 8) for r in ("full", "none", "selective")]
+    assert refused == 0
+    # tp within a host: one server per host allows no tensor parallelism
+    assert all(tp == 1 for _, tp, _ in grids(config, 2, 1))
+
+
+def test_every_candidate_is_a_valid_config():
+    config = load_config("", SMALL)
+    kept, _ = valid_configs(config, 4, 4)
+    assert len(kept) > 100
+    for layout, cfg in kept:
+        assert cfg.parallel.world_size == 4 and cfg.parallel.plan == ""
+        sets = plan_command.overrides({"parallel": layout.parallel(), "train": layout.train()})
+        assert load_config("", SMALL + sets) == cfg
+
+
+def test_head_balanced_split_worked_example():
+    assert head_balanced_split(8, 4, 2.0) == (3, 2, 2, 1)
+    assert head_balanced_split(8, 4, 0.0) == ()  # the even split itself
+    assert head_balanced_split(4, 4, 3.0) == ()  # no layer to move
+    assert sum(head_balanced_split(32, 8, 4.0)) == 32
+
+
+def test_cost_law_worked_example():
+    """costs.py's docstring: 2 GPT-2 layers of d_model 64 at 4 rows of 32 tokens."""
+    config = load_config("", ["model.n_layers=2", "model.d_model=64", "model.n_heads=4", "model.seq_len=32",
+                              "parallel.pp=1", "parallel.vpp=1", "parallel.schedule=1f1b"])
+    (chunk,) = partition(2, 1, 1)
+    body = dataclasses.replace(chunk, has_head=False)
+    assert chunk_forward_flops(config, body, 4) == 27_262_976
+    assert Law(2e-3, 1e9).seconds(27_262_976) == pytest.approx(29.26e-3, rel=1e-3)
+
+
+def test_tensor_parallel_divides_the_arithmetic_and_adds_collectives():
+    base = load_config("", SMALL + ["parallel.pp=1", "parallel.vpp=1", "parallel.schedule=1f1b",
+                                    "parallel.microbatches=1"])
+    tp2 = apply(base, Layout(1, 2, 1, 1, "1f1b", 1, 0, "none"))
+    one, two = layout_costs(base, profile()), layout_costs(tp2, profile())
+    assert one.tp_collective_s == 0 and two.tp_collective_s > 0
+    arithmetic = lambda costs: costs.forward_s[0] - costs.tp_collective_s - 2e-3
+    assert arithmetic(two) == pytest.approx(arithmetic(one) / 2, rel=0.02)  # the head's padding differs
+
+
+def test_recompute_adds_the_rerun_to_the_backward():
+    base = load_config("", SMALL + ["parallel.pp=1", "parallel.vpp=1", "parallel.schedule=1f1b"])
+    costs = {r: layout_costs(dataclasses.replace(base, train=dataclasses.replace(base.train, recompute=r)), profile())
+             for r in ("none", "selective", "full")}
+    assert costs["none"].backward_s[0] < costs["selective"].backward_s[0] < costs["full"].backward_s[0]
+    assert costs["full"].backward_s[0] - costs["none"].backward_s[0] == pytest.approx(
+        costs["none"].forward_s[0] - 2e-3)
+
+
+@pytest.mark.parametrize("servers", [2, 4])
+def test_the_bound_never_exceeds_the_simulated_step(servers):
+    """compute_bound is a lower bound: what makes the search's pruning exact."""
+    config = load_config("", SMALL)
+    for layout, cfg in valid_configs(config, servers, servers)[0]:
+        if layout.recompute != "none" or layout.zero not in (0, 3):
+            continue
+        costs = layout_costs(cfg, profile())
+        step = simulate_layout(cfg, programs_of(cfg), costs).makespan_s
+        assert compute_bound(cfg, costs) <= step * (1 + 1e-9), layout.describe()
+
+
+@pytest.mark.parametrize("link_rate", [1e9, 1e7])
+def test_search_finds_the_brute_force_best(link_rate):
+    """Every fitting candidate simulated: the search's best is as fast, within its
+    tolerance, for compute-bound and for link-bound devices."""
+    config = load_config("", SMALL)
+    device = profile(link_rate=link_rate)
+    cluster = Cluster(4, 64 * GIB, servers_per_host=4)
+    report = search(config, cluster, device, top=3)
+    everything = []
+    for layout, cfg in valid_configs(config, 4, 4)[0]:
+        everything.append(simulate_layout(cfg, programs_of(cfg), layout_costs(cfg, device)).makespan_s)
+    assert report.plans[0].step_s <= min(everything) * 1.01
+    assert [p.step_s for p in report.plans] == sorted(p.step_s for p in report.plans)
+    assert report.simulated < len(everything) / 4  # the bound pruned most
+
+
+def test_ranked_plans_pass_admission_and_memory_prunes():
+    config = load_config("", SMALL + ["model.d_model=256", "model.n_layers=16", "model.seq_len=256",
+                                      "train.global_batch=64"])
+    roomy = search(config, Cluster(4, 64 * GIB, 4), profile(), top=8)
+    needs = sorted(max(needed_bytes(p.config, programs_of(p.config))) for p in roomy.plans)
+    tight = needs[len(needs) // 2]  # half the roomy plans would not fit
+    report = search(config, Cluster(4, tight, 4), profile(), top=8)
+    assert report.plans and report.refused_by_memory > 0
+    for plan in report.plans:
+        need = needed_bytes(plan.config, programs_of(plan.config))
+        check_fits(need, [(f"s{i}", tight) for i in range(4)])  # admission admits every ranked plan
+        assert plan.admission_bytes == max(need) <= tight
+    with pytest.raises(plan_command.PlanError, match="no layout of 4 servers fits"):
+        plan_command.run_search(config, Cluster(4, 520 << 20, 4), profile(), 3)
+    with pytest.raises(AdmissionError):
+        check_fits(needed_bytes(roomy.plans[0].config, programs_of(roomy.plans[0].config)),
+                   [(f"s{i}", 520 << 20) for i in range(4)])
+
+
+def test_a_7b_model_on_64_servers():
+    """The issue's search: a 7B-class model on 64 servers of 80 GB, no server needed."""
+    config = load_config("", ["model.n_layers=32", "model.d_model=4096", "model.n_heads=32",
+                              "model.seq_len=2048", "train.global_batch=512"])
+    gpu = profile(overhead_s=1e-4, flops=4e14, link_rate=2e11, latency_s=1e-5)
+    report = search(config, Cluster(64, 80_000_000_000, 8), gpu, top=5)
+    assert len(report.plans) == 5 and not report.stopped_by_time
+    for plan in report.plans:
+        assert plan.config.parallel.world_size == 64 and plan.admission_bytes <= 80_000_000_000
+    assert report.refused_by_memory > 0  # dp64 without ZeRO or recompute cannot hold 7B's state
+
+
+def test_json_and_text_reports():
+    config = load_config("", SMALL)
+    report = search(config, Cluster(4, 2_000_000_000, 4), profile(), top=4)
+    out = io.StringIO()
+    plan_command.print_json(report, out)
+    plans = json.loads(out.getvalue())
+    assert len(plans) == 4
+    assert set(plans[0]) >= {"parallel", "train", "predicted_step_seconds", "predicted_peak_bytes"}
+    assert [p["predicted_step_seconds"] for p in plans] == sorted(p["predicted_step_seconds"] for p in plans)
+    text = plan_command.report_text(report, Cluster(4, 2_000_000_000, 4), profile(), config)
+    assert "searched" in text and "run the best: --set parallel.dp=" in text
+    assert text.count("compute of the busiest rank") == 4
+
+
+def test_fit_line_recovers_a_law():
+    points = [(x, 0.003 + x / 2e9) for x in (1e6, 5e6, 2e7, 8e7)]
+    law = plan_profile.fit_line(points)
+    assert law.overhead_s == pytest.approx(0.003) and law.rate == pytest.approx(2e9)
+    # negative intercepts are not costs: the line goes through the origin
+    assert plan_profile.fit_line([(1.0, 1.0), (2.0, 3.0)]).overhead_s == 0
+
+
+def test_profile_round_trips_through_json(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    config = load_config("", SMALL)
+    model = plan_profile.profile_model(config)
+    assert plan_profile.load_cached(model, "cpu") is None
+    plan_profile.store(profile(), model)
+    assert plan_profile.load_cached(model, "cpu") == profile()
+    assert plan_profile.load_cached(model, "NVIDIA H100") is None  # per device kind
+
+
+def test_a_large_model_is_profiled_through_a_proxy():
+    config = load_config("", ["model.n_layers=32", "model.d_model=4096", "model.n_heads=32", "model.seq_len=2048"])
+    proxy = plan_profile.profile_model(config)
+    assert proxy["d_model"] < 4096 and proxy["arch"] == "gpt2" and proxy["n_layers"] == 32
+    load_config("", [f"model.{k}={v}" for k, v in proxy.items()])  # a valid model
+    small = load_config("", SMALL)
+    assert plan_profile.profile_model(small) == dataclasses.asdict(small.model)
+
+
+def test_host_slowdown():
+    assert plan_command.host_slowdown(4, 1, 2) == 2.0
+    assert plan_command.host_slowdown(2, 1, 2) == 1.0
+
+
+@pytest.mark.parametrize("given, message", [
+    (["parallel.layers=3,3,1"], "parallel.layers=[3,3,1] must give one count per chunk"),
+    (["parallel.layers=4,4,0,0"], "must give every chunk at least 1 layer"),
+    (["parallel.layers=3,3,1,2"], "must sum to model.n_layers=8, not 9"),
+    (["parallel.plan=manual"], "parallel.plan='manual' must be \"auto\""),
+])
+def test_bad_plan_settings_are_refused(given, message):
+    with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        load_config("", ["model.n_layers=8"] + given)
+
+
+def test_uneven_layers_reach_every_rank():
+    config = load_config("", ["model.n_layers=8", "parallel.layers=3,3,1,1"])
+    from interleaf.coordinator.plan import ServerSlot, plan_job
+
+    plan = plan_job(config, [ServerSlot(f"s{i}", f"a{i}", "h") for i in range(2)])
+    assert [len(c.layers) for c in plan.chunks] == [3, 3, 1, 1]

@@ -1,0 +1,99 @@
+"""The planner on real servers: `interleaf plan` against the shared cluster's coordinator
+measures the device profile with real jobs, its picks run and equal the single-process
+reference, a traced job refines the profile, and `interleaf run --plan auto` plans,
+says why, and runs."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import grpc
+import pytest
+
+from interleaf.clients import plan_command, plan_profile
+from interleaf.coordinator.config import load_config
+from tests.conftest import SERVERS, TINY, layout_free, reference
+from tests.test_cli_deployment import _cli, _sets
+from tests.test_equivalence import LOSS_RTOL, check_equivalent
+
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("plan-cache")
+    before = os.environ.get("XDG_CACHE_HOME")
+    os.environ["XDG_CACHE_HOME"] = str(folder)
+    yield folder
+    if before is None:
+        os.environ.pop("XDG_CACHE_HOME")
+    else:
+        os.environ["XDG_CACHE_HOME"] = before
+
+
+@pytest.fixture(scope="module")
+def plans(cluster, cache):
+    """`interleaf plan --json` for the shared cluster's 8 idle servers, measuring first."""
+    result = _cli(cluster, "plan", *_sets(TINY), "--top", "4", "--json", timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "measuring the device profile" in result.stderr
+    assert len(list((cache / "interleaf" / "plan-profiles").glob("*.json"))) == 1
+    return json.loads(result.stdout)
+
+
+def test_plan_ranks_layouts_of_the_coordinators_servers(cluster, plans):
+    assert len(plans) == 4
+    times = [p["predicted_step_seconds"] for p in plans]
+    assert times == sorted(times) and times[0] > 0
+    for p in plans:
+        g = p["parallel"]
+        assert g["dp"] * g["tp"] * g["pp"] == SERVERS
+        assert 0 < p["predicted_peak_bytes"] < cluster.memory_per_server
+    # the second call reads the cache: no profile job runs
+    again = _cli(cluster, "plan", *_sets(TINY), "--top", "1")
+    assert again.returncode == 0 and "device profile from the cache" in again.stderr
+    assert "run the best: --set parallel.dp=" in again.stdout
+
+
+@pytest.mark.parametrize("pick", [0, 1])
+def test_picked_plans_equal_the_reference(client, tmp_path, plans, pick):
+    sets = plan_command.overrides(plans[pick])
+    check_equivalent(client, sets, tmp_path)
+
+
+def test_a_traced_job_refines_the_profile(client, cache, plans):
+    config = load_config("", TINY)
+    model = plan_profile.profile_model(config)
+    before = plan_profile.load_cached(model, "cpu")
+    final = load_config("", TINY + plan_command.overrides(plans[0]))
+    status = client.submit("", TINY + plan_command.overrides(plans[0]) + ["trace.steps=[1]"])
+    done, _ = client.wait(status.job_id, timeout_s=300)
+    assert done.state == "SUCCEEDED", done.error
+    from interleaf.coordinator.planner.search import Cluster
+
+    plan_command.refine_from_job(client, status.job_id, final, before, Cluster(SERVERS, 1 << 40, SERVERS))
+    after = plan_profile.load_cached(model, "cpu")
+    assert len(after.observations) > len(before.observations)
+    assert "refined from a traced step of 8 ranks" in after.measured_on
+
+
+def test_the_coordinator_refuses_an_unplanned_auto(client):
+    with pytest.raises(grpc.RpcError) as refused:
+        client.submit("", TINY + ["parallel.plan=auto"])
+    assert refused.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    assert "planned before submitting" in refused.value.details()
+
+
+def test_run_plan_auto_plans_says_why_and_runs(tmp_path, cache):
+    metrics = tmp_path / "m.jsonl"
+    result = subprocess.run([sys.executable, "-m", "interleaf.clients.cli", "run", "--local", "2", "--plan", "auto",
+                             *_sets(TINY), "--metrics-out", str(metrics)], capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "planned: " in result.stderr and "compute of the busiest rank" in result.stderr
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    losses = [r["loss"] for r in rows if r.get("kind") == "step"]
+    history, _ = reference(layout_free(TINY))
+    assert losses == pytest.approx([h.loss for h in history], rel=LOSS_RTOL)
