@@ -7,7 +7,7 @@ workload of every benchmark: workload.py), this
    `interleaf plan` runs when nothing is cached: clients/plan_profile.py);
 2. runs a hand grid of layouts (HAND_GRID: data, tensor and pipeline parallelism, every
    schedule, microbatch counts, ZeRO, recompute, an uneven split), each for --steps
-   steps, in ROUNDS rounds (the grid in order, then reversed), and takes for each the
+   steps, in ROUNDS rounds (the grid in order, then reversed, then in order), and takes for each the
    least of its rounds' median steady step times (the slowest rank's step inside the
    servers, what the simulator predicts): steps on this 2-core machine vary by up to a
    quarter between runs minutes apart, and the least is the one least disturbed;
@@ -23,7 +23,16 @@ its JSON; it also exits non-zero when a target (Spearman >= 0.8, median error <=
 the plan at least as fast as the grid's best within NOISE, faster than the default)
 is missed.
 
+Memory: each run's measured peak (the servers' ledger, and on a GPU torch's
+max_memory_allocated) beside the memory model's prediction for the busiest rank.
+
     python bench/planner.py [--arch gpt2|llama] [--steps 8] [--warmup 2] [--tiny] [--out PATH]
+    python bench/planner.py --device cuda --servers 1 --out results/gpu/planner.json   # one GPU
+
+--device cuda --servers 1: one stage server on the GPU, a 12-layer d_model 1024 GPT of
+1024-token samples in bf16, and the layouts one server runs (GPU_GRID: microbatch counts
+and recompute modes); the same targets, and the planned job's measured device peak
+within 10% of the memory model's.
 
 --tiny: a 4-layer model of d_model 32 for 3 steps on four layouts, a check that
 everything runs (seconds); its figures mean nothing and no target is held.
@@ -31,11 +40,13 @@ everything runs (seconds); its figures mean nothing and no target is held.
 
 from __future__ import annotations
 
+import os
 import statistics
 
-from interleaf.clients import plan_profile
+from interleaf.clients import plan_command, plan_profile
 from interleaf.clients.launcher import LocalCluster
 from interleaf.coordinator.config import load_config
+from interleaf.coordinator.memory_model import predict
 from interleaf.coordinator.planner.candidates import Layout, apply
 from interleaf.coordinator.planner.costs import layout_costs
 from interleaf.coordinator.planner.search import Cluster, search, simulate_layout
@@ -48,7 +59,7 @@ from workload import MODELS
 
 SERVERS = 2
 GLOBAL_BATCH = 16
-ROUNDS = 2
+ROUNDS = 3
 NOISE = 0.05
 """Run-to-run spread of a step on this machine: a plan within it of the grid's best is
 as fast."""
@@ -61,11 +72,15 @@ def L(dp=1, tp=1, pp=1, vpp=1, schedule="1f1b", m=1, zero=0, recompute="none", s
 DEFAULT = L(pp=2, vpp=2, schedule="interleaved-1f1b", m=4)
 HAND_GRID = [
     L(dp=2, m=1), L(dp=2, m=2), L(dp=2, m=4), L(dp=2, m=2, zero=3), L(dp=2, m=2, recompute="full"),
-    L(tp=2, m=1), L(tp=2, m=4, sp=True),
-    L(pp=2, schedule="gpipe", m=4), L(pp=2, m=2), L(pp=2, m=8), L(pp=2, schedule="zb-h1", m=4),
+    L(dp=2, m=8, recompute="full"),
+    L(tp=2, m=1), L(tp=2, m=4, sp=True), L(tp=2, m=2, recompute="full"),
+    L(pp=2, schedule="gpipe", m=4), L(pp=2, m=2), L(pp=2, m=8), L(pp=2, m=16), L(pp=2, schedule="zb-h1", m=4),
     DEFAULT, L(pp=2, vpp=4, schedule="interleaved-1f1b", m=8), L(pp=2, vpp=2, schedule="zbv", m=4),
-    L(pp=2, m=4, recompute="selective"), L(pp=2, m=4, layers=(5, 3)),
+    L(pp=2, m=4, recompute="selective"), L(pp=2, m=4, layers=(5, 3)), L(pp=2, m=4, layers=(6, 2)),
 ]
+GPU_MODEL = ["model.n_layers=12", "model.d_model=1024", "model.n_heads=16", "model.seq_len=1024",
+             "model.vocab_size=50304", "train.precision=bf16"]
+GPU_GRID = [L(m=m, recompute=r) for m in (1, 2, 4, 8, 16) for r in ("none", "selective", "full")]
 TINY_MODEL = ["model.n_layers=4", "model.d_model=32", "model.n_heads=4", "model.seq_len=16", "model.vocab_size=256"]
 TINY_GRID = [L(dp=2, m=2), L(tp=2, m=2), L(pp=2, m=4), DEFAULT]
 
@@ -97,30 +112,49 @@ def settings(layout: Layout) -> list[str]:
     return values + [f"train.{k}={v}" for k, v in layout.train().items()]
 
 
+def programs_of(job):
+    p = job.parallel
+    return build_programs(p.schedule, p.pp, p.vpp, p.microbatches, p.dp, p.zero, p.zero_prefetch,
+                          tied=job.model.tie_embeddings)
+
+
 def predicted_step(config, layout: Layout, profile, cluster: Cluster) -> float:
     job = apply(config, layout)
-    p = job.parallel
-    programs = build_programs(p.schedule, p.pp, p.vpp, p.microbatches, p.dp, p.zero, p.zero_prefetch,
-                              tied=job.model.tie_embeddings)
-    return simulate_layout(job, programs, layout_costs(job, profile, cluster.compute_slowdown)).makespan_s
+    return simulate_layout(job, programs_of(job), layout_costs(job, profile, cluster.compute_slowdown)).makespan_s
+
+
+def options(parser) -> None:
+    parser.add_argument("--tiny", action="store_true", help="a seconds-long check that it runs")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the stage servers compute")
+    parser.add_argument("--servers", type=int, default=SERVERS, help="stage servers (1 on a one-GPU machine)")
+
+
+def peaks(result: dict, device: str) -> int:
+    """The most any rank held in any steady step: the ledger's peak, or on a GPU the
+    allocator's."""
+    field = "device_peak_bytes" if device == "cuda" else "peak_bytes"
+    return max(rank[field] for step in result["memory"][1:] for rank in step)
 
 
 def main() -> int:
-    args = arguments(__doc__.splitlines()[0], "planner",
-                     lambda p: p.add_argument("--tiny", action="store_true", help="a seconds-long check that it runs"))
-    model = TINY_MODEL if args.tiny else MODELS[args.arch]
+    args = arguments(__doc__.splitlines()[0], "planner", options)
+    gpu = args.device == "cuda"
+    model = TINY_MODEL if args.tiny else GPU_MODEL if gpu else MODELS[args.arch]
     steps = 3 if args.tiny else args.steps
     warmup = 1 if args.tiny else args.warmup
-    grid = TINY_GRID if args.tiny else HAND_GRID
+    grid = TINY_GRID if args.tiny else GPU_GRID if gpu else HAND_GRID
+    grid = [layout for layout in grid if layout.dp * layout.tp * layout.pp == args.servers]
     base = [*model, f"train.global_batch={GLOBAL_BATCH}", f"train.steps={steps}", "checkpoint.every=0"]
     config = load_config("", base)
     before = machine()
     runs: list[dict] = []
-    with LocalCluster(SERVERS, steps_per_call=args.steps_per_call, metrics=False) as cluster:
+    with LocalCluster(args.servers, steps_per_call=args.steps_per_call, metrics=False, device=args.device) as cluster:
         client = cluster.client()
-        profile = plan_profile.measure(client, config, "cpu", SERVERS, log=lambda line: print(line, flush=True))
+        kind = plan_command.device_kind(cluster.devices[0])
+        profile = plan_profile.measure(client, config, kind, args.servers, log=lambda line: print(line, flush=True))
         memory = cluster.memory_per_server
-        planning = Cluster(SERVERS, memory, servers_per_host=SERVERS, compute_slowdown=1.0)
+        slowdown = 1.0 if gpu else plan_command.host_slowdown(args.servers, cluster.threads, os.cpu_count() or 1)
+        planning = Cluster(args.servers, memory, servers_per_host=args.servers, compute_slowdown=slowdown)
         report = search(config, planning, profile, top=5)
         plan = report.plans[0].layout
         layouts = grid + ([] if plan in grid else [plan])
@@ -132,10 +166,15 @@ def main() -> int:
             medians = [statistics.median(steady(r["step_seconds"], warmup)) for r in rounds[layout]]
             measured = min(medians)
             predicted = predicted_step(config, layout, profile, planning)
+            job = apply(config, layout)
+            predicted_peak = max(p["peak_bytes"] for p in predict(job, programs_of(job)))
+            measured_peak = min(peaks(r, args.device) for r in rounds[layout])
             runs.append({"layout": layout.describe(), "settings": settings(layout), "in_grid": layout in grid,
                          "planned": layout == plan, "default": layout == DEFAULT, "measured_step_s": measured,
                          "round_medians_s": medians, "predicted_step_s": predicted,
-                         "error": predicted / measured - 1, "losses": rounds[layout][0]["losses"]})
+                         "error": predicted / measured - 1, "losses": rounds[layout][0]["losses"],
+                         "predicted_peak_bytes": predicted_peak, "measured_peak_bytes": measured_peak,
+                         "peak_error": predicted_peak / measured_peak - 1 if measured_peak else None})
             print(f"{layout.describe():<52} measured {measured:.4f} s (rounds {', '.join(f'{m:.4f}' for m in medians)}),"
                   f" predicted {predicted:.4f} s ({predicted / measured - 1:+.1%})", flush=True)
     grid_runs = [r for r in runs if r["in_grid"]]
@@ -144,29 +183,31 @@ def main() -> int:
     median_error = statistics.median(errors)
     planned = next(r for r in runs if r["planned"])
     best = min(grid_runs, key=lambda r: r["measured_step_s"])
-    default = next(r for r in runs if r["default"])
+    default = next((r for r in runs if r["default"]), None)
     disagree = [r["layout"] for r in runs
                 if max_relative_difference(r["losses"], runs[0]["losses"]) > LOSS_TOLERANCE]
     summary = {
         "spearman": rho, "median_abs_error": median_error, "worst_abs_error": errors[-1],
         "planned": planned["layout"], "planned_step_s": planned["measured_step_s"],
         "grid_best": best["layout"], "grid_best_step_s": best["measured_step_s"],
-        "default_step_s": default["measured_step_s"],
+        "default_step_s": default and default["measured_step_s"],
         "planned_vs_grid_best": planned["measured_step_s"] / best["measured_step_s"],
-        "planned_vs_default": planned["measured_step_s"] / default["measured_step_s"],
+        "planned_vs_default": default and planned["measured_step_s"] / default["measured_step_s"],
+        "planned_peak_error": planned["peak_error"],
         "search": {"candidates": report.candidates, "simulated": report.simulated, "seconds": report.seconds},
         "losses_disagree": disagree,
     }
     write_json(args.out, {"benchmark": "planner", "machine_before": before, "machine_after": machine(),
-                          "servers": SERVERS, "model": model, "global_batch": GLOBAL_BATCH, "steps": steps,
+                          "servers": args.servers, "device": args.device, "model": model, "global_batch": GLOBAL_BATCH, "steps": steps,
                           "warmup": warmup, "profile": profile.to_json(), "runs": runs, "summary": summary})
     rows = [[r["layout"] + (" (planned)" if r["planned"] else "") + (" (default)" if r["default"] else ""),
-             f"{r['measured_step_s']:.4f}", f"{r['predicted_step_s']:.4f}", f"{r['error']:+.1%}"]
+             f"{r['measured_step_s']:.4f}", f"{r['predicted_step_s']:.4f}", f"{r['error']:+.1%}",
+             f"{r['measured_peak_bytes'] / 2**20:.1f}", f"{r['predicted_peak_bytes'] / 2**20:.1f}"]
             for r in sorted(runs, key=lambda r: r["measured_step_s"])]
-    print(table(["layout", "measured s", "predicted s", "error"], rows))
+    print(table(["layout", "measured s", "predicted s", "error", "peak MiB", "predicted MiB"], rows))
     print(f"Spearman {rho:.3f}; median |error| {median_error:.1%}, worst {errors[-1]:.1%}; planned "
-          f"{planned['layout']}: {summary['planned_vs_grid_best']:.3f}x the grid's best step "
-          f"({best['layout']}), {summary['planned_vs_default']:.3f}x the default's")
+          f"{planned['layout']}: {summary['planned_vs_grid_best']:.3f}x the grid's best step ({best['layout']})"
+          + (f", {summary['planned_vs_default']:.3f}x the default's" if default else ""))
     missed = []
     if disagree:
         missed.append(f"losses differ from the first run's: {', '.join(disagree)}")
@@ -177,8 +218,10 @@ def main() -> int:
             missed.append(f"median error {median_error:.1%} > 15%")
         if summary["planned_vs_grid_best"] > 1 + NOISE:
             missed.append(f"the plan is {summary['planned_vs_grid_best']:.3f}x the grid's best")
-        if summary["planned_vs_default"] >= 1:
+        if default and summary["planned_vs_default"] >= 1:
             missed.append(f"the plan is not faster than the default ({summary['planned_vs_default']:.3f}x)")
+        if gpu and planned["peak_error"] is not None and abs(planned["peak_error"]) > 0.10:
+            missed.append(f"the planned job's device peak is {planned['peak_error']:+.1%} from the memory model's")
     for line in missed:
         print(f"MISSED: {line}")
     return 1 if missed else 0

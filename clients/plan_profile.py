@@ -8,7 +8,8 @@ whole backwards (1f1b) and with split ones (zb-h1), with chunks of one layer
 selective recompute; five steps each, tracing the last three.
 Every traced forward, backward, input- and weight-gradient half is one observation
 (its chunk's forward FLOPs, its seconds), every update one of seconds per parameter; a
-least-squares line through each kind's median at each size gives its law. A model whose layer
+least-squares line through each kind's lower quartile at each size (what it costs
+undisturbed by the other processes on the cores) gives its law. A model whose layer
 would take more than a second to run here is measured through a proxy: the same
 architecture narrowed until one layer's forward is PROXY_LAYER_FLOPS, the law's rate
 carried over (said in the profile's `measured_on`).
@@ -179,14 +180,19 @@ def observe(trace: pb.StepTrace, config: JobConfig) -> list[dict]:
     return found
 
 
+def undisturbed(seconds: list[float]) -> float:
+    """What a compute costs when nothing else gets in its way: the lower quartile of its
+    timings (another process on the cores only ever adds time)."""
+    return statistics.quantiles(seconds, n=4)[0] if len(seconds) >= 4 else min(seconds)
+
+
 def fit_line(observed: list[tuple[float, float]]) -> Law:
-    """Least squares seconds = overhead + amount / rate through the median seconds of
-    each amount (a compute that another process delayed is an outlier, not a cost),
-    overhead kept >= 0."""
+    """Least squares seconds = overhead + amount / rate through each amount's undisturbed
+    seconds, overhead kept >= 0."""
     by_amount: dict[float, list[float]] = {}
     for amount, seconds in observed:
         by_amount.setdefault(amount, []).append(seconds)
-    points = [(amount, statistics.median(seconds)) for amount, seconds in sorted(by_amount.items())]
+    points = [(amount, undisturbed(seconds)) for amount, seconds in sorted(by_amount.items())]
     n = len(points)
     mean_x = sum(x for x, _ in points) / n
     mean_y = sum(y for _, y in points) / n
@@ -207,7 +213,7 @@ def fit(observations: list[dict], device: str, links: dict[str, Law], measured_o
         b = laws["backward"]
         laws["input_grad"] = laws["weight_grad"] = Law(b.overhead_s / 2, b.rate * 2)
     updates = [o["seconds"] / o["amount"] for o in observations if o["kind"] == "update" and o["amount"]]
-    return DeviceProfile(device=device, links=links, update_s_per_param=statistics.median(updates) if updates else 0.0,
+    return DeviceProfile(device=device, links=links, update_s_per_param=undisturbed(updates) if updates else 0.0,
                          measured_on=measured_on, observations=observations,
                          selective_share=_selective_share(observations, laws["forward"], laws["backward"]), **laws)
 
@@ -219,7 +225,7 @@ def _selective_share(observations: list[dict], forward: Law, backward: Law) -> f
     for o in observations:
         if o["kind"] == "backward_selective":
             by_amount.setdefault(o["amount"], []).append(o["seconds"])
-    shares = [(statistics.median(s) - backward.seconds(a)) / (forward.seconds(a) - forward.overhead_s)
+    shares = [(undisturbed(s) - backward.seconds(a)) / (forward.seconds(a) - forward.overhead_s)
               for a, s in by_amount.items()]
     return max(0.0, statistics.median(shares)) if shares else None
 

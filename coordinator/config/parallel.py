@@ -91,7 +91,7 @@ class ParallelConfig:
     the head's cost."""
     plan: str = ""
     """"auto": `interleaf run` and `interleaf submit` choose dp, tp, pp, vpp, the schedule,
-    microbatches, zero and sequence_parallel here, and train.recompute, for the servers
+    microbatches, zero, sequence_parallel and layers here, and train.recompute, for the servers
     the job will run on (`interleaf plan`, docs/planning.md), print the choice and why,
     and submit that layout; the values given for them are ignored. "" (default): the
     layout is as given. A coordinator refuses "auto": it is planned before submitting."""

@@ -1,0 +1,32 @@
+"""bench/planner.py runs end to end on a tiny model: the profile is measured on its two
+servers, every layout of the grid and the planner's pick run and train the same run, and
+each has a prediction beside its measurement. (Its figures mean nothing at this size:
+docs/benchmarks.md has the real run's.)"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+def test_planner_bench_tiny_runs(tmp_path):
+    out = tmp_path / "planner.json"
+    result = subprocess.run([sys.executable, "bench/planner.py", "--tiny", "--out", str(out)],
+                            capture_output=True, text=True, cwd=REPO, timeout=300,
+                            env={**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")})
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    data = json.loads(out.read_text())
+    runs = data["runs"]
+    assert sum(r["in_grid"] for r in runs) == 4 and sum(r["planned"] for r in runs) == 1
+    assert data["summary"]["losses_disagree"] == []
+    for run in runs:
+        assert run["measured_step_s"] > 0 and run["predicted_step_s"] > 0
+        assert len(run["round_medians_s"]) == 3
+        assert run["measured_peak_bytes"] > 0 and run["predicted_peak_bytes"] > 0
+    assert -1 <= data["summary"]["spearman"] <= 1
+    assert len(data["profile"]["observations"]) > 0
