@@ -115,7 +115,7 @@ def settings(layout: Layout) -> list[str]:
 def programs_of(job):
     p = job.parallel
     return build_programs(p.schedule, p.pp, p.vpp, p.microbatches, p.dp, p.zero, p.zero_prefetch,
-                          tied=job.model.tie_embeddings)
+                          tied=bool(job.model.tie_embeddings))
 
 
 def predicted_step(config, layout: Layout, profile, cluster: Cluster) -> float:

@@ -164,7 +164,7 @@ def cmd_run(args) -> int:
         logs.close()
 
 
-def _plan_local(client, config, servers: int, args):
+def _plan_local(client, config, servers, args):
     """parallel.plan=auto on `servers` local servers: the chosen layout's overrides, and
     what feeds the job's trace back into the device profile."""
     from interleaf.clients import plan_command as planning

@@ -205,11 +205,14 @@ def fit_line(observed: list[tuple[float, float]]) -> Law:
 
 
 def fit(observations: list[dict], device: str, links: dict[str, Law], measured_on: str) -> DeviceProfile:
-    laws = {}
+    laws: dict[str, Law] = {}
     for law in SPAN_LAWS.values():
         points = [(o["amount"], o["seconds"]) for o in observations if o["kind"] == law]
-        laws[law] = fit_line(points) if points else None
-    if laws["input_grad"] is None:  # no split backward measured: each half is half a B
+        if points:
+            laws[law] = fit_line(points)
+    if "forward" not in laws or "backward" not in laws:
+        raise ValueError("a device profile needs traced forwards and whole backwards")
+    if "input_grad" not in laws or "weight_grad" not in laws:  # no split backward measured: each half is half a B
         b = laws["backward"]
         laws["input_grad"] = laws["weight_grad"] = Law(b.overhead_s / 2, b.rate * 2)
     updates = [o["seconds"] / o["amount"] for o in observations if o["kind"] == "update" and o["amount"]]

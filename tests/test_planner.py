@@ -34,7 +34,7 @@ def profile(overhead_s=2e-3, flops=1e9, link_rate=1e9, latency_s=1e-4) -> Device
 def programs_of(config):
     p = config.parallel
     return build_programs(p.schedule, p.pp, p.vpp, p.microbatches, p.dp, p.zero, p.zero_prefetch,
-                          tied=config.model.tie_embeddings)
+                          tied=bool(config.model.tie_embeddings))
 
 
 def test_candidates_worked_example():

@@ -167,7 +167,7 @@ def search(config: JobConfig, cluster: Cluster, profile: DeviceProfile, top: int
         key = (p.schedule, p.pp, p.vpp, p.microbatches, p.dp > 1, p.zero, p.zero_prefetch, cfg.model.tie_embeddings)
         if key not in programs_cache:
             programs_cache[key] = build_programs(p.schedule, p.pp, p.vpp, p.microbatches, p.dp, p.zero,
-                                                 p.zero_prefetch, tied=cfg.model.tie_embeddings)
+                                                 p.zero_prefetch, tied=bool(cfg.model.tie_embeddings))
         programs = programs_cache[key]
         peaks = [prediction["peak_bytes"] for prediction in predict(cfg, programs)]
         if max(peaks) + RUNTIME_RESERVE_BYTES > cluster.memory_bytes:
