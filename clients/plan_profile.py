@@ -11,8 +11,8 @@ Every traced forward, backward, input- and weight-gradient half is one observati
 least-squares line through each kind's lower quartile at each size (what it costs
 undisturbed by the other processes on the cores) gives its law. A model whose layer
 would take more than a second to run here is measured through a proxy: the same
-architecture narrowed until one layer's forward is PROXY_LAYER_FLOPS, the law's rate
-carried over (said in the profile's `measured_on`).
+architecture narrowed until one layer's forward is PROXY_LAYER_FLOPS, with at most
+PROXY_LAYERS layers, the law's rate carried over (said in the profile's `measured_on`).
 
 Links are measured between two processes of this machine over gloo, as the local servers
 talk: a point-to-point message and an all-reduce at 4 KiB and 4 MiB, a line through each.
@@ -40,8 +40,10 @@ from interleaf.coordinator.planner.costs import DeviceProfile, Law, chunk_forwar
 from interleaf.protos import interleaf_pb2 as pb
 from interleaf.protos.actions import parse
 
-PROXY_LAYER_FLOPS = 5e8
+PROXY_LAYER_FLOPS = 2.5e8
 """The most FLOPs one profiled layer's forward may take at the small microbatch."""
+PROXY_LAYERS = 8
+"""A proxy's layers: enough for chunks from one layer to four on two servers."""
 SMALL_ROWS = 2
 LARGE_ROWS = 8
 STEPS = 5
@@ -68,20 +70,25 @@ def software() -> str:
 
 
 def profile_model(config: JobConfig) -> dict:
-    """The [model] values the profile runs: the job's, or a narrower proxy of it."""
+    """The [model] values the profile runs: the job's, or a narrower proxy of it: d_model,
+    the heads, the MLP and the sequence halved together until a layer's forward at the
+    small microbatch is at most PROXY_LAYER_FLOPS, with at most PROXY_LAYERS layers."""
     model = dataclasses.asdict(config.model)
-    shape_flops = _layer_flops(config, SMALL_ROWS)
-    scale = 1.0
-    while shape_flops / scale**2 > PROXY_LAYER_FLOPS and model["d_model"] / scale > 64:
+    proxy, scale = model, 1
+    while _layer_flops(_with_model(config, proxy), SMALL_ROWS) > PROXY_LAYER_FLOPS and proxy["d_model"] > 64:
         scale *= 2
-    if scale > 1:
-        heads = max(1, int(model["n_heads"] / scale))
-        kv = max(1, min(heads, int(model["n_kv_heads"] / scale)))
+        heads = max(1, model["n_heads"] // scale)
+        kv = max(1, min(heads, model["n_kv_heads"] // scale))
         while heads % kv:
             kv -= 1
-        model.update(d_model=int(model["d_model"] / scale), n_heads=heads, n_kv_heads=kv,
-                     ffn_hidden=int(model["ffn_hidden"] / scale), seq_len=max(32, int(model["seq_len"] / scale)))
-    return model
+        proxy = dict(model, d_model=model["d_model"] // scale, n_heads=heads, n_kv_heads=kv,
+                     ffn_hidden=model["ffn_hidden"] // scale, seq_len=max(32, model["seq_len"] // scale),
+                     n_layers=min(model["n_layers"], PROXY_LAYERS))
+    return proxy
+
+
+def _with_model(config: JobConfig, model: dict) -> JobConfig:
+    return dataclasses.replace(config, model=dataclasses.replace(config.model, **model))
 
 
 def _layer_flops(config: JobConfig, rows: int) -> float:
@@ -206,19 +213,38 @@ def fit_line(observed: list[tuple[float, float]]) -> Law:
 
 def fit(observations: list[dict], device: str, links: dict[str, Law], measured_on: str) -> DeviceProfile:
     laws: dict[str, Law] = {}
-    for law in SPAN_LAWS.values():
+    for law in ("forward", "backward"):
         points = [(o["amount"], o["seconds"]) for o in observations if o["kind"] == law]
         if points:
             laws[law] = fit_line(points)
     if "forward" not in laws or "backward" not in laws:
         raise ValueError("a device profile needs traced forwards and whole backwards")
-    if "input_grad" not in laws or "weight_grad" not in laws:  # no split backward measured: each half is half a B
-        b = laws["backward"]
-        laws["input_grad"] = laws["weight_grad"] = Law(b.overhead_s / 2, b.rate * 2)
+    laws["input_grad"], laws["weight_grad"] = _split_laws(observations, laws["backward"])
     updates = [o["seconds"] / o["amount"] for o in observations if o["kind"] == "update" and o["amount"]]
     return DeviceProfile(device=device, links=links, update_s_per_param=undisturbed(updates) if updates else 0.0,
                          measured_on=measured_on, observations=observations,
                          selective_share=_selective_share(observations, laws["forward"], laws["backward"]), **laws)
+
+
+def _split_laws(observations: list[dict], backward: Law) -> tuple[Law, Law]:
+    """The halves' laws as shares of the whole backward's: at each chunk measured both
+    whole and split, (I + W) / B and I / (I + W), medians over those chunks. Fitting I
+    and W apart from B could price a split backward below a whole one, which it never is
+    (the split only adds work); measured at the same chunks, the ratio is what it costs.
+    Without a chunk measured both ways, each half is half a B."""
+    timings: dict[tuple[str, float], list[float]] = {}
+    for o in observations:
+        timings.setdefault((o["kind"], o["amount"]), []).append(o["seconds"])
+    both = [a for kind, a in timings if kind == "backward"
+            and ("input_grad", a) in timings and ("weight_grad", a) in timings]
+    if not both:
+        return Law(backward.overhead_s / 2, backward.rate * 2), Law(backward.overhead_s / 2, backward.rate * 2)
+    whole = {a: undisturbed(timings[("backward", a)]) for a in both}
+    halves = {a: (undisturbed(timings[("input_grad", a)]), undisturbed(timings[("weight_grad", a)])) for a in both}
+    factor = statistics.median((i + w) / whole[a] for a, (i, w) in halves.items())
+    share = statistics.median(i / (i + w) for i, w in halves.values())
+    return (Law(backward.overhead_s * factor * share, backward.rate / (factor * share)),
+            Law(backward.overhead_s * factor * (1 - share), backward.rate / (factor * (1 - share))))
 
 
 def _selective_share(observations: list[dict], forward: Law, backward: Law) -> float | None:

@@ -190,7 +190,7 @@ def test_profile_round_trips_through_json(tmp_path, monkeypatch):
 def test_a_large_model_is_profiled_through_a_proxy():
     config = load_config("", ["model.n_layers=32", "model.d_model=4096", "model.n_heads=32", "model.seq_len=2048"])
     proxy = plan_profile.profile_model(config)
-    assert proxy["d_model"] < 4096 and proxy["arch"] == "gpt2" and proxy["n_layers"] == 32
+    assert proxy["d_model"] < 4096 and proxy["arch"] == "gpt2" and proxy["n_layers"] == 8
     load_config("", [f"model.{k}={v}" for k, v in proxy.items()])  # a valid model
     small = load_config("", SMALL)
     assert plan_profile.profile_model(small) == dataclasses.asdict(small.model)
@@ -218,3 +218,20 @@ def test_uneven_layers_reach_every_rank():
 
     plan = plan_job(config, [ServerSlot(f"s{i}", f"a{i}", "h") for i in range(2)])
     assert [len(c.layers) for c in plan.chunks] == [3, 3, 1, 1]
+
+
+def test_split_laws_keep_the_measured_ratio_to_the_whole_backward():
+    """I and W priced as shares of B measured at the same chunks: a split backward costs
+    what it was measured to cost beside a whole one, at every size."""
+    observations = []
+    for amount, b in ((1e9, 0.050), (4e9, 0.170)):
+        observations += [{"kind": "forward", "amount": amount, "seconds": b / 2},
+                         {"kind": "backward", "amount": amount, "seconds": b}]
+    observations += [{"kind": "input_grad", "amount": 4e9, "seconds": 0.102},
+                     {"kind": "weight_grad", "amount": 4e9, "seconds": 0.085}]
+    fitted = plan_profile.fit(observations, "cpu", profile().links, "synthetic")
+    for amount in (5e8, 1e9, 4e9, 1.6e10):
+        whole = fitted.backward.seconds(amount)
+        split = fitted.input_grad.seconds(amount) + fitted.weight_grad.seconds(amount)
+        assert split == pytest.approx(whole * 0.187 / 0.170)
+        assert fitted.input_grad.seconds(amount) / split == pytest.approx(0.102 / 0.187)
