@@ -49,8 +49,7 @@ from interleaf.coordinator.config import load_config
 from interleaf.coordinator.memory_model import predict
 from interleaf.coordinator.planner.candidates import Layout, apply
 from interleaf.coordinator.planner.costs import layout_costs
-from interleaf.coordinator.planner.search import Cluster, search, simulate_layout
-from interleaf.coordinator.schedule import build_programs
+from interleaf.coordinator.planner.search import Cluster, programs_for, search, simulate_layout
 
 # Siblings in bench/ (the script's own directory is first on sys.path).
 from interleaf_run import run_job
@@ -107,20 +106,12 @@ def spearman(a: list[float], b: list[float]) -> float:
 
 
 def settings(layout: Layout) -> list[str]:
-    values = [f"parallel.{k}={','.join(map(str, v)) if isinstance(v, list) else v}"
-              for k, v in layout.parallel().items()]
-    return values + [f"train.{k}={v}" for k, v in layout.train().items()]
-
-
-def programs_of(job):
-    p = job.parallel
-    return build_programs(p.schedule, p.pp, p.vpp, p.microbatches, p.dp, p.zero, p.zero_prefetch,
-                          tied=bool(job.model.tie_embeddings))
+    return plan_command.overrides({"parallel": layout.parallel(), "train": layout.train()})
 
 
 def predicted_step(config, layout: Layout, profile, cluster: Cluster) -> float:
     job = apply(config, layout)
-    return simulate_layout(job, programs_of(job), layout_costs(job, profile, cluster.compute_slowdown)).makespan_s
+    return simulate_layout(job, programs_for(job), layout_costs(job, profile, cluster.compute_slowdown)).makespan_s
 
 
 def options(parser) -> None:
@@ -167,7 +158,7 @@ def main() -> int:
             measured = min(medians)
             predicted = predicted_step(config, layout, profile, planning)
             job = apply(config, layout)
-            predicted_peak = max(p["peak_bytes"] for p in predict(job, programs_of(job)))
+            predicted_peak = max(p["peak_bytes"] for p in predict(job, programs_for(job)))
             measured_peak = min(peaks(r, args.device) for r in rounds[layout])
             runs.append({"layout": layout.describe(), "settings": settings(layout), "in_grid": layout in grid,
                          "planned": layout == plan, "default": layout == DEFAULT, "measured_step_s": measured,

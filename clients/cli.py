@@ -113,6 +113,8 @@ def cmd_run(args) -> int:
     if args.plan:
         args.set.append(f"parallel.plan={args.plan}")
     text, config = _load(args, remote)  # None: the remote coordinator alone reads checkpoint.init
+    if config is None:
+        _unplannable(args)
     planned = config is not None and config.parallel.plan == "auto"
     world = None if remote else config.parallel.world_size
     servers = args.local if args.local is not None else world
@@ -134,25 +136,25 @@ def cmd_run(args) -> int:
     try:
         with _StopSignals(note) as signals:
             if remote:
-                overrides, refine = _plan_remote(client, text, args) if planned else ([], None)
-                job = client.submit(text, args.set + overrides)
+                planned_run = _plan(client, config, args) if planned else None
+                job = client.submit(text, args.set + (planned_run.overrides if planned_run else []))
                 print(f"submitted {job.job_id}", file=sys.stderr)
-                logs = _run_logs(args, job.job_id, config, client)
+                logs = _run_logs(args, job.job_id, planned_run.config if planned_run else config, client)
                 status = follow(client, job.job_id, job.steps, metrics, logs)
-                if refine and status == 0:
-                    refine(job.job_id)
+                if planned_run and status == 0:
+                    planned_run.refine(job.job_id)
                 return status
             print(f"starting a coordinator and {servers} stage servers", file=sys.stderr)
             cluster = LocalCluster(servers, log_dir=args.log_dir, device=args.device)
             try:
                 cluster.start()  # stops what it started should it fail or be stopped
                 client = cluster.client()
-                overrides, refine = _plan_local(client, config, servers, args) if planned else ([], None)
-                job = client.submit(text, args.set + overrides)
-                logs = _run_logs(args, job.job_id, config, client)
+                planned_run = _plan(client, config, args, servers) if planned else None
+                job = client.submit(text, args.set + (planned_run.overrides if planned_run else []))
+                logs = _run_logs(args, job.job_id, planned_run.config if planned_run else config, client)
                 status = follow(client, job.job_id, config.train.steps, metrics, logs)
-                if refine and status == 0:
-                    refine(job.job_id)
+                if planned_run and status == 0:
+                    planned_run.refine(job.job_id)
             finally:
                 signals.holding = True
                 cluster.stop()
@@ -164,35 +166,27 @@ def cmd_run(args) -> int:
         logs.close()
 
 
-def _plan_local(client, config, servers, args):
-    """parallel.plan=auto on `servers` local servers: the chosen layout's overrides, and
-    what feeds the job's trace back into the device profile."""
+def _plan(client, config, args, local_servers: int | None = None):
+    """parallel.plan=auto: the layout chosen for `local_servers` local servers, or for
+    the coordinator's idle ones (plan_command.PlannedRun)."""
     from interleaf.clients import plan_command as planning
 
     try:
-        cluster, device = planning.local_cluster(servers, args.device)
-        report, profile = planning.plan_on(client, config, cluster, device, 1, None, _stderr)
+        if local_servers:
+            cluster, device = planning.local_cluster(local_servers, args.device)
+        else:
+            cluster, device = planning.remote_cluster(client.servers())
+        return planning.plan_for_run(client, config, cluster, device, _stderr)
     except planning.PlanError as err:
         raise UsageError(f"parallel.plan=auto: {err}") from None
-    overrides = planning.chosen(report, cluster, profile, config)
-    final = report.plans[0].config
-    return overrides, lambda job_id: planning.refine_from_job(client, job_id, final, profile, cluster)
 
 
-def _plan_remote(client, text: str, args):
-    """parallel.plan=auto at a coordinator: planned for its idle servers."""
-    from interleaf.clients import plan_command as planning
-    from interleaf.coordinator.config import load_config
-
-    config = load_config(text, args.set)
-    try:
-        cluster, device = planning.remote_cluster(client.servers())
-        report, profile = planning.plan_on(client, config, cluster, device, 1, None, _stderr)
-    except planning.PlanError as err:
-        raise UsageError(f"parallel.plan=auto: {err}") from None
-    overrides = planning.chosen(report, cluster, profile, config)
-    final = report.plans[0].config
-    return overrides, lambda job_id: planning.refine_from_job(client, job_id, final, profile, cluster)
+def _unplannable(args) -> None:
+    """A remote job whose checkpoint.init this machine does not see has no config here
+    to plan; asked to plan it, say so rather than submit it unplanned."""
+    if args.plan or "parallel.plan=auto" in args.set:
+        raise UsageError("parallel.plan=auto plans here, before submitting, and this machine cannot read the "
+                         "config's checkpoint.init; plan with `interleaf plan` where it can, and submit that layout")
 
 
 def _stderr(text: str) -> None:
@@ -203,10 +197,12 @@ def cmd_plan(args) -> int:
     from interleaf.clients import plan_command as planning
 
     text, config = _load(args)
+    for flag, value in (("--top", args.top), ("--servers", args.servers), ("--servers-per-host", args.servers_per_host),
+                        ("--server-memory", args.server_memory)):
+        if value is not None and value < 1:
+            raise UsageError(f"{flag} {value} must be at least 1")
     try:
         if args.servers is not None:
-            if args.servers < 1:
-                raise UsageError(f"--servers {args.servers} must be at least 1")
             report, cluster, profile = planning.plan_described(
                 config, args.servers, args.server_memory, args.servers_per_host, args.device, args.top,
                 args.profile, _stderr)
@@ -416,9 +412,11 @@ def cmd_stage_server(args) -> int:
 
 def cmd_submit(args) -> int:
     text, config = _load(args, remote=True)
+    if config is None:
+        _unplannable(args)
     client = _client(args)
-    overrides = _plan_remote(client, text, args)[0] if config is not None and config.parallel.plan == "auto" else []
-    print(client.submit(text, args.set + overrides).job_id)
+    planned = config is not None and config.parallel.plan == "auto"
+    print(client.submit(text, args.set + (_plan(client, config, args).overrides if planned else [])).job_id)
     return 0
 
 

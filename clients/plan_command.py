@@ -15,6 +15,7 @@ import json
 import os
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from interleaf.coordinator.config import JobConfig
 from interleaf.coordinator.planner.costs import DeviceProfile
@@ -46,10 +47,12 @@ def local_cluster(servers: int, device: str, memory_bytes: int | None = None) ->
 
 
 def device_kind(device: str) -> str:
+    """What a profile is cached under: cpu, or cuda and the GPU's name for local servers
+    (a coordinator's servers report only cpu or cuda:N, so theirs are cached under cuda)."""
     if device.startswith("cuda"):
         import torch
 
-        return torch.cuda.get_device_name(torch.device(device))
+        return f"cuda ({torch.cuda.get_device_name(torch.device(device))})"
     return "cpu"
 
 
@@ -58,7 +61,7 @@ def remote_cluster(servers) -> tuple[Cluster, str]:
     idle = [s for s in servers if s.state == "IDLE"]
     if not idle:
         raise PlanError("the coordinator has no idle server to plan for")
-    kinds = sorted({s.device for s in idle})
+    kinds = sorted({s.device.split(":")[0] for s in idle})  # cuda:0, cuda:1 ... on one host are one kind
     if len(kinds) > 1:
         raise PlanError(f"the idle servers compute on {', '.join(kinds)}: a job's servers share one device kind")
     hosts: dict[str, int] = {}
@@ -77,8 +80,8 @@ def obtain_profile(config: JobConfig, device: str, *, measure_on: Callable | Non
                 return DeviceProfile.from_json(json.load(f))
         except (OSError, ValueError, KeyError, TypeError) as err:
             raise PlanError(f"--profile {profile_path}: not a device profile ({err})") from None
-    model = plan_profile.profile_model(config)
-    cached = plan_profile.load_cached(model, device)
+    setup = plan_profile.profile_setup(config)
+    cached = plan_profile.load_cached(setup, device)
     if cached is not None:
         log(f"device profile from the cache ({plan_profile.cache_dir()})")
         return cached
@@ -87,7 +90,7 @@ def obtain_profile(config: JobConfig, device: str, *, measure_on: Callable | Non
     log(f"measuring the device profile of this model on {device}")
     with measure_on() as (client, idle):
         profile = plan_profile.measure(client, config, device, idle, log=log)
-    path = plan_profile.store(profile, model)
+    path = plan_profile.store(profile, setup)
     log(f"device profile written to {path}")
     return profile
 
@@ -139,7 +142,12 @@ def set_arguments(plan: dict) -> list[str]:
     out = []
     for section in ("parallel", "train"):
         for key, value in plan[section].items():
-            text = ("true" if value else "false") if isinstance(value, bool) else str(value)
+            if isinstance(value, bool):
+                text = "true" if value else "false"
+            elif isinstance(value, (list, tuple)):
+                text = "[" + ",".join(map(str, value)) + "]"
+            else:
+                text = str(value)
             out += ["--set", f"{section}.{key}={text}"]
     return out
 
@@ -174,8 +182,14 @@ def plan_described(config: JobConfig, servers: int, memory_bytes: int | None, se
     device (two local servers) unless cached or given."""
     from interleaf.clients.launcher import local_devices, memory_per_local_server
 
-    devices = local_devices(device, min(2, servers))
-    memory = memory_bytes or memory_per_local_server(local_devices(device, 1))
+    try:  # two servers to profile on, or one on a machine with one GPU
+        try:
+            devices = local_devices(device, min(2, servers))
+        except ValueError:
+            devices = local_devices(device, 1)
+    except ValueError as err:
+        raise PlanError(f"--device {device}: {err}") from None
+    memory = memory_bytes or memory_per_local_server(devices[:1])
     cluster = Cluster(servers, memory, servers_per_host=servers_per_host or min(servers, 8))
     profile = obtain_profile(config, device_kind(devices[0]), profile_path=profile_path, log=log,
                              measure_on=lambda: local_servers(len(devices), device))
@@ -190,16 +204,28 @@ def plan_on(client, config: JobConfig, cluster: Cluster, device: str, top: int, 
     return run_search(config, cluster, profile, top), profile
 
 
-def chosen(report: SearchReport, cluster: Cluster, profile: DeviceProfile, config: JobConfig) -> list[str]:
-    """The best plan's overrides, after printing it and why (to stderr)."""
+@dataclass(frozen=True)
+class PlannedRun:
+    overrides: list[str]
+    """The chosen layout as SECTION.KEY=VALUE, parallel.plan spent."""
+    config: JobConfig
+    """The job's config under that layout."""
+    refine: Callable[[str], None]
+    """Called with the job's id once it has run: its traced step refines the profile."""
+
+
+def plan_for_run(client, config: JobConfig, cluster: Cluster, device: str, log) -> PlannedRun:
+    """Plans a job about to be submitted through `client`, and prints the choice and why."""
+    report, profile = plan_on(client, config, cluster, device, 1, None, log)
     best = report.plans[0]
-    print(f"planned: {best.layout.describe()}, predicted {best.step_s:.4f} s a step, bubble {best.bubble:.1%}, "
-          f"peak {max(best.peak_bytes) / 2**30:.3f} GiB (best of {report.candidates} layouts of "
-          f"{cluster.servers} servers)", file=sys.stderr)
+    log(f"planned: {best.layout.describe()}, predicted {best.step_s:.4f} s a step, bubble {best.bubble:.1%}, "
+        f"peak {max(best.peak_bytes) / 2**30:.3f} GiB (best of {report.candidates} layouts of "
+        f"{cluster.servers} servers)")
     for line in explain(best):
-        print(f"  {line}", file=sys.stderr)
-    print(f"  {describe_profile(profile)}", file=sys.stderr)
-    return overrides(best.as_json())
+        log(f"  {line}")
+    log(f"  {describe_profile(profile)}")
+    return PlannedRun(overrides(best.as_json()), best.config,
+                      lambda job_id: refine_from_job(client, job_id, best.config, profile, cluster))
 
 
 def refine_from_job(client, job_id: str, config: JobConfig, profile: DeviceProfile, cluster: Cluster) -> None:
@@ -210,4 +236,4 @@ def refine_from_job(client, job_id: str, config: JobConfig, profile: DeviceProfi
         return
     if trace.reports:
         plan_profile.store(plan_profile.refine(profile, trace, config, cluster.compute_slowdown),
-                           plan_profile.profile_model(config))
+                           plan_profile.profile_setup(config))

@@ -30,18 +30,21 @@ import hashlib
 import json
 import os
 import pathlib
-import socket
-import statistics
 import time
 
+from interleaf.clients import link_probe
 from interleaf.coordinator.config import JobConfig
 from interleaf.coordinator.partition import partition
-from interleaf.coordinator.planner.costs import DeviceProfile, Law, chunk_forward_flops, chunk_parameters
+from interleaf.coordinator.planner.costs import DeviceProfile, chunk_forward_flops, chunk_parameters
+from interleaf.coordinator.planner.fitting import fit
 from interleaf.protos import interleaf_pb2 as pb
 from interleaf.protos.actions import parse
 
+PROXY_ABOVE_FLOPS = 1e9
+"""A model whose layer's forward at the small microbatch takes more FLOPs is profiled
+through a proxy..."""
 PROXY_LAYER_FLOPS = 2.5e8
-"""The most FLOPs one profiled layer's forward may take at the small microbatch."""
+"""...narrowed until its layer's forward takes at most this many."""
 PROXY_LAYERS = 8
 """A proxy's layers: enough for chunks from one layer to four on two servers."""
 SMALL_ROWS = 2
@@ -70,11 +73,14 @@ def software() -> str:
 
 
 def profile_model(config: JobConfig) -> dict:
-    """The [model] values the profile runs: the job's, or a narrower proxy of it: d_model,
-    the heads, the MLP and the sequence halved together until a layer's forward at the
-    small microbatch is at most PROXY_LAYER_FLOPS, with at most PROXY_LAYERS layers."""
+    """The [model] values the profile runs: the job's, or where its layer's forward at the
+    small microbatch exceeds PROXY_ABOVE_FLOPS a narrower proxy of it: d_model, the heads,
+    the MLP and the sequence halved together until that is at most PROXY_LAYER_FLOPS,
+    with at most PROXY_LAYERS layers."""
     model = dataclasses.asdict(config.model)
     proxy, scale = model, 1
+    if _layer_flops(config, SMALL_ROWS) <= PROXY_ABOVE_FLOPS:
+        return model
     while _layer_flops(_with_model(config, proxy), SMALL_ROWS) > PROXY_LAYER_FLOPS and proxy["d_model"] > 64:
         scale *= 2
         heads = max(1, model["n_heads"] // scale)
@@ -85,6 +91,17 @@ def profile_model(config: JobConfig) -> dict:
                      ffn_hidden=model["ffn_hidden"] // scale, seq_len=max(32, model["seq_len"] // scale),
                      n_layers=min(model["n_layers"], PROXY_LAYERS))
     return proxy
+
+
+def profile_train(config: JobConfig) -> dict:
+    """The [train] values the profile jobs share with the job: what its computes run in."""
+    t = config.train
+    return {"precision": t.precision, "compile": t.compile, "fp8_recipe": t.fp8_recipe, "fp8_emulate": t.fp8_emulate}
+
+
+def profile_setup(config: JobConfig) -> dict:
+    """What a profile is measured with, and cached under beside the device kind."""
+    return {"model": profile_model(config), "train": profile_train(config)}
 
 
 def _with_model(config: JobConfig, model: dict) -> JobConfig:
@@ -98,21 +115,21 @@ def _layer_flops(config: JobConfig, rows: int) -> float:
     return chunk_forward_flops(single, dataclasses.replace(one, has_head=False), rows)
 
 
-def cache_key(model: dict, device: str) -> str:
-    text = json.dumps({"model": model, "device": device, "software": software()}, sort_keys=True)
+def cache_key(setup: dict, device: str) -> str:
+    text = json.dumps({**setup, "device": device, "software": software()}, sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def load_cached(model: dict, device: str) -> DeviceProfile | None:
-    path = cache_dir() / f"{cache_key(model, device)}.json"
+def load_cached(setup: dict, device: str) -> DeviceProfile | None:
+    path = cache_dir() / f"{cache_key(setup, device)}.json"
     try:
         return DeviceProfile.from_json(json.loads(path.read_text()))
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
 
-def store(profile: DeviceProfile, model: dict) -> pathlib.Path:
-    path = cache_dir() / f"{cache_key(model, profile.device)}.json"
+def store(profile: DeviceProfile, setup: dict) -> pathlib.Path:
+    path = cache_dir() / f"{cache_key(setup, profile.device)}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(profile.to_json(), indent=1))
@@ -132,20 +149,22 @@ class ProfileJob:
                 + (f" {self.recompute} recompute" if self.recompute != "none" else ""))
 
 
-def profile_jobs(n_layers: int, pp: int) -> list[ProfileJob]:
+def profile_jobs(n_layers: int, pp: int, split: bool = True) -> list[ProfileJob]:
     """Chunks from one layer at the small microbatch to a pipeline rank's share at the
-    large one, whole backwards and split, and selective recompute's rerun."""
+    large one, whole backwards and (`split`: where the job's settings allow them) split,
+    and selective recompute's rerun."""
     small_vpp = max(1, min(4, n_layers // pp))
     jobs = [ProfileJob("interleaved-1f1b" if small_vpp > 1 else "1f1b", small_vpp, SMALL_ROWS),
-            ProfileJob("1f1b", 1, LARGE_ROWS),
-            ProfileJob("zbv" if n_layers >= 2 * pp else "zb-h1", 2 if n_layers >= 2 * pp else 1, SMALL_ROWS),
-            ProfileJob("zb-h1", 1, LARGE_ROWS),
-            ProfileJob("1f1b", 1, LARGE_ROWS, "selective")]
-    return jobs
+            ProfileJob("1f1b", 1, LARGE_ROWS)]
+    if split:
+        jobs += [ProfileJob("zbv" if n_layers >= 2 * pp else "zb-h1", 2 if n_layers >= 2 * pp else 1, SMALL_ROWS),
+                 ProfileJob("zb-h1", 1, LARGE_ROWS)]
+    return jobs + [ProfileJob("1f1b", 1, LARGE_ROWS, "selective")]
 
 
-def _job_overrides(model: dict, pp: int, job: ProfileJob) -> list[str]:
-    values = [f"model.{k}={_toml(v)}" for k, v in model.items() if v is not None]
+def _job_overrides(setup: dict, pp: int, job: ProfileJob) -> list[str]:
+    values = [f"{section}.{k}={_toml(v)}" for section in ("model", "train")
+              for k, v in setup[section].items() if v is not None]
     microbatches = 2 * pp
     values += [f"parallel.dp=1", f"parallel.tp=1", f"parallel.pp={pp}", f"parallel.vpp={job.vpp}",
                f"parallel.schedule={job.schedule}", f"parallel.microbatches={microbatches}", "parallel.zero=0",
@@ -163,7 +182,8 @@ def _toml(value) -> str:
 
 def observe(trace: pb.StepTrace, config: JobConfig) -> list[dict]:
     """(kind, FLOPs, seconds) of every traced compute of a step of `config`, and
-    (update, parameters, seconds) of every update."""
+    (update, parameters, seconds) of every update. A tensor-parallel step's computes hold
+    their group's collectives, which the laws leave to the links: only its updates count."""
     p = config.parallel
     rows = config.train.global_batch // (p.dp * p.microbatches)
     chunks = partition(config.model.n_layers, p.pp, p.vpp, p.schedule, p.layers)
@@ -174,89 +194,18 @@ def observe(trace: pb.StepTrace, config: JobConfig) -> list[dict]:
         stage = stages[report.rank]
         for span in report.spans:
             seconds = span.end_seconds - span.start_seconds
-            if span.kind in SPAN_LAWS:
+            if span.kind in SPAN_LAWS and p.tp == 1:
                 kind = SPAN_LAWS[span.kind]
                 if config.train.recompute != "none":  # a backward with a rerun: not the law's
                     if config.train.recompute != "selective" or kind != "backward":
                         continue
                     kind = "backward_selective"
                 found.append({"kind": kind, "amount": flops[parse(span.action).chunk], "seconds": seconds})
-            elif span.kind == "update":
+            elif span.kind == "update" and p.zero in (0, 3):  # ZeRO-1/2's update holds a gather
                 held = sum(chunk_parameters(config, c) for c in chunks if c.pipeline_rank == stage)
-                found.append({"kind": "update", "amount": held, "seconds": seconds})
+                stepped = held / p.dp if p.zero else held
+                found.append({"kind": "update", "amount": stepped, "seconds": seconds})
     return found
-
-
-def undisturbed(seconds: list[float]) -> float:
-    """What a compute costs when nothing else gets in its way: the lower quartile of its
-    timings (another process on the cores only ever adds time)."""
-    return statistics.quantiles(seconds, n=4)[0] if len(seconds) >= 4 else min(seconds)
-
-
-def fit_line(observed: list[tuple[float, float]]) -> Law:
-    """Least squares seconds = overhead + amount / rate through each amount's undisturbed
-    seconds, overhead kept >= 0."""
-    by_amount: dict[float, list[float]] = {}
-    for amount, seconds in observed:
-        by_amount.setdefault(amount, []).append(seconds)
-    points = [(amount, undisturbed(seconds)) for amount, seconds in sorted(by_amount.items())]
-    n = len(points)
-    mean_x = sum(x for x, _ in points) / n
-    mean_y = sum(y for _, y in points) / n
-    var = sum((x - mean_x) ** 2 for x, _ in points)
-    slope = sum((x - mean_x) * (y - mean_y) for x, y in points) / var if var else 0.0
-    intercept = mean_y - slope * mean_x
-    if slope <= 0 or intercept < 0:  # through the origin instead
-        slope, intercept = sum(x * y for x, y in points) / sum(x * x for x, _ in points), 0.0
-    return Law(intercept, 1.0 / slope)
-
-
-def fit(observations: list[dict], device: str, links: dict[str, Law], measured_on: str) -> DeviceProfile:
-    laws: dict[str, Law] = {}
-    for law in ("forward", "backward"):
-        points = [(o["amount"], o["seconds"]) for o in observations if o["kind"] == law]
-        if points:
-            laws[law] = fit_line(points)
-    if "forward" not in laws or "backward" not in laws:
-        raise ValueError("a device profile needs traced forwards and whole backwards")
-    laws["input_grad"], laws["weight_grad"] = _split_laws(observations, laws["backward"])
-    updates = [o["seconds"] / o["amount"] for o in observations if o["kind"] == "update" and o["amount"]]
-    return DeviceProfile(device=device, links=links, update_s_per_param=undisturbed(updates) if updates else 0.0,
-                         measured_on=measured_on, observations=observations,
-                         selective_share=_selective_share(observations, laws["forward"], laws["backward"]), **laws)
-
-
-def _split_laws(observations: list[dict], backward: Law) -> tuple[Law, Law]:
-    """The halves' laws as shares of the whole backward's: at each chunk measured both
-    whole and split, (I + W) / B and I / (I + W), medians over those chunks. Fitting I
-    and W apart from B could price a split backward below a whole one, which it never is
-    (the split only adds work); measured at the same chunks, the ratio is what it costs.
-    Without a chunk measured both ways, each half is half a B."""
-    timings: dict[tuple[str, float], list[float]] = {}
-    for o in observations:
-        timings.setdefault((o["kind"], o["amount"]), []).append(o["seconds"])
-    both = [a for kind, a in timings if kind == "backward"
-            and ("input_grad", a) in timings and ("weight_grad", a) in timings]
-    if not both:
-        return Law(backward.overhead_s / 2, backward.rate * 2), Law(backward.overhead_s / 2, backward.rate * 2)
-    whole = {a: undisturbed(timings[("backward", a)]) for a in both}
-    halves = {a: (undisturbed(timings[("input_grad", a)]), undisturbed(timings[("weight_grad", a)])) for a in both}
-    factor = statistics.median((i + w) / whole[a] for a, (i, w) in halves.items())
-    share = statistics.median(i / (i + w) for i, w in halves.values())
-    return (Law(backward.overhead_s * factor * share, backward.rate / (factor * share)),
-            Law(backward.overhead_s * factor * (1 - share), backward.rate / (factor * (1 - share))))
-
-
-def _selective_share(observations: list[dict], forward: Law, backward: Law) -> float | None:
-    """What selective recompute's rerun costs, as a share of the forward's arithmetic:
-    the median over the sizes measured of (B with it - B) / (F - its overhead)."""
-    by_amount: dict[float, list[float]] = {}
-    for o in observations:
-        if o["kind"] == "backward_selective":
-            by_amount.setdefault(o["amount"], []).append(o["seconds"])
-    shares = [(undisturbed(s) - backward.seconds(a)) / (forward.seconds(a) - forward.overhead_s)
-              for a, s in by_amount.items()]
-    return max(0.0, statistics.median(shares)) if shares else None
 
 
 def refine(profile: DeviceProfile, trace: pb.StepTrace, config: JobConfig, slowdown: float = 1.0) -> DeviceProfile:
@@ -272,12 +221,15 @@ def measure(client, config: JobConfig, device: str, idle_servers: int, log=print
     """Runs the profile jobs on the coordinator `client` talks to and fits the laws."""
     from interleaf.coordinator.config import load_config
 
-    model = profile_model(config)
+    setup = profile_setup(config)
+    model = setup["model"]
     pp = 2 if idle_servers >= 2 and model["n_layers"] >= 2 else 1
+    # compiled blocks and float8 products run no split backward (config/job.py)
+    split = config.train.compile != "on" and config.train.precision != "fp8"
     observations = []
     shapes = []
-    for job in profile_jobs(model["n_layers"], pp):
-        overrides = _job_overrides(model, pp, job)
+    for job in profile_jobs(model["n_layers"], pp, split):
+        overrides = _job_overrides(setup, pp, job)
         job_config = load_config("", overrides)
         started = time.monotonic()
         status = client.submit("", overrides)
@@ -291,55 +243,6 @@ def measure(client, config: JobConfig, device: str, idle_servers: int, log=print
         log(f"profiled {job.describe(pp)} in {time.monotonic() - started:.1f} s")
     proxy = "" if model == dataclasses.asdict(config.model) else (
         f" (a proxy: d_model {model['d_model']}, seq_len {model['seq_len']})")
-    links = measure_links()
+    links = link_probe.measure_links()
     return fit(observations, device, links, f"{len(shapes)} jobs{proxy}: " + ", ".join(shapes)
                + "; links: two local gloo processes")
-
-
-def _link_worker(rank: int, port: int, out) -> None:
-    import torch
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    results = {}
-    for size in (1 << 12, 1 << 22):
-        tensor = torch.zeros(size // 4)
-        for kind in ("p2p", "allreduce"):
-            times = []
-            for _ in range(6):
-                dist.barrier()
-                start = time.perf_counter()
-                if kind == "allreduce":
-                    dist.all_reduce(tensor)
-                elif rank == 0:
-                    dist.send(tensor, 1)
-                    dist.recv(tensor, 1)
-                else:
-                    dist.recv(tensor, 0)
-                    dist.send(tensor, 0)
-                elapsed = time.perf_counter() - start
-                times.append(elapsed / 2 if kind == "p2p" else elapsed)
-            results[(kind, size)] = sorted(times)[len(times) // 2]
-    if rank == 0:
-        out.put(results)
-    dist.destroy_process_group()
-
-
-def measure_links() -> dict[str, Law]:
-    """Latency and bandwidth of a gloo message and all-reduce between two processes."""
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    context = mp.get_context("spawn")
-    out = context.SimpleQueue()
-    mp.start_processes(_link_worker, args=(port, out), nprocs=2, join=True, start_method="spawn")
-    results = out.get()
-    laws = {}
-    for kind in ("p2p", "allreduce"):
-        small, large = results[(kind, 1 << 12)], results[(kind, 1 << 22)]
-        rate = ((1 << 22) - (1 << 12)) / max(large - small, 1e-9)
-        laws[kind] = Law(max(small - (1 << 12) / rate, 0.0), rate)
-    return laws

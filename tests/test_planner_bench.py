@@ -28,5 +28,7 @@ def test_planner_bench_tiny_runs(tmp_path):
         assert run["measured_step_s"] > 0 and run["predicted_step_s"] > 0
         assert len(run["round_medians_s"]) == 3
         assert run["measured_peak_bytes"] > 0 and run["predicted_peak_bytes"] > 0
-    assert -1 <= data["summary"]["spearman"] <= 1
+    # the pick is the least predicted step of every candidate, the grid's among them
+    planned = next(r for r in runs if r["planned"])
+    assert planned["predicted_step_s"] <= min(r["predicted_step_s"] for r in runs) * 1.01
     assert len(data["profile"]["observations"]) > 0

@@ -93,7 +93,8 @@ class ParallelConfig:
     """"auto": `interleaf run` and `interleaf submit` choose dp, tp, pp, vpp, the schedule,
     microbatches, zero, sequence_parallel and layers here, and train.recompute, for the servers
     the job will run on (`interleaf plan`, docs/planning.md), print the choice and why,
-    and submit that layout; the values given for them are ignored. "" (default): the
+    and submit that layout in place of the one given, which must still keep the rules
+    (the defaults do for 4 layers or more). "" (default): the
     layout is as given. A coordinator refuses "auto": it is planned before submitting."""
 
     def __post_init__(self):

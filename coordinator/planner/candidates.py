@@ -46,12 +46,9 @@ class Layout:
     """Layers per chunk; empty: the even split."""
 
     def parallel(self) -> dict:
-        values = {"dp": self.dp, "tp": self.tp, "pp": self.pp, "vpp": self.vpp, "schedule": self.schedule,
-                  "microbatches": self.microbatches, "zero": self.zero}
-        if self.tp > 1:
-            values["sequence_parallel"] = self.sequence_parallel
-        values["layers"] = list(self.layers)
-        return values
+        return {"dp": self.dp, "tp": self.tp, "pp": self.pp, "vpp": self.vpp, "schedule": self.schedule,
+                "microbatches": self.microbatches, "zero": self.zero, "sequence_parallel": self.sequence_parallel,
+                "layers": list(self.layers)}
 
     def train(self) -> dict:
         values: dict = {"recompute": self.recompute}

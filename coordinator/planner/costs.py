@@ -155,7 +155,7 @@ def _ring(law: Law, members: int, total_bytes: float, passes: float) -> float:
 
 def layout_costs(config: JobConfig, profile: DeviceProfile, slowdown: float = 1.0) -> LayoutCosts:
     """The simulator's inputs for `config` on devices `profile` describes. `slowdown`
-    stretches compute where servers share cores (planner/cluster.py)."""
+    stretches compute where servers share cores (search.Cluster.compute_slowdown)."""
     p, t, m = config.parallel, config.train, config.model
     rows = t.global_batch // (p.dp * p.microbatches)
     act_bytes = PRECISION_BYTES[t.precision]

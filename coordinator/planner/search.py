@@ -89,26 +89,36 @@ class SearchReport:
 
 
 def compute_bound(config: JobConfig, costs: LayoutCosts) -> float:
-    """A lower bound on the step: per pipeline rank, the forwards of the chunks before
-    its first (microbatch 0 must pass them before it can start), then all its own
-    compute (every forward and backward of its chunks for every microbatch, and its
-    update), then, for whole backwards, the backwards of those earlier chunks (its last
-    backward, of its first chunk, must still pass them); the largest over the ranks."""
+    """A lower bound on the step, the largest over the pipeline ranks of: the forwards of
+    the chunks before the rank's first (microbatch 0 must pass them before it can
+    start), then all its compute (every forward and backward of its chunks for every
+    microbatch), then either its update or, for whole backwards, the backwards of those
+    earlier chunks followed by the first rank's update (its last backward, of its first
+    chunk, is the last of its computes, and that microbatch's gradient must still pass
+    them). Split backwards leave no such order: their W may come after."""
     p = config.parallel
     ranks = chunk_ranks(p.schedule, p.pp, p.vpp)
     split = p.schedule in ("zb-h1", "zbv")
-    busy = list(costs.update_s)
+    busy = [0.0] * p.pp
     for chunk, rank in enumerate(ranks):
         backward = costs.input_s[chunk] + costs.weight_s[chunk] if split else costs.backward_s[chunk]
         busy[rank] += p.microbatches * (costs.forward_s[chunk] + backward)
     bound = 0.0
     for rank in range(p.pp):
-        first = ranks.index(rank)
-        before = range(first)
+        before = range(ranks.index(rank))
         warmup = sum(costs.forward_s[c] for c in before)
-        drain = 0.0 if split else sum(costs.backward_s[c] for c in before)
-        bound = max(bound, warmup + busy[rank] + drain)
+        after = costs.update_s[rank]
+        if not split and before:
+            after = max(after, sum(costs.backward_s[c] for c in before) + costs.update_s[ranks[0]])
+        bound = max(bound, warmup + busy[rank] + after)
     return bound
+
+
+def programs_for(config: JobConfig) -> list[list[Action]]:
+    """The step programs of a config's layout, by pipeline rank."""
+    p = config.parallel
+    return build_programs(p.schedule, p.pp, p.vpp, p.microbatches, p.dp, p.zero, p.zero_prefetch,
+                          tied=bool(config.model.tie_embeddings))
 
 
 def simulate_layout(config: JobConfig, programs: list[list[Action]], costs: LayoutCosts) -> SimResult:
@@ -165,9 +175,8 @@ def search(config: JobConfig, cluster: Cluster, profile: DeviceProfile, top: int
             continue
         p = cfg.parallel
         key = (p.schedule, p.pp, p.vpp, p.microbatches, p.dp > 1, p.zero, p.zero_prefetch, cfg.model.tie_embeddings)
-        if key not in programs_cache:
-            programs_cache[key] = build_programs(p.schedule, p.pp, p.vpp, p.microbatches, p.dp, p.zero,
-                                                 p.zero_prefetch, tied=bool(cfg.model.tie_embeddings))
+        if key not in programs_cache:  # the programs depend on dp only through dp > 1
+            programs_cache[key] = programs_for(cfg)
         programs = programs_cache[key]
         peaks = [prediction["peak_bytes"] for prediction in predict(cfg, programs)]
         if max(peaks) + RUNTIME_RESERVE_BYTES > cluster.memory_bytes:
@@ -217,7 +226,7 @@ def explain(plan: RankedPlan, best: RankedPlan | None = None) -> list[str]:
     cfg, costs = plan.config, plan.costs
     p, t = cfg.parallel, cfg.train
     compute = plan.lower_bound_s
-    lines = [f"compute of the busiest rank {compute:.4f} s; ranks idle {plan.bubble:.1%} of the step, in the "
+    lines = [f"lower bound {compute:.4f} s (the busiest rank's compute, with the pipeline's fill and drain); ranks idle {plan.bubble:.1%} of the step, in the "
              f"pipeline's bubble ({p.microbatches} microbatches over pp={p.pp}, {p.schedule}) and waiting "
              f"for messages and collectives"]
     if p.tp > 1:

@@ -1,0 +1,60 @@
+"""Latency and bandwidth of gloo between two processes of this machine, as local stage
+servers talk: a point-to-point message (half a round trip) and an all-reduce, each at
+4 KiB and 4 MiB, the median of six, a line through the two sizes (the device profile's
+link laws: coordinator/planner/costs.py)."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+from interleaf.coordinator.planner.costs import Law
+
+
+def _link_worker(rank: int, port: int, out) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    results = {}
+    for size in (1 << 12, 1 << 22):
+        tensor = torch.zeros(size // 4)
+        for kind in ("p2p", "allreduce"):
+            times = []
+            for _ in range(6):
+                dist.barrier()
+                start = time.perf_counter()
+                if kind == "allreduce":
+                    dist.all_reduce(tensor)
+                elif rank == 0:
+                    dist.send(tensor, 1)
+                    dist.recv(tensor, 1)
+                else:
+                    dist.recv(tensor, 0)
+                    dist.send(tensor, 0)
+                elapsed = time.perf_counter() - start
+                times.append(elapsed / 2 if kind == "p2p" else elapsed)
+            results[(kind, size)] = sorted(times)[len(times) // 2]
+    if rank == 0:
+        out.put(results)
+    dist.destroy_process_group()
+
+
+def measure_links() -> dict[str, Law]:
+    """Latency and bandwidth of a gloo message and all-reduce between two processes."""
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    context = mp.get_context("spawn")
+    out = context.SimpleQueue()
+    mp.start_processes(_link_worker, args=(port, out), nprocs=2, join=True, start_method="spawn")
+    results = out.get()
+    laws = {}
+    for kind in ("p2p", "allreduce"):
+        small, large = results[(kind, 1 << 12)], results[(kind, 1 << 22)]
+        rate = ((1 << 22) - (1 << 12)) / max(large - small, 1e-9)
+        laws[kind] = Law(max(small - (1 << 12) / rate, 0.0), rate)
+    return laws

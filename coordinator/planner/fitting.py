@@ -1,0 +1,86 @@
+"""Fitting a device profile's laws (costs.py) to timed actions: the profile jobs' and
+planned jobs' traced computes, each an observation {"kind", "amount" (forward FLOPs, or
+parameters stepped for an update), "seconds"}.
+
+Worked example (tests/test_planner.py): backwards of 50 ms at 1 GFLOP and 170 ms at 4
+GFLOP fit 10 ms + 25 GFLOP/s; halves of 102 and 85 ms measured beside the 170 ms one
+price every split backward at 187/170 of the whole, 102/187 of it the input half.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+from .costs import DeviceProfile, Law
+
+
+def undisturbed(seconds: list[float]) -> float:
+    """What a compute costs when nothing else gets in its way: the lower quartile of its
+    timings (another process on the cores only ever adds time)."""
+    return statistics.quantiles(seconds, n=4)[0] if len(seconds) >= 4 else min(seconds)
+
+
+def fit_line(observed: list[tuple[float, float]]) -> Law:
+    """Least squares seconds = overhead + amount / rate through each amount's undisturbed
+    seconds, overhead kept >= 0."""
+    by_amount: dict[float, list[float]] = {}
+    for amount, seconds in observed:
+        by_amount.setdefault(amount, []).append(seconds)
+    points = [(amount, undisturbed(seconds)) for amount, seconds in sorted(by_amount.items())]
+    n = len(points)
+    mean_x = sum(x for x, _ in points) / n
+    mean_y = sum(y for _, y in points) / n
+    var = sum((x - mean_x) ** 2 for x, _ in points)
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in points) / var if var else 0.0
+    intercept = mean_y - slope * mean_x
+    if slope <= 0 or intercept < 0:  # through the origin instead
+        slope, intercept = sum(x * y for x, y in points) / sum(x * x for x, _ in points), 0.0
+    return Law(intercept, 1.0 / slope)
+
+
+def fit(observations: list[dict], device: str, links: dict[str, Law], measured_on: str) -> DeviceProfile:
+    laws: dict[str, Law] = {}
+    for law in ("forward", "backward"):
+        points = [(o["amount"], o["seconds"]) for o in observations if o["kind"] == law]
+        if points:
+            laws[law] = fit_line(points)
+    if "forward" not in laws or "backward" not in laws:
+        raise ValueError("a device profile needs traced forwards and whole backwards")
+    laws["input_grad"], laws["weight_grad"] = _split_laws(observations, laws["backward"])
+    updates = [o["seconds"] / o["amount"] for o in observations if o["kind"] == "update" and o["amount"]]
+    return DeviceProfile(device=device, links=links, update_s_per_param=undisturbed(updates) if updates else 0.0,
+                         measured_on=measured_on, observations=observations,
+                         selective_share=_selective_share(observations, laws["forward"], laws["backward"]), **laws)
+
+
+def _split_laws(observations: list[dict], backward: Law) -> tuple[Law, Law]:
+    """The halves' laws as shares of the whole backward's: at each chunk measured both
+    whole and split, (I + W) / B and I / (I + W), medians over those chunks. Fitting I
+    and W apart from B could price a split backward below a whole one, which it never is
+    (the split only adds work); measured at the same chunks, the ratio is what it costs.
+    Without a chunk measured both ways, each half is half a B."""
+    timings: dict[tuple[str, float], list[float]] = {}
+    for o in observations:
+        timings.setdefault((o["kind"], o["amount"]), []).append(o["seconds"])
+    both = [a for kind, a in timings if kind == "backward"
+            and ("input_grad", a) in timings and ("weight_grad", a) in timings]
+    if not both:
+        return Law(backward.overhead_s / 2, backward.rate * 2), Law(backward.overhead_s / 2, backward.rate * 2)
+    whole = {a: undisturbed(timings[("backward", a)]) for a in both}
+    halves = {a: (undisturbed(timings[("input_grad", a)]), undisturbed(timings[("weight_grad", a)])) for a in both}
+    factor = statistics.median((i + w) / whole[a] for a, (i, w) in halves.items())
+    share = statistics.median(i / (i + w) for i, w in halves.values())
+    return (Law(backward.overhead_s * factor * share, backward.rate / (factor * share)),
+            Law(backward.overhead_s * factor * (1 - share), backward.rate / (factor * (1 - share))))
+
+
+def _selective_share(observations: list[dict], forward: Law, backward: Law) -> float | None:
+    """What selective recompute's rerun costs, as a share of the forward's arithmetic:
+    the median over the sizes measured of (B with it - B) / (F - its overhead)."""
+    by_amount: dict[float, list[float]] = {}
+    for o in observations:
+        if o["kind"] == "backward_selective":
+            by_amount.setdefault(o["amount"], []).append(o["seconds"])
+    shares = [(undisturbed(s) - backward.seconds(a)) / (forward.seconds(a) - forward.overhead_s)
+              for a, s in by_amount.items()]
+    return max(0.0, statistics.median(shares)) if shares else None
