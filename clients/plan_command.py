@@ -144,8 +144,8 @@ def set_arguments(plan: dict) -> list[str]:
         for key, value in plan[section].items():
             if isinstance(value, bool):
                 text = "true" if value else "false"
-            elif isinstance(value, (list, tuple)):
-                text = "[" + ",".join(map(str, value)) + "]"
+            elif isinstance(value, (list, tuple)):  # 5,3 (no brackets for a shell to glob); [] when empty
+                text = ",".join(map(str, value)) if value else "[]"
             else:
                 text = str(value)
             out += ["--set", f"{section}.{key}={text}"]
