@@ -184,7 +184,7 @@ def _plan(client, config, args, local_servers: int | None = None):
 def _unplannable(args) -> None:
     """A remote job whose checkpoint.init this machine does not see has no config here
     to plan; asked to plan it, say so rather than submit it unplanned."""
-    if args.plan or "parallel.plan=auto" in args.set:
+    if getattr(args, "plan", None) or "parallel.plan=auto" in args.set:  # `submit` has no --plan
         raise UsageError("parallel.plan=auto plans here, before submitting, and this machine cannot read the "
                          "config's checkpoint.init; plan with `interleaf plan` where it can, and submit that layout")
 

@@ -97,3 +97,13 @@ def test_run_plan_auto_plans_says_why_and_runs(tmp_path, cache):
     losses = [r["loss"] for r in rows if r.get("kind") == "step"]
     history, _ = reference(layout_free(TINY))
     assert losses == pytest.approx([h.loss for h in history], rel=LOSS_RTOL)
+
+
+def test_a_plan_whose_checkpoint_init_is_not_here_is_refused_before_submitting(cluster, tmp_path):
+    """The config cannot be read here, so it cannot be planned here: said, and nothing
+    is submitted (without plan=auto the coordinator answers: test_hf_interop.py)."""
+    missing = tmp_path / "not-here"
+    for command in (["submit"], ["run", "--plan", "auto"]):
+        result = _cli(cluster, *command, "--set", f"checkpoint.init={missing}", "--set", "parallel.plan=auto")
+        assert result.returncode == 2, result.stderr
+        assert "cannot read the config's checkpoint.init" in result.stderr
