@@ -217,8 +217,9 @@ def _shape(layout: Layout) -> tuple:
 
 
 def _order(plan: RankedPlan) -> tuple:
-    """Faster first; at equal predicted time (to the microsecond), less memory."""
-    return round(plan.step_s, 6), max(plan.peak_bytes)
+    """Faster first; at equal predicted time, less memory. (Not rounded: the plans are
+    printed best first, and their times must read in order.)"""
+    return plan.step_s, max(plan.peak_bytes)
 
 
 def explain(plan: RankedPlan, best: RankedPlan | None = None) -> list[str]:
