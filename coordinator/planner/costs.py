@@ -38,11 +38,6 @@ from interleaf.coordinator.config import PRECISION_BYTES, JobConfig
 from interleaf.coordinator.memory_model import message_bytes
 from interleaf.coordinator.partition import Chunk, partition
 
-LINK_KINDS = ("p2p", "allreduce")
-"""The link laws a profile holds: point-to-point pipeline messages, and collectives
-(tensor-parallel all-reduces, data-parallel reductions and gathers, the tie's sum)."""
-
-
 @dataclass(frozen=True)
 class Law:
     """seconds = overhead_s + amount / rate: the affine cost of one action."""
