@@ -1,7 +1,8 @@
 """Latency and bandwidth of gloo between two processes of this machine, as local stage
 servers talk: a point-to-point message (half a round trip) and an all-reduce, each at
-4 KiB and 4 MiB, the median of six, a line through the two sizes (the device profile's
-link laws: coordinator/planner/costs.py)."""
+4 KiB, 256 KiB and 4 MiB, ten times, a line through each size's lower quartile
+(fitting.fit_line: the device profile's laws for pipeline messages, and for the
+collectives the profile's jobs could not measure on the servers: coordinator/planner/costs.py)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,10 @@ import socket
 import time
 
 from interleaf.coordinator.planner.costs import Law
+from interleaf.coordinator.planner.fitting import fit_line
+
+SIZES = (1 << 12, 1 << 18, 1 << 22)
+REPEATS = 10
 
 
 def _link_worker(rank: int, port: int, out) -> None:
@@ -18,11 +23,11 @@ def _link_worker(rank: int, port: int, out) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     results = {}
-    for size in (1 << 12, 1 << 22):
+    for size in SIZES:
         tensor = torch.zeros(size // 4)
         for kind in ("p2p", "allreduce"):
             times = []
-            for _ in range(6):
+            for _ in range(REPEATS):
                 dist.barrier()
                 start = time.perf_counter()
                 if kind == "allreduce":
@@ -35,7 +40,7 @@ def _link_worker(rank: int, port: int, out) -> None:
                     dist.send(tensor, 0)
                 elapsed = time.perf_counter() - start
                 times.append(elapsed / 2 if kind == "p2p" else elapsed)
-            results[(kind, size)] = sorted(times)[len(times) // 2]
+            results[(kind, size)] = times
     if rank == 0:
         out.put(results)
     dist.destroy_process_group()
@@ -52,9 +57,5 @@ def measure_links() -> dict[str, Law]:
     out = context.SimpleQueue()
     mp.start_processes(_link_worker, args=(port, out), nprocs=2, join=True, start_method="spawn")
     results = out.get()
-    laws = {}
-    for kind in ("p2p", "allreduce"):
-        small, large = results[(kind, 1 << 12)], results[(kind, 1 << 22)]
-        rate = ((1 << 22) - (1 << 12)) / max(large - small, 1e-9)
-        laws[kind] = Law(max(small - (1 << 12) / rate, 0.0), rate)
-    return laws
+    return {kind: fit_line([(size, seconds) for size in SIZES for seconds in results[(kind, size)]])
+            for kind in ("p2p", "allreduce")}

@@ -167,7 +167,8 @@ def local_servers(count: int, device: str):
     """`count` stage servers started here for the profile jobs, stopped after."""
     from interleaf.clients.launcher import LocalCluster
 
-    with LocalCluster(count, device=device, metrics=False) as cluster:
+    # metered servers: their StepReports carry the per-group calls the link laws are fitted to
+    with LocalCluster(count, device=device) as cluster:
         yield cluster.client(), count
 
 

@@ -14,13 +14,22 @@ would take more than a second to run here is measured through a proxy: the same
 architecture narrowed until one layer's forward is PROXY_LAYER_FLOPS, with at most
 PROXY_LAYERS layers, the law's rate carried over (said in the profile's `measured_on`).
 
-Links are measured between two processes of this machine over gloo, as the local servers
-talk: a point-to-point message and an all-reduce at 4 KiB and 4 MiB, a line through each.
+Links are measured per group kind inside jobs on the same servers, where two are idle:
+a tensor-parallel pair at both microbatch sizes (its all-reduces, and under sequence
+parallelism its reduce-scatters and all-gathers), and data-parallel
+pairs under ZeRO 0 and 3 with one chunk and with up to four (their all-reduces,
+reduce-scatters and all-gathers of one chunk's gradients or parameters). Every
+server's traced step says, per (op, group), the seconds it was held in its calls, their
+bytes and their count (StepReport.comm): one observation of the group kind's affine law
+(the mean call, scaled to two members, costs.normalized). What the rank is held is what
+the simulator charges: a reduction that overlaps a backward is charged what it did not
+hide. Pipeline messages, and a group kind that could not be run, take their law from two
+processes of this machine over gloo (clients/link_probe.py).
 
 Worked example: `interleaf plan --servers 4` on this CPU machine starts two local
-servers, runs five profile jobs (about 10 s) and the link probe (about 3 s), and writes
-~/.cache/interleaf/plan-profiles/<key>.json; the next plan of the same model, device
-and software reads it back at once.
+servers, runs thirteen profile jobs (about 30 s) and the link probe (about 3 s), and
+writes ~/.cache/interleaf/plan-profiles/<key>.json; the next plan of the same model,
+device and software reads it back at once.
 """
 
 from __future__ import annotations
@@ -35,8 +44,9 @@ import time
 from interleaf.clients import link_probe
 from interleaf.coordinator.config import JobConfig
 from interleaf.coordinator.partition import partition
-from interleaf.coordinator.planner.costs import DeviceProfile, chunk_forward_flops, chunk_parameters
-from interleaf.coordinator.planner.fitting import fit
+from interleaf.coordinator.config import ConfigError
+from interleaf.coordinator.planner.costs import DeviceProfile, chunk_forward_flops, chunk_parameters, normalized
+from interleaf.coordinator.planner.fitting import LINK_OBSERVED, fit
 from interleaf.protos import interleaf_pb2 as pb
 from interleaf.protos.actions import parse
 
@@ -53,6 +63,8 @@ STEPS = 5
 TRACED = (2, 3, 4)
 """The steps of a profile job whose actions are timed: past the first two's warm-up."""
 SPAN_LAWS = {"forward": "forward", "backward": "backward", "input-grad": "input_grad", "weight-grad": "weight_grad"}
+FORMAT = 2
+"""Of the cached profile: 2 holds the link laws measured per group kind."""
 
 
 def cache_dir() -> pathlib.Path:
@@ -74,17 +86,18 @@ def software() -> str:
 
 def profile_model(config: JobConfig) -> dict:
     """The [model] values the profile runs: the job's, or where its layer's forward at the
-    small microbatch exceeds PROXY_ABOVE_FLOPS a narrower proxy of it: d_model, the heads,
-    the MLP and the sequence halved together until that is at most PROXY_LAYER_FLOPS,
-    with at most PROXY_LAYERS layers."""
+    small microbatch exceeds PROXY_ABOVE_FLOPS a narrower proxy of it: d_model, the heads
+    (to no fewer than two), the MLP and the sequence halved together until that is at
+    most PROXY_LAYER_FLOPS, with at most PROXY_LAYERS layers."""
     model = dataclasses.asdict(config.model)
     proxy, scale = model, 1
     if _layer_flops(config, SMALL_ROWS) <= PROXY_ABOVE_FLOPS:
         return model
     while _layer_flops(_with_model(config, proxy), SMALL_ROWS) > PROXY_LAYER_FLOPS and proxy["d_model"] > 64:
         scale *= 2
-        heads = max(1, model["n_heads"] // scale)
-        kv = max(1, min(heads, model["n_kv_heads"] // scale))
+        # down to two heads, as a tensor pair's link job needs, where the model has two
+        heads = max(min(2, model["n_heads"]), model["n_heads"] // scale)
+        kv = min(heads, max(min(2, model["n_kv_heads"]), model["n_kv_heads"] // scale))
         while heads % kv:
             kv -= 1
         proxy = dict(model, d_model=model["d_model"] // scale, n_heads=heads, n_kv_heads=kv,
@@ -116,7 +129,7 @@ def _layer_flops(config: JobConfig, rows: int) -> float:
 
 
 def cache_key(setup: dict, device: str) -> str:
-    text = json.dumps({**setup, "device": device, "software": software()}, sort_keys=True)
+    text = json.dumps({**setup, "device": device, "software": software(), "format": FORMAT}, sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
@@ -143,9 +156,16 @@ class ProfileJob:
     vpp: int
     rows: int
     recompute: str = "none"
+    tp: int = 1
+    dp: int = 1
+    zero: int = 0
+    sequence_parallel: bool = False
 
     def describe(self, pp: int) -> str:
-        return (f"{self.schedule} pp{pp}" + (f"·vpp{self.vpp}" if self.vpp > 1 else "") + f" {self.rows} rows"
+        return (f"{self.schedule} pp{pp}" + (f"·vpp{self.vpp}" if self.vpp > 1 else "")
+                + (f"·tp{self.tp}" if self.tp > 1 else "") + (" sp" if self.sequence_parallel else "")
+                + (f"·dp{self.dp}" if self.dp > 1 else "")
+                + (f" zero{self.zero}" if self.zero else "") + f" {self.rows} rows"
                 + (f" {self.recompute} recompute" if self.recompute != "none" else ""))
 
 
@@ -162,13 +182,31 @@ def profile_jobs(n_layers: int, pp: int, split: bool = True) -> list[ProfileJob]
     return jobs + [ProfileJob("1f1b", 1, LARGE_ROWS, "selective")]
 
 
+def link_jobs(n_layers: int) -> list[ProfileJob]:
+    """Jobs of two servers (pp=1) whose groups' calls give the link laws: a tensor pair
+    at both microbatch sizes, with and without sequence parallelism (all-reduces, or
+    reduce-scatters and all-gathers), and data-parallel pairs under ZeRO 0 (all-reduce)
+    and 3 (reduce-scatter, all-gather) with the model as one chunk at the large
+    microbatch (a data-parallel layout's chunk, measured for the compute laws too) and
+    as up to four at the small one: two mean call sizes for each law's line."""
+    chunks = max(1, min(4, n_layers))
+    jobs = [ProfileJob("1f1b", 1, rows, tp=2, sequence_parallel=sp) for sp in (False, True)
+            for rows in (SMALL_ROWS, LARGE_ROWS)]
+    for zero in (0, 3):
+        jobs.append(ProfileJob("1f1b", 1, LARGE_ROWS, dp=2, zero=zero))
+        if chunks > 1:
+            jobs.append(ProfileJob("interleaved-1f1b", chunks, SMALL_ROWS, dp=2, zero=zero))
+    return jobs
+
+
 def _job_overrides(setup: dict, pp: int, job: ProfileJob) -> list[str]:
     values = [f"{section}.{k}={_toml(v)}" for section in ("model", "train")
               for k, v in setup[section].items() if v is not None]
     microbatches = 2 * pp
-    values += [f"parallel.dp=1", f"parallel.tp=1", f"parallel.pp={pp}", f"parallel.vpp={job.vpp}",
-               f"parallel.schedule={job.schedule}", f"parallel.microbatches={microbatches}", "parallel.zero=0",
-               "parallel.plan=", "parallel.layers=[]", f"train.global_batch={job.rows * microbatches}",
+    values += [f"parallel.dp={job.dp}", f"parallel.tp={job.tp}", f"parallel.pp={pp}", f"parallel.vpp={job.vpp}",
+               f"parallel.schedule={job.schedule}", f"parallel.microbatches={microbatches}",
+               f"parallel.zero={job.zero}", f"parallel.sequence_parallel={_toml(job.sequence_parallel)}",
+               "parallel.plan=", "parallel.layers=[]", f"train.global_batch={job.rows * microbatches * job.dp}",
                f"train.steps={STEPS}", f"trace.steps={list(TRACED)}", "checkpoint.every=0", "eval.every=0",
                f"train.recompute={job.recompute}", "train.recompute_layers=0"]
     return values
@@ -183,7 +221,8 @@ def _toml(value) -> str:
 def observe(trace: pb.StepTrace, config: JobConfig) -> list[dict]:
     """(kind, FLOPs, seconds) of every traced compute of a step of `config`, and
     (update, parameters, seconds) of every update. A tensor-parallel step's computes hold
-    their group's collectives, which the laws leave to the links: only its updates count."""
+    their group's collectives, which the laws leave to the links: they count only
+    together, per server, less its tensor group's calls (_tp_compute)."""
     p = config.parallel
     rows = config.train.global_batch // (p.dp * p.microbatches)
     chunks = partition(config.model.n_layers, p.pp, p.vpp, p.schedule, p.layers)
@@ -192,6 +231,8 @@ def observe(trace: pb.StepTrace, config: JobConfig) -> list[dict]:
     found = []
     for report in trace.reports:
         stage = stages[report.rank]
+        if p.tp > 1 and config.train.recompute == "none":
+            found += _tp_compute(report, flops)
         for span in report.spans:
             seconds = span.end_seconds - span.start_seconds
             if span.kind in SPAN_LAWS and p.tp == 1:
@@ -208,19 +249,54 @@ def observe(trace: pb.StepTrace, config: JobConfig) -> list[dict]:
     return found
 
 
+LINK_CALLS = {(op, group): group if op == "all_reduce" else f"{group}_{op}"
+              for op in ("all_reduce", "reduce_scatter", "all_gather") for group in ("tp", "dp")}
+"""The (op, group) pairs of StepReport.comm that a link law is fitted to."""
+
+
+def observe_links(trace: pb.StepTrace, config: JobConfig) -> list[dict]:
+    """One observation per server, per (op, group) of LINK_CALLS its step called: the
+    mean call's bytes and held seconds, scaled to a group of two (costs.normalized).
+    The tensor group under sequence parallelism is left out: its calls are other ops."""
+    p = config.parallel
+    members = {"tp": p.tp, "dp": p.dp}
+    found = []
+    for report in trace.reports:
+        for stat in report.comm:
+            kind = LINK_CALLS.get((stat.op, stat.group))
+            if kind is None or not stat.calls or members[stat.group] < 2 or (kind == "tp" and p.sequence_parallel):
+                continue
+            amount, seconds = normalized(members[stat.group], stat.bytes / stat.calls, stat.seconds / stat.calls)
+            found.append({"kind": LINK_OBSERVED + kind, "amount": amount, "seconds": seconds})
+    return found
+
+
+def _tp_compute(report: pb.StepReport, flops: list[float]) -> list[dict]:
+    """A tensor-parallel server's step as one observation of its shard's compute: its
+    computes' (law, FLOPs), and their spans' seconds less those it was held in its
+    tensor group's calls (which happen inside them)."""
+    computes, seconds = [], 0.0
+    for span in report.spans:
+        if span.kind in SPAN_LAWS:
+            computes.append([SPAN_LAWS[span.kind], flops[parse(span.action).chunk]])
+            seconds += span.end_seconds - span.start_seconds
+    held = sum(stat.seconds for stat in report.comm if stat.group == "tp")
+    if not computes or not report.comm:  # an unmetered server: its calls cannot be taken out
+        return []
+    return [{"kind": "tp_compute", "amount": 0.0, "seconds": seconds - held, "computes": computes}]
+
+
 def refine(profile: DeviceProfile, trace: pb.StepTrace, config: JobConfig, slowdown: float = 1.0) -> DeviceProfile:
     """The profile refitted with a real job's traced step added (planned jobs' traces
     feed their profile back: `interleaf run --plan auto`); `slowdown`: how much the job's
     servers slowed each other (shared cores), taken out of its compute times."""
-    seen = [dict(o, seconds=o["seconds"] / slowdown) for o in observe(trace, config)]
+    seen = [dict(o, seconds=o["seconds"] / slowdown) for o in observe(trace, config)] + observe_links(trace, config)
     return fit(profile.observations + seen, profile.device, profile.links,
                profile.measured_on + f"; refined from a traced step of {config.parallel.world_size} ranks")
 
 
 def measure(client, config: JobConfig, device: str, idle_servers: int, log=print) -> DeviceProfile:
     """Runs the profile jobs on the coordinator `client` talks to and fits the laws."""
-    from interleaf.coordinator.config import load_config
-
     setup = profile_setup(config)
     model = setup["model"]
     pp = 2 if idle_servers >= 2 and model["n_layers"] >= 2 else 1
@@ -228,21 +304,43 @@ def measure(client, config: JobConfig, device: str, idle_servers: int, log=print
     split = config.train.compile != "on" and config.train.precision != "fp8"
     observations = []
     shapes = []
-    for job in profile_jobs(model["n_layers"], pp, split):
-        overrides = _job_overrides(setup, pp, job)
-        job_config = load_config("", overrides)
-        started = time.monotonic()
-        status = client.submit("", overrides)
-        final, _ = client.wait(status.job_id, timeout_s=600)
-        if final.state != "SUCCEEDED":
-            raise RuntimeError(f"profile job {status.job_id} ({job.describe(pp)}) ended {final.state}: "
-                               f"{final.error or final.reason}")
-        for step in TRACED:
-            observations += observe(client.trace(status.job_id, step), job_config)
-        shapes.append(job.describe(pp))
-        log(f"profiled {job.describe(pp)} in {time.monotonic() - started:.1f} s")
+    jobs = [(pp, job) for job in profile_jobs(model["n_layers"], pp, split)]
+    if idle_servers >= 2:
+        jobs += [(1, job) for job in link_jobs(model["n_layers"])]
+    for job_pp, job in jobs:
+        found = _run_profile_job(client, setup, job_pp, job, log)
+        if found is not None:
+            observations += found
+            shapes.append(job.describe(job_pp))
     proxy = "" if model == dataclasses.asdict(config.model) else (
         f" (a proxy: d_model {model['d_model']}, seq_len {model['seq_len']})")
-    links = link_probe.measure_links()
-    return fit(observations, device, links, f"{len(shapes)} jobs{proxy}: " + ", ".join(shapes)
-               + "; links: two local gloo processes")
+    measured = {o["kind"][len(LINK_OBSERVED):] for o in observations if o["kind"].startswith(LINK_OBSERVED)}
+    probed = "p2p" + ("" if measured >= set(LINK_CALLS.values()) else " and what the jobs did not run")
+    return fit(observations, device, link_probe.measure_links(), f"{len(shapes)} jobs{proxy}: " + ", ".join(shapes)
+               + f"; links: {', '.join(sorted(measured)) or 'none'} in those jobs, {probed} from two local gloo "
+               "processes")
+
+
+def _run_profile_job(client, setup: dict, pp: int, job: ProfileJob, log) -> list[dict] | None:
+    """The observations of one profile job's traced steps; None for a job the model's
+    shape rules out (a tensor pair where the heads do not divide by two)."""
+    from interleaf.coordinator.config import load_config
+
+    overrides = _job_overrides(setup, pp, job)
+    try:
+        job_config = load_config("", overrides)
+    except ConfigError as err:
+        log(f"not profiled: {job.describe(pp)} ({err})")
+        return None
+    started = time.monotonic()
+    status = client.submit("", overrides)
+    final, _ = client.wait(status.job_id, timeout_s=600)
+    if final.state != "SUCCEEDED":
+        raise RuntimeError(f"profile job {status.job_id} ({job.describe(pp)}) ended {final.state}: "
+                           f"{final.error or final.reason}")
+    found = []
+    for step in TRACED:
+        trace = client.trace(status.job_id, step)
+        found += observe(trace, job_config) + observe_links(trace, job_config)
+    log(f"profiled {job.describe(pp)} in {time.monotonic() - started:.1f} s")
+    return found

@@ -17,7 +17,9 @@ from interleaf.coordinator.config import ConfigError, load_config
 from interleaf.coordinator.partition import partition
 from interleaf.coordinator.planner import fitting
 from interleaf.coordinator.planner.candidates import Layout, apply, grids, head_balanced_split, pipelines, valid_configs
-from interleaf.coordinator.planner.costs import DeviceProfile, Law, LayoutCosts, chunk_forward_flops, layout_costs
+from interleaf.coordinator.planner.costs import (DeviceProfile, Law, LayoutCosts, chunk_forward_flops,
+                                                chunk_parameters, collective_s, layout_costs, normalized)
+from interleaf.protos import interleaf_pb2 as pb
 from interleaf.coordinator.planner.search import Cluster, compute_bound, programs_for, search, simulate_layout
 
 SMALL = ["model.n_layers=8", "model.d_model=64", "model.n_heads=4", "model.seq_len=32", "train.global_batch=16"]
@@ -199,6 +201,15 @@ def test_a_large_model_is_profiled_through_a_proxy():
     proxy = plan_profile.profile_model(config)
     assert proxy["d_model"] < 4096 and proxy["arch"] == "gpt2" and proxy["n_layers"] == 8
     load_config("", [f"model.{k}={v}" for k, v in proxy.items()])  # a valid model
+    # ...that a tensor pair can split, for the link jobs, Llama's grouped kv heads too
+    load_config("", [f"model.{k}={v}" for k, v in proxy.items()] + ["parallel.tp=2", "parallel.pp=1",
+                                                                       "parallel.vpp=1", "parallel.schedule=1f1b"])
+    llama = load_config("", ["model.arch=llama", "model.n_layers=32", "model.d_model=4096", "model.n_heads=32",
+                             "model.n_kv_heads=8", "model.ffn_hidden=14336", "model.seq_len=2048"])
+    narrow = plan_profile.profile_model(llama)
+    assert narrow["n_heads"] >= 2 and narrow["n_kv_heads"] == 2
+    load_config("", [f"model.{k}={v}" for k, v in narrow.items()] + ["parallel.tp=2", "parallel.pp=1",
+                                                                        "parallel.vpp=1", "parallel.schedule=1f1b"])
     small = load_config("", SMALL)
     assert plan_profile.profile_model(small) == dataclasses.asdict(small.model)
 
@@ -243,3 +254,99 @@ def test_split_laws_keep_the_measured_ratio_to_the_whole_backward():
         split = fitted.input_grad.seconds(amount) + fitted.weight_grad.seconds(amount)
         assert split == pytest.approx(whole * 0.187 / 0.170)
         assert fitted.input_grad.seconds(amount) / split == pytest.approx(0.102 / 0.187)
+
+
+def test_collective_laws_scale_from_two_members_and_back():
+    """A call's law between two members prices it among any number (a ring's steps and
+    bytes), and a call measured among m members normalizes back onto that law."""
+    law = Law(1e-3, 1e9)
+    assert collective_s(law, 1, 1e6) == 0.0
+    assert collective_s(law, 2, 1e6) == pytest.approx(1e-3 + 1e-3)
+    assert collective_s(law, 4, 1e6) == pytest.approx(3e-3 + 1.5e-3)
+    for members in (2, 3, 8):
+        amount, seconds = normalized(members, 4e6, collective_s(law, members, 4e6))
+        assert law.seconds(amount) == pytest.approx(seconds)
+
+
+def test_link_laws_are_fitted_per_group_kind_from_the_servers_calls():
+    """StepReport.comm's held seconds, bytes and calls per (op, group) become one
+    observation each; two mean call sizes fit each kind's line, which layout_costs then
+    prices that kind's collectives with (a kind not measured falls back to the probe)."""
+    config = load_config("", SMALL + ["parallel.dp=2", "parallel.tp=2", "parallel.pp=1", "parallel.vpp=1",
+                                      "parallel.schedule=1f1b", "parallel.microbatches=2", "parallel.zero=3"])
+    tp, dp, rs = Law(2e-3, 5e8), Law(1e-3, 2e9), Law(3e-3, 1e8)
+    observations = []
+    for size in (1e5, 4e6):
+        report = pb.StepReport(comm=[
+            pb.CommStat(op="all_reduce", group="tp", seconds=3 * tp.seconds(size), bytes=int(3 * size), calls=3),
+            pb.CommStat(op="all_reduce", group="dp", seconds=dp.seconds(size), bytes=int(size), calls=1),
+            pb.CommStat(op="reduce_scatter", group="dp", seconds=2 * rs.seconds(size), bytes=int(2 * size), calls=2),
+            pb.CommStat(op="all_reduce", group="world", seconds=9.0, bytes=8, calls=1),  # the grad norm: no law
+            pb.CommStat(op="send", group="pp", seconds=9.0, bytes=int(size), calls=1)])
+        observations += plan_profile.observe_links(pb.StepTrace(reports=[report]), config)
+    assert sorted({o["kind"] for o in observations}) == ["link:dp", "link:dp_reduce_scatter", "link:tp"]
+    fitted = fitting.fit(observations + [{"kind": "forward", "amount": 1e9, "seconds": 1.0},
+                                         {"kind": "backward", "amount": 1e9, "seconds": 2.0}],
+                         "cpu", profile().links, "synthetic")
+    for kind, law in (("tp", tp), ("dp", dp), ("dp_reduce_scatter", rs)):
+        assert fitted.links[kind].overhead_s == pytest.approx(law.overhead_s)
+        assert fitted.links[kind].rate == pytest.approx(law.rate)
+    # a kind not measured: its group's all-reduce moving half the bytes, else the probe's
+    assert fitted.link("dp_all_gather").overhead_s == pytest.approx(dp.overhead_s / 2)
+    assert fitted.link("dp_all_gather").rate == pytest.approx(dp.rate * 2)
+    assert profile().link("tp_all_gather") == Law(profile().links["allreduce"].overhead_s / 2,
+                                                  profile().links["allreduce"].rate * 2)
+    # a group of four calls the same laws at four members' scaling
+    four = dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, dp=4))
+    amount, seconds = 1e6, collective_s(dp, 4, 1e6)
+    seen = plan_profile.observe_links(pb.StepTrace(reports=[pb.StepReport(comm=[
+        pb.CommStat(op="all_reduce", group="dp", seconds=seconds, bytes=int(amount), calls=1)])]), four)
+    assert dp.seconds(seen[0]["amount"]) == pytest.approx(seen[0]["seconds"])
+    # the sequence-parallel tensor group's all-reduces are not its collectives' law
+    sp = dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, sequence_parallel=True))
+    assert plan_profile.observe_links(pb.StepTrace(reports=[pb.StepReport(comm=[
+        pb.CommStat(op="all_reduce", group="tp", seconds=1.0, bytes=8, calls=1)])]), sp) == []
+    costs = layout_costs(config, fitted)
+    hidden = 16 // (2 * 2) * 32 * 64 * 4  # a microbatch's rows * seq_len * d_model * fp32
+    assert costs.tp_collective_s == pytest.approx(8 * 2 * collective_s(tp, 2, hidden))
+    assert costs.reduce_s == pytest.approx(collective_s(rs, 2, max(chunk_parameters(config, c) for c in
+                                                                   partition(8, 1, 1, "1f1b")) * 4))
+    # sequence parallelism: each of a block's two sums a reduce-scatter, each input all-gathered
+    sp_costs = layout_costs(sp, fitted)
+    rs_tp, ag_tp = fitted.link("tp_reduce_scatter"), fitted.link("tp_all_gather")
+    assert sp_costs.tp_collective_s == pytest.approx(8 * 2 * (collective_s(rs_tp, 2, hidden)
+                                                               + collective_s(ag_tp, 2, hidden)))
+
+
+def test_tensor_parallel_shards_are_priced_at_their_measured_rate():
+    """A tensor-parallel server's traced step, its computes' spans less its tensor
+    group's calls, against the laws' price of their FLOPs: the factor layout_costs
+    stretches a tp>1 layout's compute by, and only its."""
+    laws = profile()
+    f, b = 1e8, 1e8
+    priced = laws.forward.seconds(f) + laws.backward.seconds(b)
+    report = pb.StepReport(
+        spans=[pb.ActionSpan(action="F0.0", kind="forward", start_seconds=0.0, end_seconds=0.5 * 1.5 * priced + 0.01),
+               pb.ActionSpan(action="B0.0", kind="backward", start_seconds=1.0,
+                             end_seconds=1.0 + 0.5 * 1.5 * priced + 0.01),
+               pb.ActionSpan(action="U", kind="update", start_seconds=2.0, end_seconds=2.5)],
+        comm=[pb.CommStat(op="all_reduce", group="tp", seconds=0.02, bytes=1 << 20, calls=4)])
+    seen = plan_profile._tp_compute(report, [f])
+    assert seen[0]["computes"] == [["forward", f], ["backward", b]]
+    assert seen[0]["seconds"] == pytest.approx(1.5 * priced)
+    assert plan_profile._tp_compute(pb.StepReport(spans=report.spans), [f]) == []  # unmetered: no calls to subtract
+    fitted = fitting.fit(seen + [{"kind": "forward", "amount": 1e9, "seconds": laws.forward.seconds(1e9)},
+                                 {"kind": "forward", "amount": 2e9, "seconds": laws.forward.seconds(2e9)},
+                                 {"kind": "backward", "amount": 1e9, "seconds": laws.backward.seconds(1e9)},
+                                 {"kind": "backward", "amount": 2e9, "seconds": laws.backward.seconds(2e9)}],
+                         "cpu", laws.links, "synthetic")
+    assert fitted.tp_compute_factor == pytest.approx(1.5)
+    base = load_config("", SMALL + ["parallel.pp=1", "parallel.vpp=1", "parallel.schedule=1f1b",
+                                    "parallel.microbatches=2"])
+    for tp in (1, 2):
+        config = dataclasses.replace(base, parallel=dataclasses.replace(base.parallel, tp=tp))
+        plain = layout_costs(config, dataclasses.replace(fitted, tp_compute_factor=None))
+        stretched = layout_costs(config, fitted)
+        compute = [x - plain.tp_collective_s for x in plain.forward_s]
+        expected = [c * (1.5 if tp > 1 else 1.0) + plain.tp_collective_s for c in compute]
+        assert stretched.forward_s == pytest.approx(expected)

@@ -30,5 +30,9 @@ def test_planner_bench_tiny_runs(tmp_path):
         assert run["measured_peak_bytes"] > 0 and run["predicted_peak_bytes"] > 0
     # the pick is the least predicted step of every candidate, the grid's among them
     planned = next(r for r in runs if r["planned"])
+    # the plan, the grid's best and the default play one more round (three in a real run)
+    finalists = [r for r in runs if r["playoff_medians_s"]]
+    assert planned in finalists and all(len(r["playoff_medians_s"]) == 1 for r in finalists)
+    assert data["summary"]["planned_step_s"] == min(planned["round_medians_s"] + planned["playoff_medians_s"])
     assert planned["predicted_step_s"] <= min(r["predicted_step_s"] for r in runs) * 1.01
     assert len(data["profile"]["observations"]) > 0

@@ -57,6 +57,19 @@ def test_plan_ranks_layouts_of_the_coordinators_servers(cluster, plans):
     assert "run the best: --set parallel.dp=" in again.stdout
 
 
+def test_the_profile_measures_each_group_kinds_links_on_the_servers(cache, plans):
+    """The tensor and data-parallel laws come from calls inside the profile's jobs on the
+    servers (StepReport.comm), each from two mean call sizes; only pipeline messages take
+    the local probe's."""
+    profile = plan_profile.load_cached(plan_profile.profile_setup(load_config("", TINY)), "cpu")
+    for kind in ("tp", "tp_reduce_scatter", "tp_all_gather", "dp", "dp_reduce_scatter", "dp_all_gather"):
+        calls = [o for o in profile.observations if o["kind"] == f"link:{kind}"]
+        assert len({o["amount"] for o in calls}) >= 2, kind
+        assert profile.links[kind].rate > 0 and profile.links[kind].overhead_s >= 0
+    assert ("links: dp, dp_all_gather, dp_reduce_scatter, tp, tp_all_gather, tp_reduce_scatter in those jobs, "
+            "p2p from") in profile.measured_on
+
+
 @pytest.mark.parametrize("pick", [0, 1])
 def test_picked_plans_equal_the_reference(client, tmp_path, plans, pick):
     sets = plan_command.overrides(plans[pick])
@@ -76,6 +89,9 @@ def test_a_traced_job_refines_the_profile(client, cache, plans):
     plan_command.refine_from_job(client, status.job_id, final, before, Cluster(SERVERS, 1 << 40, SERVERS))
     after = plan_profile.load_cached(setup, "cpu")
     assert len(after.observations) > len(before.observations)
+    if final.parallel.dp > 1 or final.parallel.tp > 1:  # its groups' calls refine their links
+        assert sum(o["kind"].startswith("link:") for o in after.observations) > sum(
+            o["kind"].startswith("link:") for o in before.observations)
     assert "refined from a traced step of 8 ranks" in after.measured_on
 
 

@@ -6,7 +6,8 @@ A `DeviceProfile` holds the fitted laws of one device kind running one model fam
     compute seconds of one chunk's forward  = forward_overhead_s  + forward FLOPs / forward_flops_per_s
     ... of its backward B                    = backward_overhead_s + forward FLOPs / backward_flops_per_s
     ... of the halves I and W                = the same law with their own constants
-    a message or collective of n bytes       = latency_s + n / bytes_per_s   (per link kind)
+    a message of n bytes                     = latency_s + n / bytes_per_s
+    a collective of n bytes over 2 members   = latency_s + n / bytes_per_s   (per group kind and op)
     the weight update                        = update_s_per_param * parameters the rank steps
 
 The overheads are what a compute costs beyond its arithmetic (the executor's work, kernel
@@ -58,10 +59,19 @@ class DeviceProfile:
     input_grad: Law
     weight_grad: Law
     links: dict[str, Law]
+    """Per link kind, the seconds of one call of n bytes between two
+    members: "p2p" a pipeline message, "allreduce" the probe's all-reduce (what a kind
+    not measured on the servers falls back to), and as measured inside jobs on the
+    servers "tp" the tensor group's all-reduce, "dp" the data-parallel all-reduce,
+    "dp_reduce_scatter" and "dp_all_gather" ZeRO's, "tp_reduce_scatter" and
+    "tp_all_gather" the tensor group's under sequence parallelism."""
     update_s_per_param: float
     selective_share: float | None = None
     """Selective recompute's rerun as a share of the forward's arithmetic, measured;
     None: estimated from the FLOPs it reruns."""
+    tp_compute_factor: float | None = None
+    """A tensor-parallel shard's compute against the laws' price for its FLOPs, measured
+    (its spans less its group's calls); None: priced at the laws' rate."""
     measured_on: str = ""
     """What was run to measure it (the profile jobs' shapes), for the plan's report."""
     observations: list[dict] = field(default_factory=list)
@@ -70,12 +80,22 @@ class DeviceProfile:
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
 
+    def link(self, kind: str) -> Law:
+        """The law of `kind`; where it was not measured, its group's all-reduce's (the
+        profile's, else the probe's), a reduce-scatter or all-gather taken to move half
+        an all-reduce's bytes in half its steps."""
+        if kind in self.links:
+            return self.links[kind]
+        group = kind.split("_")[0]
+        law = self.links.get(group, self.links["allreduce"])
+        return law if kind == group else Law(law.overhead_s / 2, law.rate * 2)
+
     @classmethod
     def from_json(cls, data: dict) -> "DeviceProfile":
         laws = {k: Law(**data[k]) for k in ("forward", "backward", "input_grad", "weight_grad")}
         return cls(device=data["device"], links={k: Law(**v) for k, v in data["links"].items()},
                    update_s_per_param=data["update_s_per_param"], measured_on=data.get("measured_on", ""),
-                   selective_share=data.get("selective_share"),
+                   selective_share=data.get("selective_share"), tp_compute_factor=data.get("tp_compute_factor"),
                    observations=list(data.get("observations", [])), **laws)
 
 
@@ -139,13 +159,21 @@ def _parameters(model, start: int, stop: int, has_embedding: bool, has_head: boo
     return sum(local_numel(spec, tp) for spec in specs.values())
 
 
-def _ring(law: Law, members: int, total_bytes: float, passes: float) -> float:
-    """A ring collective over `members`: `passes` times (members-1)/members of the bytes
-    cross each link, in (members-1)*passes latency-bound steps."""
+def collective_s(law: Law, members: int, total_bytes: float) -> float:
+    """One collective call among `members` on a buffer of `total_bytes`, from the law
+    of the same call between two: a ring takes members-1 steps where two take one, and
+    each member moves (members-1)/members of the buffer where two move half of it (an
+    all-reduce twice over, a reduce-scatter or all-gather once: the law between two
+    already holds that). `normalized` is the inverse."""
     if members <= 1:
         return 0.0
-    share = (members - 1) / members
-    return passes * (members - 1) * law.overhead_s + passes * share * total_bytes / law.rate
+    return (members - 1) * law.overhead_s + 2 * (members - 1) / members * total_bytes / law.rate
+
+
+def normalized(members: int, total_bytes: float, seconds: float) -> tuple[float, float]:
+    """(bytes, seconds) of the two-member call that costs what a call among `members` of
+    `total_bytes` took in `seconds`, by collective_s's scaling."""
+    return 2 * total_bytes / members, seconds / (members - 1)
 
 
 def layout_costs(config: JobConfig, profile: DeviceProfile, slowdown: float = 1.0) -> LayoutCosts:
@@ -155,34 +183,40 @@ def layout_costs(config: JobConfig, profile: DeviceProfile, slowdown: float = 1.
     rows = t.global_batch // (p.dp * p.microbatches)
     act_bytes = PRECISION_BYTES[t.precision]
     chunks = partition(m.n_layers, p.pp, p.vpp, p.schedule, p.layers)
-    allreduce = profile.links["allreduce"]
     # Each block sums its attention and MLP outputs over the tensor group in the forward
-    # and their input gradients in the backward (sequence parallelism's reduce-scatter
-    # and all-gather move the same bytes).
+    # and their input gradients in the backward; under sequence parallelism each of those
+    # sums is a reduce-scatter, and each block's two inputs are all-gathered first.
     hidden = rows * m.seq_len * m.d_model * act_bytes
-    tp_per_layer = 2 * _ring(allreduce, p.tp, hidden, 2)
+    if p.sequence_parallel:
+        tp_per_layer = 2 * (collective_s(profile.link("tp_reduce_scatter"), p.tp, hidden)
+                            + collective_s(profile.link("tp_all_gather"), p.tp, hidden))
+    else:
+        tp_per_layer = 2 * collective_s(profile.link("tp"), p.tp, hidden)
+    # a shard's smaller products may not run at the whole layer's rate
+    stretch = slowdown * ((profile.tp_compute_factor or 1.0) if p.tp > 1 else 1.0)
     forward, backward, inputs, weights, tp_share = [], [], [], [], []
     for chunk in chunks:
         flops = chunk_forward_flops(config, chunk, rows)
         tp_s = len(chunk.layers) * tp_per_layer
-        f = profile.forward.seconds(flops) * slowdown + tp_s
-        rerun = _recompute_share(config, chunk, profile.selective_share) * (f - profile.forward.overhead_s * slowdown)
+        f = profile.forward.seconds(flops) * stretch + tp_s
+        rerun = _recompute_share(config, chunk, profile.selective_share) * (f - profile.forward.overhead_s * stretch)
         forward.append(f)
-        backward.append(profile.backward.seconds(flops) * slowdown + tp_s + rerun)
-        inputs.append(profile.input_grad.seconds(flops) * slowdown + tp_s + rerun)
-        weights.append(profile.weight_grad.seconds(flops) * slowdown)
+        backward.append(profile.backward.seconds(flops) * stretch + tp_s + rerun)
+        inputs.append(profile.input_grad.seconds(flops) * stretch + tp_s + rerun)
+        weights.append(profile.weight_grad.seconds(flops) * stretch)
         tp_share.append(tp_s)
     params = [chunk_parameters(config, c) for c in chunks]
     grad_bytes = max(params) * _master_bytes(t.precision)
     param_bytes = max(params) * act_bytes
-    reduce_s = _ring(allreduce, p.dp, grad_bytes, 1 if p.zero >= 2 else 2)
-    gather_s = _ring(allreduce, p.dp, param_bytes, 1) if p.zero == 3 else 0.0
+    reduce_s = collective_s(profile.link("dp_reduce_scatter" if p.zero >= 2 else "dp"), p.dp, grad_bytes)
+    gather = profile.link("dp_all_gather")
+    gather_s = collective_s(gather, p.dp, param_bytes) if p.zero == 3 else 0.0
     update_s = []
     for rank in range(p.pp):
         held = sum(n for n, c in zip(params, chunks) if c.pipeline_rank == rank)
         seconds = profile.update_s_per_param * held / (p.dp if p.zero else 1) * slowdown
         if p.zero in (1, 2):  # the stepped shards are gathered back into every replica
-            seconds += _ring(allreduce, p.dp, held * act_bytes, 1)
+            seconds += collective_s(gather, p.dp, held * act_bytes)
         update_s.append(seconds)
     p2p = profile.links["p2p"]
     return LayoutCosts(forward, backward, inputs, weights, p2p.seconds(message_bytes(config)),

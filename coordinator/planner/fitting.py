@@ -13,6 +13,10 @@ import statistics
 
 from .costs import DeviceProfile, Law
 
+LINK_OBSERVED = "link:"
+"""An observation of kind "link:<kind>" is one call of that link kind: its bytes and held
+seconds, between two members (costs.normalized)."""
+
 
 def undisturbed(seconds: list[float]) -> float:
     """What a compute costs when nothing else gets in its way: the lower quartile of its
@@ -48,9 +52,14 @@ def fit(observations: list[dict], device: str, links: dict[str, Law], measured_o
         raise ValueError("a device profile needs traced forwards and whole backwards")
     laws["input_grad"], laws["weight_grad"] = _split_laws(observations, laws["backward"])
     updates = [o["seconds"] / o["amount"] for o in observations if o["kind"] == "update" and o["amount"]]
+    links = dict(links)
+    for kind in sorted({o["kind"] for o in observations if o["kind"].startswith(LINK_OBSERVED)}):
+        links[kind[len(LINK_OBSERVED):]] = fit_line([(o["amount"], o["seconds"]) for o in observations
+                                                     if o["kind"] == kind])
     return DeviceProfile(device=device, links=links, update_s_per_param=undisturbed(updates) if updates else 0.0,
                          measured_on=measured_on, observations=observations,
-                         selective_share=_selective_share(observations, laws["forward"], laws["backward"]), **laws)
+                         selective_share=_selective_share(observations, laws["forward"], laws["backward"]),
+                         tp_compute_factor=_tp_compute_factor(observations, laws), **laws)
 
 
 def _split_laws(observations: list[dict], backward: Law) -> tuple[Law, Law]:
@@ -84,3 +93,13 @@ def _selective_share(observations: list[dict], forward: Law, backward: Law) -> f
     shares = [(undisturbed(s) - backward.seconds(a)) / (forward.seconds(a) - forward.overhead_s)
               for a, s in by_amount.items()]
     return max(0.0, statistics.median(shares)) if shares else None
+
+
+def _tp_compute_factor(observations: list[dict], laws: dict[str, Law]) -> float | None:
+    """What a tensor-parallel shard's computes took against the laws' price for their
+    FLOPs: over each "tp_compute" observation (a server's traced step: its computes'
+    kinds and FLOPs, and their spans' seconds less its tensor group's calls), the
+    undisturbed ratio."""
+    ratios = [o["seconds"] / sum(laws[kind].seconds(flops) for kind, flops in o["computes"])
+              for o in observations if o["kind"] == "tp_compute" and o["computes"]]
+    return undisturbed(ratios) if ratios else None
