@@ -218,11 +218,24 @@ def _toml(value) -> str:
     return str(value)
 
 
-def observe(trace: pb.StepTrace, config: JobConfig) -> list[dict]:
+def observations(trace: pb.StepTrace, config: JobConfig, device: str) -> list[dict]:
+    """Every observation a traced step of `config` on `device` gives: its computes' and
+    updates' (observe), and where the servers' calls are timed on the host (CPU
+    servers: gloo holds the caller until a call is done) its groups' calls
+    (observe_links) and tensor shards' compute. A CUDA server's collective is only
+    queued on a stream when its call returns: it is timed by nobody here."""
+    timed = device == "cpu"
+    return observe(trace, config, calls_timed=timed) + (observe_links(trace, config) if timed else [])
+
+
+def observe(trace: pb.StepTrace, config: JobConfig, calls_timed: bool = True) -> list[dict]:
     """(kind, FLOPs, seconds) of every traced compute of a step of `config`, and
     (update, parameters, seconds) of every update. A tensor-parallel step's computes hold
     their group's collectives, which the laws leave to the links: they count only
-    together, per server, less its tensor group's calls (_tp_compute)."""
+    together, per server, less its tensor group's calls (_tp_compute), where those are
+    `calls_timed`, made only inside computes (no sequence parallelism, whose partial
+    gradients are summed in the update; no pipeline messages gathered over the group)
+    and nothing is rerun."""
     p = config.parallel
     rows = config.train.global_batch // (p.dp * p.microbatches)
     chunks = partition(config.model.n_layers, p.pp, p.vpp, p.schedule, p.layers)
@@ -231,7 +244,8 @@ def observe(trace: pb.StepTrace, config: JobConfig) -> list[dict]:
     found = []
     for report in trace.reports:
         stage = stages[report.rank]
-        if p.tp > 1 and config.train.recompute == "none":
+        if (p.tp > 1 and calls_timed and config.train.recompute == "none" and not p.sequence_parallel
+                and not (p.pp > 1 and p.scatter_gather)):
             found += _tp_compute(report, flops)
         for span in report.spans:
             seconds = span.end_seconds - span.start_seconds
@@ -257,14 +271,18 @@ LINK_CALLS = {(op, group): group if op == "all_reduce" else f"{group}_{op}"
 def observe_links(trace: pb.StepTrace, config: JobConfig) -> list[dict]:
     """One observation per server, per (op, group) of LINK_CALLS its step called: the
     mean call's bytes and held seconds, scaled to a group of two (costs.normalized).
-    The tensor group under sequence parallelism is left out: its calls are other ops."""
+    The tensor group's all-reduces count without sequence parallelism, its reduce-
+    scatters and all-gathers with it: the other ops' calls there are the loss's and the
+    update's small ones, not a block's."""
     p = config.parallel
     members = {"tp": p.tp, "dp": p.dp}
     found = []
     for report in trace.reports:
         for stat in report.comm:
             kind = LINK_CALLS.get((stat.op, stat.group))
-            if kind is None or not stat.calls or members[stat.group] < 2 or (kind == "tp" and p.sequence_parallel):
+            if kind is None or not stat.calls or members[stat.group] < 2:
+                continue
+            if stat.group == "tp" and (kind == "tp") == p.sequence_parallel:
                 continue
             amount, seconds = normalized(members[stat.group], stat.bytes / stat.calls, stat.seconds / stat.calls)
             found.append({"kind": LINK_OBSERVED + kind, "amount": amount, "seconds": seconds})
@@ -290,7 +308,8 @@ def refine(profile: DeviceProfile, trace: pb.StepTrace, config: JobConfig, slowd
     """The profile refitted with a real job's traced step added (planned jobs' traces
     feed their profile back: `interleaf run --plan auto`); `slowdown`: how much the job's
     servers slowed each other (shared cores), taken out of its compute times."""
-    seen = [dict(o, seconds=o["seconds"] / slowdown) for o in observe(trace, config)] + observe_links(trace, config)
+    seen = [o if o["kind"].startswith(LINK_OBSERVED) else dict(o, seconds=o["seconds"] / slowdown)
+            for o in observations(trace, config, profile.device)]
     return fit(profile.observations + seen, profile.device, profile.links,
                profile.measured_on + f"; refined from a traced step of {config.parallel.world_size} ranks")
 
@@ -305,10 +324,10 @@ def measure(client, config: JobConfig, device: str, idle_servers: int, log=print
     observations = []
     shapes = []
     jobs = [(pp, job) for job in profile_jobs(model["n_layers"], pp, split)]
-    if idle_servers >= 2:
+    if idle_servers >= 2 and device == "cpu":  # where calls are timed (observations)
         jobs += [(1, job) for job in link_jobs(model["n_layers"])]
     for job_pp, job in jobs:
-        found = _run_profile_job(client, setup, job_pp, job, log)
+        found = _run_profile_job(client, setup, job_pp, job, device, log)
         if found is not None:
             observations += found
             shapes.append(job.describe(job_pp))
@@ -321,7 +340,7 @@ def measure(client, config: JobConfig, device: str, idle_servers: int, log=print
                "processes")
 
 
-def _run_profile_job(client, setup: dict, pp: int, job: ProfileJob, log) -> list[dict] | None:
+def _run_profile_job(client, setup: dict, pp: int, job: ProfileJob, device: str, log) -> list[dict] | None:
     """The observations of one profile job's traced steps; None for a job the model's
     shape rules out (a tensor pair where the heads do not divide by two)."""
     from interleaf.coordinator.config import load_config
@@ -341,6 +360,6 @@ def _run_profile_job(client, setup: dict, pp: int, job: ProfileJob, log) -> list
     found = []
     for step in TRACED:
         trace = client.trace(status.job_id, step)
-        found += observe(trace, job_config) + observe_links(trace, job_config)
+        found += observations(trace, job_config, device)
     log(f"profiled {job.describe(pp)} in {time.monotonic() - started:.1f} s")
     return found

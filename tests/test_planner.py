@@ -302,20 +302,69 @@ def test_link_laws_are_fitted_per_group_kind_from_the_servers_calls():
     seen = plan_profile.observe_links(pb.StepTrace(reports=[pb.StepReport(comm=[
         pb.CommStat(op="all_reduce", group="dp", seconds=seconds, bytes=int(amount), calls=1)])]), four)
     assert dp.seconds(seen[0]["amount"]) == pytest.approx(seen[0]["seconds"])
-    # the sequence-parallel tensor group's all-reduces are not its collectives' law
+    # the tensor group's all-reduces are its law without sequence parallelism, its
+    # reduce-scatters and all-gathers with it (the other ops are the loss's and update's)
     sp = dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, sequence_parallel=True))
-    assert plan_profile.observe_links(pb.StepTrace(reports=[pb.StepReport(comm=[
-        pb.CommStat(op="all_reduce", group="tp", seconds=1.0, bytes=8, calls=1)])]), sp) == []
+    mixed = pb.StepTrace(ranks=[pb.RankInfo(rank=0)], reports=[pb.StepReport(rank=0, comm=[
+        pb.CommStat(op="all_reduce", group="tp", seconds=1.0, bytes=8, calls=1),
+        pb.CommStat(op="all_gather", group="tp", seconds=1.0, bytes=8, calls=1),
+        pb.CommStat(op="reduce_scatter", group="tp", seconds=1.0, bytes=8, calls=1)])])
+    assert [o["kind"] for o in plan_profile.observe_links(mixed, config)] == ["link:tp"]
+    assert sorted(o["kind"] for o in plan_profile.observe_links(mixed, sp)) == ["link:tp_all_gather",
+                                                                              "link:tp_reduce_scatter"]
+    # a CUDA server's calls return once queued: neither they nor its shards' compute are observed
+    assert plan_profile.observations(mixed, config, "cuda (NVIDIA H100 80GB HBM3)") == []
+    assert len(plan_profile.observations(mixed, config, "cpu")) == 1
     costs = layout_costs(config, fitted)
     hidden = 16 // (2 * 2) * 32 * 64 * 4  # a microbatch's rows * seq_len * d_model * fp32
     assert costs.tp_collective_s == pytest.approx(8 * 2 * collective_s(tp, 2, hidden))
     assert costs.reduce_s == pytest.approx(collective_s(rs, 2, max(chunk_parameters(config, c) for c in
                                                                    partition(8, 1, 1, "1f1b")) * 4))
-    # sequence parallelism: each of a block's two sums a reduce-scatter, each input all-gathered
-    sp_costs = layout_costs(sp, fitted)
-    rs_tp, ag_tp = fitted.link("tp_reduce_scatter"), fitted.link("tp_all_gather")
-    assert sp_costs.tp_collective_s == pytest.approx(8 * 2 * (collective_s(rs_tp, 2, hidden)
-                                                               + collective_s(ag_tp, 2, hidden)))
+    # ZeRO-1 reduce-scatters too (each replica steps its shard); ZeRO 0 all-reduces
+    for zero, law in ((0, dp), (1, rs), (2, rs)):
+        staged = dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, zero=zero))
+        grads = max(chunk_parameters(config, c) for c in partition(8, 1, 1, "1f1b")) * 4
+        assert layout_costs(staged, fitted).reduce_s == pytest.approx(collective_s(law, 2, grads))
+
+
+def test_tensor_group_calls_per_block_follow_the_architecture():
+    """What a block calls over the tensor group (stageserver/model/tensor_parallel.py,
+    sequence_parallel.py): without sequence parallelism an all-reduce per row-parallel
+    linear forward and per column-parallel linear backward (gpt2 2 and 2, llama 2 and
+    5); with it 2 all-gathers + 2 reduce-scatters forward, 4 + 2 backward. Selective
+    recompute replays the forward's calls, full recompute makes them again."""
+    ar, ag, rs = Law(1e-3, 1e9), Law(2e-3, 5e8), Law(3e-3, 2e8)
+    measured = dataclasses.replace(profile(), links={**profile().links, "tp": ar, "tp_all_gather": ag,
+                                                     "tp_reduce_scatter": rs})
+    base = ["parallel.tp=2", "parallel.pp=1", "parallel.vpp=1", "parallel.schedule=1f1b",
+            "parallel.microbatches=2", "train.global_batch=16"]
+    gpt2 = ["model.n_layers=2", "model.d_model=64", "model.n_heads=4", "model.seq_len=32"]
+    llama = ["model.arch=llama", "model.n_layers=2", "model.d_model=64", "model.n_heads=4", "model.n_kv_heads=2",
+             "model.seq_len=32"]
+    hidden = 8 * 32 * 64 * 4
+    untouched = dataclasses.replace(measured, tp_compute_factor=None)
+    for model, sp, forward, backward in (
+            (gpt2, False, 2 * collective_s(ar, 2, hidden), 2 * collective_s(ar, 2, hidden)),
+            (llama, False, 2 * collective_s(ar, 2, hidden), 5 * collective_s(ar, 2, hidden)),
+            (gpt2, True, 2 * collective_s(ag, 2, hidden) + 2 * collective_s(rs, 2, hidden),
+             4 * collective_s(ag, 2, hidden) + 2 * collective_s(rs, 2, hidden)),
+            (llama, True, 2 * collective_s(ag, 2, hidden) + 2 * collective_s(rs, 2, hidden),
+             4 * collective_s(ag, 2, hidden) + 2 * collective_s(rs, 2, hidden))):
+        config = load_config("", model + base + [f"parallel.sequence_parallel={str(sp).lower()}"])
+        costs = layout_costs(config, untouched)
+        chunk = partition(2, 1, 1, "1f1b")[0]
+        flops = chunk_forward_flops(config, chunk, 8)
+        assert costs.tp_collective_s == pytest.approx(2 * forward)
+        assert costs.forward_s[0] == pytest.approx(untouched.forward.seconds(flops) + 2 * forward)
+        assert costs.backward_s[0] == pytest.approx(untouched.backward.seconds(flops) + 2 * backward)
+        full = dataclasses.replace(config, train=dataclasses.replace(config.train, recompute="full"))
+        assert layout_costs(full, untouched).backward_s[0] == pytest.approx(
+            costs.backward_s[0] + flops / untouched.forward.rate + 2 * forward)
+        # selective: a share of the arithmetic rerun, none of the calls (replayed)
+        selective = dataclasses.replace(config, train=dataclasses.replace(config.train, recompute="selective"))
+        share = dataclasses.replace(untouched, selective_share=0.25)
+        assert layout_costs(selective, share).backward_s[0] == pytest.approx(
+            costs.backward_s[0] + 0.25 * flops / untouched.forward.rate)
 
 
 def test_tensor_parallel_shards_are_priced_at_their_measured_rate():

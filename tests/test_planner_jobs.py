@@ -80,18 +80,20 @@ def test_a_traced_job_refines_the_profile(client, cache, plans):
     config = load_config("", TINY)
     setup = plan_profile.profile_setup(config)
     before = plan_profile.load_cached(setup, "cpu")
-    final = load_config("", TINY + plan_command.overrides(plans[0]))
-    status = client.submit("", TINY + plan_command.overrides(plans[0]) + ["trace.steps=[1]"])
+    # a layout with data and tensor groups, whose calls refine their links
+    layout = ["parallel.dp=2", "parallel.tp=2", "parallel.pp=2", "parallel.vpp=1", "parallel.schedule=1f1b",
+              "parallel.microbatches=2", "parallel.zero=1", "parallel.scatter_gather=false"]
+    final = load_config("", TINY + layout)
+    status = client.submit("", TINY + layout + ["trace.steps=[1]"])
     done, _ = client.wait(status.job_id, timeout_s=300)
     assert done.state == "SUCCEEDED", done.error
     from interleaf.coordinator.planner.search import Cluster
 
     plan_command.refine_from_job(client, status.job_id, final, before, Cluster(SERVERS, 1 << 40, SERVERS))
     after = plan_profile.load_cached(setup, "cpu")
-    assert len(after.observations) > len(before.observations)
-    if final.parallel.dp > 1 or final.parallel.tp > 1:  # its groups' calls refine their links
-        assert sum(o["kind"].startswith("link:") for o in after.observations) > sum(
-            o["kind"].startswith("link:") for o in before.observations)
+    added = after.observations[len(before.observations):]
+    assert {"link:tp", "link:dp_reduce_scatter", "link:dp_all_gather", "tp_compute"} <= {
+        o["kind"] for o in added}
     assert "refined from a traced step of 8 ranks" in after.measured_on
 
 

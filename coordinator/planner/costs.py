@@ -183,32 +183,28 @@ def layout_costs(config: JobConfig, profile: DeviceProfile, slowdown: float = 1.
     rows = t.global_batch // (p.dp * p.microbatches)
     act_bytes = PRECISION_BYTES[t.precision]
     chunks = partition(m.n_layers, p.pp, p.vpp, p.schedule, p.layers)
-    # Each block sums its attention and MLP outputs over the tensor group in the forward
-    # and their input gradients in the backward; under sequence parallelism each of those
-    # sums is a reduce-scatter, and each block's two inputs are all-gathered first.
     hidden = rows * m.seq_len * m.d_model * act_bytes
-    if p.sequence_parallel:
-        tp_per_layer = 2 * (collective_s(profile.link("tp_reduce_scatter"), p.tp, hidden)
-                            + collective_s(profile.link("tp_all_gather"), p.tp, hidden))
-    else:
-        tp_per_layer = 2 * collective_s(profile.link("tp"), p.tp, hidden)
+    tp_forward, tp_backward = _tp_block_seconds(config, profile, hidden)
     # a shard's smaller products may not run at the whole layer's rate
     stretch = slowdown * ((profile.tp_compute_factor or 1.0) if p.tp > 1 else 1.0)
     forward, backward, inputs, weights, tp_share = [], [], [], [], []
     for chunk in chunks:
         flops = chunk_forward_flops(config, chunk, rows)
-        tp_s = len(chunk.layers) * tp_per_layer
-        f = profile.forward.seconds(flops) * stretch + tp_s
-        rerun = _recompute_share(config, chunk, profile.selective_share) * (f - profile.forward.overhead_s * stretch)
-        forward.append(f)
-        backward.append(profile.backward.seconds(flops) * stretch + tp_s + rerun)
-        inputs.append(profile.input_grad.seconds(flops) * stretch + tp_s + rerun)
-        weights.append(profile.weight_grad.seconds(flops) * stretch)
-        tp_share.append(tp_s)
+        tp_f, tp_b = len(chunk.layers) * tp_forward, len(chunk.layers) * tp_backward
+        compute = profile.forward.seconds(flops) * stretch
+        # full recompute reruns the forward's collectives; selective replays them (collective_replay.py)
+        share = _recompute_share(config, chunk, profile.selective_share)
+        rerun = share * (compute - profile.forward.overhead_s * stretch + (tp_f if t.recompute == "full" else 0.0))
+        forward.append(compute + tp_f)
+        backward.append(profile.backward.seconds(flops) * stretch + tp_b + rerun)
+        inputs.append(profile.input_grad.seconds(flops) * stretch + tp_b + rerun)
+        weights.append(profile.weight_grad.seconds(flops) * stretch)  # W keeps what it needs: no calls
+        tp_share.append(tp_f)
     params = [chunk_parameters(config, c) for c in chunks]
     grad_bytes = max(params) * _master_bytes(t.precision)
     param_bytes = max(params) * act_bytes
-    reduce_s = collective_s(profile.link("dp_reduce_scatter" if p.zero >= 2 else "dp"), p.dp, grad_bytes)
+    # ZeRO 1-3 reduce-scatter the gradient (each replica steps its shard), ZeRO 0 all-reduces it
+    reduce_s = collective_s(profile.link("dp_reduce_scatter" if p.zero >= 1 else "dp"), p.dp, grad_bytes)
     gather = profile.link("dp_all_gather")
     gather_s = collective_s(gather, p.dp, param_bytes) if p.zero == 3 else 0.0
     update_s = []
@@ -221,6 +217,41 @@ def layout_costs(config: JobConfig, profile: DeviceProfile, slowdown: float = 1.
     p2p = profile.links["p2p"]
     return LayoutCosts(forward, backward, inputs, weights, p2p.seconds(message_bytes(config)),
                        reduce_s, gather_s, update_s, max(tp_share))
+
+
+def _tp_block_seconds(config: JobConfig, profile: DeviceProfile, hidden: float) -> tuple[float, float]:
+    """One block's tensor-group calls in its forward and in its backward (or input-
+    gradient half), each on a microbatch's `hidden` bytes (stageserver/model/
+    tensor_parallel.py, sequence_parallel.py):
+    - without sequence parallelism, each row-parallel linear's output is all-reduced in
+      the forward, and each column-parallel linear's input gradient in the backward
+      (gpt2: 2 and 2; llama, with q, k, v, gate and up apart: 2 and 5);
+    - with it, each group of column-parallel linears reading one input all-gathers it
+      and each row-parallel output is reduce-scattered in the forward; the backward
+      gathers each input again and each output gradient, and reduce-scatters each
+      input's gradient (gpt2 and llama: 2 + 2 forward, 4 + 2 backward)."""
+    p = config.parallel
+    if p.tp <= 1:
+        return 0.0, 0.0
+    columns, column_inputs, rows = _tp_linears(config.model)
+    if p.sequence_parallel:
+        gather = collective_s(profile.link("tp_all_gather"), p.tp, hidden)
+        scatter = collective_s(profile.link("tp_reduce_scatter"), p.tp, hidden)
+        return column_inputs * gather + rows * scatter, (column_inputs + rows) * gather + column_inputs * scatter
+    reduce = collective_s(profile.link("tp"), p.tp, hidden)
+    return rows * reduce, columns * reduce
+
+
+@functools.lru_cache(maxsize=64)
+def _tp_linears(model) -> tuple[int, int, int]:
+    """A block's column-parallel linears (weights split along their outputs), the
+    distinct inputs they read (their modules: attention's and the MLP's), and its
+    row-parallel linears (split along their inputs)."""
+    shape = shape_of(model)
+    block = architecture(shape.arch).block_parameters(shape)
+    matrices = [(name, dim) for name, (full, dim) in block.items() if len(full) == 2]
+    columns = [name for name, dim in matrices if dim == 0]
+    return len(columns), len({name.split(".")[0] for name in columns}), sum(1 for _, dim in matrices if dim == 1)
 
 
 def _master_bytes(precision: str) -> int:

@@ -232,9 +232,10 @@ def explain(plan: RankedPlan, best: RankedPlan | None = None) -> list[str]:
              f"for messages and collectives"]
     if p.tp > 1:
         share = costs.tp_collective_s / max(costs.forward_s)
-        lines.append(f"tp={p.tp}: the tensor group's all-reduces are {share:.0%} of the largest chunk's forward")
+        calls = "reduce-scatters and all-gathers" if p.sequence_parallel else "all-reduces"
+        lines.append(f"tp={p.tp}: the tensor group's {calls} are {share:.0%} of the largest chunk's forward")
     if p.dp > 1:
-        what = "reduce-scatter" if p.zero >= 2 else "all-reduce"
+        what = "reduce-scatter" if p.zero >= 1 else "all-reduce"
         lines.append(f"dp={p.dp}: each chunk's gradient {what} {costs.reduce_s * 1e3:.1f} ms"
                      + (f", each parameter gather {costs.gather_s * 1e3:.1f} ms" if p.zero == 3 else ""))
     if t.recompute != "none":
