@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import os
 import statistics
+import time
 
 from interleaf.clients import plan_command, plan_profile
 from interleaf.clients.launcher import LocalCluster
@@ -147,7 +148,9 @@ def main() -> int:
     with LocalCluster(args.servers, steps_per_call=args.steps_per_call, device=args.device) as cluster:
         client = cluster.client()
         kind = plan_command.device_kind(cluster.devices[0])
+        profiling = time.monotonic()
         profile = plan_profile.measure(client, config, kind, args.servers, log=lambda line: print(line, flush=True))
+        profile_seconds = time.monotonic() - profiling
         memory = cluster.memory_per_server
         slowdown = 1.0 if gpu else plan_command.host_slowdown(args.servers, cluster.threads, os.cpu_count() or 1)
         planning = Cluster(args.servers, memory, servers_per_host=args.servers, compute_slowdown=slowdown)
@@ -203,6 +206,7 @@ def main() -> int:
         "planned_vs_grid_best": planned["decided_step_s"] / best["decided_step_s"],
         "planned_vs_default": default and planned["decided_step_s"] / default["decided_step_s"],
         "planned_peak_error": planned["peak_error"],
+        "profile_seconds": profile_seconds,
         "search": {"candidates": report.candidates, "simulated": report.simulated, "seconds": report.seconds},
         "losses_disagree": disagree,
     }

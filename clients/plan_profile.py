@@ -272,8 +272,9 @@ def observe_links(trace: pb.StepTrace, config: JobConfig) -> list[dict]:
     """One observation per server, per (op, group) of LINK_CALLS its step called: the
     mean call's bytes and held seconds, scaled to a group of two (costs.normalized).
     The tensor group's all-reduces count without sequence parallelism, its reduce-
-    scatters and all-gathers with it: the other ops' calls there are the loss's and the
-    update's small ones, not a block's."""
+    scatters and all-gathers with it: those are the blocks' (and the embedding's and
+    head's, with the loss's few small ones averaged in); the other ops' calls there are
+    only the loss's and the update's small ones."""
     p = config.parallel
     members = {"tp": p.tp, "dp": p.dp}
     found = []

@@ -317,7 +317,7 @@ def test_link_laws_are_fitted_per_group_kind_from_the_servers_calls():
     assert len(plan_profile.observations(mixed, config, "cpu")) == 1
     costs = layout_costs(config, fitted)
     hidden = 16 // (2 * 2) * 32 * 64 * 4  # a microbatch's rows * seq_len * d_model * fp32
-    assert costs.tp_collective_s == pytest.approx(8 * 2 * collective_s(tp, 2, hidden))
+    assert costs.tp_collective_s == pytest.approx((8 * 2 + 1) * collective_s(tp, 2, hidden))  # blocks, embedding
     assert costs.reduce_s == pytest.approx(collective_s(rs, 2, max(chunk_parameters(config, c) for c in
                                                                    partition(8, 1, 1, "1f1b")) * 4))
     # ZeRO-1 reduce-scatters too (each replica steps its shard); ZeRO 0 all-reduces
@@ -331,8 +331,9 @@ def test_tensor_group_calls_per_block_follow_the_architecture():
     """What a block calls over the tensor group (stageserver/model/tensor_parallel.py,
     sequence_parallel.py): without sequence parallelism an all-reduce per row-parallel
     linear forward and per column-parallel linear backward (gpt2 2 and 2, llama 2 and
-    5); with it 2 all-gathers + 2 reduce-scatters forward, 4 + 2 backward. Selective
-    recompute replays the forward's calls, full recompute makes them again."""
+    5); with it 2 all-gathers + 2 reduce-scatters forward, 4 + 2 backward. The embedding
+    and the head add one call each way between them. Selective recompute replays the
+    forward's calls; a block rerun whole (full, or selective's every K-th) makes them again."""
     ar, ag, rs = Law(1e-3, 1e9), Law(2e-3, 5e8), Law(3e-3, 2e8)
     measured = dataclasses.replace(profile(), links={**profile().links, "tp": ar, "tp_all_gather": ag,
                                                      "tp_reduce_scatter": rs})
@@ -342,29 +343,42 @@ def test_tensor_group_calls_per_block_follow_the_architecture():
     llama = ["model.arch=llama", "model.n_layers=2", "model.d_model=64", "model.n_heads=4", "model.n_kv_heads=2",
              "model.seq_len=32"]
     hidden = 8 * 32 * 64 * 4
+    a, g, r = (collective_s(law, 2, hidden) for law in (ar, ag, rs))
     untouched = dataclasses.replace(measured, tp_compute_factor=None)
-    for model, sp, forward, backward in (
-            (gpt2, False, 2 * collective_s(ar, 2, hidden), 2 * collective_s(ar, 2, hidden)),
-            (llama, False, 2 * collective_s(ar, 2, hidden), 5 * collective_s(ar, 2, hidden)),
-            (gpt2, True, 2 * collective_s(ag, 2, hidden) + 2 * collective_s(rs, 2, hidden),
-             4 * collective_s(ag, 2, hidden) + 2 * collective_s(rs, 2, hidden)),
-            (llama, True, 2 * collective_s(ag, 2, hidden) + 2 * collective_s(rs, 2, hidden),
-             4 * collective_s(ag, 2, hidden) + 2 * collective_s(rs, 2, hidden))):
+    # (model, sp, a block's forward and backward calls, the embedding's and head's forward and backward)
+    for model, sp, forward, backward, ends_f, ends_b in (
+            (gpt2, False, 2 * a, 2 * a, a, a),
+            (llama, False, 2 * a, 5 * a, a, a),
+            (gpt2, True, 2 * g + 2 * r, 4 * g + 2 * r, r + g, g + r),
+            (llama, True, 2 * g + 2 * r, 4 * g + 2 * r, r + g, g + r)):
         config = load_config("", model + base + [f"parallel.sequence_parallel={str(sp).lower()}"])
         costs = layout_costs(config, untouched)
         chunk = partition(2, 1, 1, "1f1b")[0]
         flops = chunk_forward_flops(config, chunk, 8)
-        assert costs.tp_collective_s == pytest.approx(2 * forward)
-        assert costs.forward_s[0] == pytest.approx(untouched.forward.seconds(flops) + 2 * forward)
-        assert costs.backward_s[0] == pytest.approx(untouched.backward.seconds(flops) + 2 * backward)
+        assert costs.tp_collective_s == pytest.approx(2 * forward + ends_f)
+        assert costs.forward_s[0] == pytest.approx(untouched.forward.seconds(flops) + 2 * forward + ends_f)
+        assert costs.backward_s[0] == pytest.approx(untouched.backward.seconds(flops) + 2 * backward + ends_b)
         full = dataclasses.replace(config, train=dataclasses.replace(config.train, recompute="full"))
         assert layout_costs(full, untouched).backward_s[0] == pytest.approx(
             costs.backward_s[0] + flops / untouched.forward.rate + 2 * forward)
-        # selective: a share of the arithmetic rerun, none of the calls (replayed)
+        # selective: a share of the arithmetic rerun, none of the calls (replayed)...
         selective = dataclasses.replace(config, train=dataclasses.replace(config.train, recompute="selective"))
         share = dataclasses.replace(untouched, selective_share=0.25)
         assert layout_costs(selective, share).backward_s[0] == pytest.approx(
             costs.backward_s[0] + 0.25 * flops / untouched.forward.rate)
+        # ...but every K-th block rerun whole, calls and all (here K=1: every block)
+        every = dataclasses.replace(config, train=dataclasses.replace(config.train, recompute="selective",
+                                                                      recompute_layers=1))
+        assert layout_costs(every, share).backward_s[0] == pytest.approx(
+            costs.backward_s[0] + flops / untouched.forward.rate + 2 * forward)
+    # scatter/gather messages: each received message all-gathered over the tensor group
+    piped = load_config("", gpt2 + ["parallel.tp=2", "parallel.pp=2", "parallel.vpp=1", "parallel.schedule=1f1b",
+                                    "parallel.microbatches=2", "train.global_batch=16"])
+    assert piped.parallel.scatter_gather
+    plain = dataclasses.replace(piped, parallel=dataclasses.replace(piped.parallel, scatter_gather=False))
+    gathered, whole = layout_costs(piped, untouched), layout_costs(plain, untouched)
+    assert gathered.forward_s == pytest.approx([whole.forward_s[0], whole.forward_s[1] + g])
+    assert gathered.backward_s == pytest.approx([whole.backward_s[0] + g, whole.backward_s[1]])
 
 
 def test_tensor_parallel_shards_are_priced_at_their_measured_rate():

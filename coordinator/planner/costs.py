@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from interleaf.common.model.architectures import architecture
 from interleaf.common.model.config import shape_of
 from interleaf.common.model.shapes import chunk_param_specs, local_numel
+from interleaf.common.pipeline_message_modes import message_mode
 from interleaf.coordinator.config import PRECISION_BYTES, JobConfig
 from interleaf.coordinator.memory_model import message_bytes
 from interleaf.coordinator.partition import Chunk, partition
@@ -109,13 +110,14 @@ class LayoutCosts:
     message_s: float
     reduce_s: float
     """One chunk's data-parallel gradient reduction (all-reduce, or reduce-scatter under
-    ZeRO 2 and 3), the largest chunk's."""
+    ZeRO 1-3), the largest chunk's."""
     gather_s: float
     """ZeRO-3: one chunk's parameter all-gather."""
     update_s: list[float]
     """Per pipeline rank, its weight update, with ZeRO's all-gather of the stepped shard."""
     tp_collective_s: float
-    """Of each chunk's forward, the tensor group's collectives (for the report)."""
+    """Of the forward of the chunk that calls the most, the tensor group's collectives
+    (for the report)."""
 
 
 def chunk_forward_flops(config: JobConfig, chunk: Chunk, rows: int) -> float:
@@ -188,13 +190,18 @@ def layout_costs(config: JobConfig, profile: DeviceProfile, slowdown: float = 1.
     # a shard's smaller products may not run at the whole layer's rate
     stretch = slowdown * ((profile.tp_compute_factor or 1.0) if p.tp > 1 else 1.0)
     forward, backward, inputs, weights, tp_share = [], [], [], [], []
+    # a block rerun whole (full recompute, or selective's every K-th) calls its forward's
+    # collectives again; selective's rerun replays them (collective_replay.py)
+    whole_reruns = t.recompute == "full" or (t.recompute == "selective" and t.recompute_layers > 0)
     for chunk in chunks:
         flops = chunk_forward_flops(config, chunk, rows)
-        tp_f, tp_b = len(chunk.layers) * tp_forward, len(chunk.layers) * tp_backward
+        ends_f, ends_b = _tp_chunk_seconds(config, profile, chunk, len(chunks), hidden)
+        tp_f = len(chunk.layers) * tp_forward + ends_f
+        tp_b = len(chunk.layers) * tp_backward + ends_b
         compute = profile.forward.seconds(flops) * stretch
-        # full recompute reruns the forward's collectives; selective replays them (collective_replay.py)
         share = _recompute_share(config, chunk, profile.selective_share)
-        rerun = share * (compute - profile.forward.overhead_s * stretch + (tp_f if t.recompute == "full" else 0.0))
+        blocks_f = len(chunk.layers) * tp_forward
+        rerun = share * (compute - profile.forward.overhead_s * stretch + (blocks_f if whole_reruns else 0.0))
         forward.append(compute + tp_f)
         backward.append(profile.backward.seconds(flops) * stretch + tp_b + rerun)
         inputs.append(profile.input_grad.seconds(flops) * stretch + tp_b + rerun)
@@ -240,6 +247,34 @@ def _tp_block_seconds(config: JobConfig, profile: DeviceProfile, hidden: float) 
         return column_inputs * gather + rows * scatter, (column_inputs + rows) * gather + column_inputs * scatter
     reduce = collective_s(profile.link("tp"), p.tp, hidden)
     return rows * reduce, columns * reduce
+
+
+def _tp_chunk_seconds(config: JobConfig, profile: DeviceProfile, chunk: Chunk, chunks: int,
+                      hidden: float) -> tuple[float, float]:
+    """What a chunk calls over the tensor group beyond its blocks, forward and backward:
+    the vocabulary-parallel embedding's sum (a reduce-scatter under sequence
+    parallelism, its gradient gathered back), the head's input gradient summed (under
+    sequence parallelism its input gathered, its gradient reduce-scattered), and with
+    scatter/gather messages (stageserver/pipeline_messages.py) each received message
+    all-gathered: a forward's input from the chunk before, a backward's gradient from
+    the one after. The loss's own calls are a few numbers per token: left out."""
+    p = config.parallel
+    if p.tp <= 1:
+        return 0.0, 0.0
+    gather = collective_s(profile.link("tp_all_gather"), p.tp, hidden)
+    forward = backward = 0.0
+    if p.sequence_parallel:
+        scatter = collective_s(profile.link("tp_reduce_scatter"), p.tp, hidden)
+        forward += chunk.has_embedding * scatter + chunk.has_head * gather
+        backward += chunk.has_embedding * gather + chunk.has_head * scatter
+    else:
+        reduce = collective_s(profile.link("tp"), p.tp, hidden)
+        forward += chunk.has_embedding * reduce
+        backward += chunk.has_head * reduce
+    if message_mode(p.tp, p.sequence_parallel, p.scatter_gather) == "scatter_gather":
+        forward += (chunk.index > 0) * gather
+        backward += (chunk.index < chunks - 1) * gather
+    return forward, backward
 
 
 @functools.lru_cache(maxsize=64)
