@@ -42,9 +42,8 @@ import pathlib
 import time
 
 from interleaf.clients import link_probe
-from interleaf.coordinator.config import JobConfig
+from interleaf.coordinator.config import ConfigError, JobConfig
 from interleaf.coordinator.partition import partition
-from interleaf.coordinator.config import ConfigError
 from interleaf.coordinator.planner.costs import DeviceProfile, chunk_forward_flops, chunk_parameters, normalized
 from interleaf.coordinator.planner.fitting import LINK_OBSERVED, fit
 from interleaf.protos import interleaf_pb2 as pb
@@ -224,8 +223,14 @@ def observations(trace: pb.StepTrace, config: JobConfig, device: str) -> list[di
     servers: gloo holds the caller until a call is done) its groups' calls
     (observe_links) and tensor shards' compute. A CUDA server's collective is only
     queued on a stream when its call returns: it is timed by nobody here."""
-    timed = device == "cpu"
+    timed = calls_timed(device)
     return observe(trace, config, calls_timed=timed) + (observe_links(trace, config) if timed else [])
+
+
+def calls_timed(device: str) -> bool:
+    """Whether a server of `device` kind is held in its collectives until they are done
+    (gloo on CPUs), so that StepReport.comm's seconds are what the calls cost."""
+    return device == "cpu"
 
 
 def observe(trace: pb.StepTrace, config: JobConfig, calls_timed: bool = True) -> list[dict]:
@@ -294,14 +299,14 @@ def _tp_compute(report: pb.StepReport, flops: list[float]) -> list[dict]:
     """A tensor-parallel server's step as one observation of its shard's compute: its
     computes' (law, FLOPs), and their spans' seconds less those it was held in its
     tensor group's calls (which happen inside them)."""
-    computes, seconds = [], 0.0
-    for span in report.spans:
-        if span.kind in SPAN_LAWS:
-            computes.append([SPAN_LAWS[span.kind], flops[parse(span.action).chunk]])
-            seconds += span.end_seconds - span.start_seconds
-    held = sum(stat.seconds for stat in report.comm if stat.group == "tp")
-    if not computes or not report.comm:  # an unmetered server: its calls cannot be taken out
+    if not report.comm:  # an unmetered server: its calls cannot be taken out
         return []
+    spans = [span for span in report.spans if span.kind in SPAN_LAWS]
+    if not spans:
+        return []
+    computes = [[SPAN_LAWS[span.kind], flops[parse(span.action).chunk]] for span in spans]
+    seconds = sum(span.end_seconds - span.start_seconds for span in spans)
+    held = sum(stat.seconds for stat in report.comm if stat.group == "tp")
     return [{"kind": "tp_compute", "amount": 0.0, "seconds": seconds - held, "computes": computes}]
 
 
@@ -322,21 +327,21 @@ def measure(client, config: JobConfig, device: str, idle_servers: int, log=print
     pp = 2 if idle_servers >= 2 and model["n_layers"] >= 2 else 1
     # compiled blocks and float8 products run no split backward (config/job.py)
     split = config.train.compile != "on" and config.train.precision != "fp8"
-    observations = []
+    seen: list[dict] = []
     shapes = []
     jobs = [(pp, job) for job in profile_jobs(model["n_layers"], pp, split)]
-    if idle_servers >= 2 and device == "cpu":  # where calls are timed (observations)
+    if idle_servers >= 2 and calls_timed(device):
         jobs += [(1, job) for job in link_jobs(model["n_layers"])]
     for job_pp, job in jobs:
         found = _run_profile_job(client, setup, job_pp, job, device, log)
         if found is not None:
-            observations += found
+            seen += found
             shapes.append(job.describe(job_pp))
     proxy = "" if model == dataclasses.asdict(config.model) else (
         f" (a proxy: d_model {model['d_model']}, seq_len {model['seq_len']})")
-    measured = {o["kind"][len(LINK_OBSERVED):] for o in observations if o["kind"].startswith(LINK_OBSERVED)}
+    measured = {o["kind"][len(LINK_OBSERVED):] for o in seen if o["kind"].startswith(LINK_OBSERVED)}
     probed = "p2p" + ("" if measured >= set(LINK_CALLS.values()) else " and what the jobs did not run")
-    return fit(observations, device, link_probe.measure_links(), f"{len(shapes)} jobs{proxy}: " + ", ".join(shapes)
+    return fit(seen, device, link_probe.measure_links(), f"{len(shapes)} jobs{proxy}: " + ", ".join(shapes)
                + f"; links: {', '.join(sorted(measured)) or 'none'} in those jobs, {probed} from two local gloo "
                "processes")
 

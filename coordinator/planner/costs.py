@@ -196,11 +196,11 @@ def layout_costs(config: JobConfig, profile: DeviceProfile, slowdown: float = 1.
     for chunk in chunks:
         flops = chunk_forward_flops(config, chunk, rows)
         ends_f, ends_b = _tp_chunk_seconds(config, profile, chunk, len(chunks), hidden)
-        tp_f = len(chunk.layers) * tp_forward + ends_f
+        blocks_f = len(chunk.layers) * tp_forward
+        tp_f = blocks_f + ends_f
         tp_b = len(chunk.layers) * tp_backward + ends_b
         compute = profile.forward.seconds(flops) * stretch
         share = _recompute_share(config, chunk, profile.selective_share)
-        blocks_f = len(chunk.layers) * tp_forward
         rerun = share * (compute - profile.forward.overhead_s * stretch + (blocks_f if whole_reruns else 0.0))
         forward.append(compute + tp_f)
         backward.append(profile.backward.seconds(flops) * stretch + tp_b + rerun)
