@@ -4,7 +4,9 @@ On one local cluster (a coordinator and 2 stage servers of one torch thread each
 workload of every benchmark: workload.py), this
 
 1. measures the device profile afresh on the cluster's servers (the profile jobs
-   `interleaf plan` runs when nothing is cached: clients/plan_profile.py);
+   `interleaf plan` runs when nothing is cached: clients/plan_profile.py), and as the
+   plan does, times the chunk shapes of the plans its laws rank first
+   (plan_command.search_timed);
 2. runs a hand grid of layouts (HAND_GRID: data, tensor and pipeline parallelism, every
    schedule, microbatch counts, ZeRO, recompute, an uneven split), each for --steps
    steps, in ROUNDS rounds (the grid in order, then reversed, then in order), and takes for each the
@@ -54,7 +56,7 @@ from interleaf.coordinator.config import load_config
 from interleaf.coordinator.memory_model import predict
 from interleaf.coordinator.planner.candidates import Layout, apply
 from interleaf.coordinator.planner.costs import layout_costs
-from interleaf.coordinator.planner.search import Cluster, programs_for, search, simulate_layout
+from interleaf.coordinator.planner.search import Cluster, programs_for, simulate_layout
 
 # Siblings in bench/ (the script's own directory is first on sys.path).
 from interleaf_run import run_job
@@ -154,7 +156,12 @@ def main() -> int:
         memory = cluster.memory_per_server
         slowdown = 1.0 if gpu else plan_command.host_slowdown(args.servers, cluster.threads, os.cpu_count() or 1)
         planning = Cluster(args.servers, memory, servers_per_host=args.servers, compute_slowdown=slowdown)
-        report = search(config, planning, profile, top=5)
+        # as `interleaf plan` does: the top plans' chunk shapes timed on the servers, the search repeated
+        timing = time.monotonic()
+        report, profile = plan_command.search_timed(config, planning, profile, 5,
+                                                    lambda: plan_command.given_servers(client, args.servers),
+                                                    log=lambda line: print(line, flush=True), keep=False)
+        shape_seconds = time.monotonic() - timing
         plan = report.plans[0].layout
         layouts = grid + ([] if plan in grid else [plan])
         rounds: dict[Layout, list[dict]] = {layout: [] for layout in layouts}
@@ -206,7 +213,7 @@ def main() -> int:
         "planned_vs_grid_best": planned["decided_step_s"] / best["decided_step_s"],
         "planned_vs_default": default and planned["decided_step_s"] / default["decided_step_s"],
         "planned_peak_error": planned["peak_error"],
-        "profile_seconds": profile_seconds,
+        "profile_seconds": profile_seconds, "shape_timing_seconds": shape_seconds, "shapes_timed": len(profile.shapes),
         "search": {"candidates": report.candidates, "simulated": report.simulated, "seconds": report.seconds},
         "losses_disagree": disagree,
     }

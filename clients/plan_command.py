@@ -11,6 +11,7 @@ predicted step, bubble, peak memory and why.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import sys
@@ -104,6 +105,42 @@ def describe_profile(profile: DeviceProfile) -> str:
             f"links {links}")
 
 
+TIMED_PLANS = 8
+"""How many of the plans the laws rank first have their chunk shapes run on the servers
+before the search is repeated at what those took."""
+SHAPE_ROUNDS = 2
+"""Searches repeated with newly timed shapes, at most: a repeated search can rank plans
+of other shapes first."""
+
+
+def search_timed(config: JobConfig, cluster: Cluster, profile: DeviceProfile, top: int,
+                 measure_on: Callable | None, log=print, keep: bool = True) -> tuple[SearchReport, DeviceProfile]:
+    """The search, with every chunk shape of its first TIMED_PLANS plans run on the
+    servers `measure_on()` -> (client, idle servers) gives and priced at what it took
+    (plan_profile.measure_shapes), the profile stored with them (`keep`), and the search
+    repeated. Without servers to run them on, or for a model profiled through a proxy
+    (whose chunks are not the model's), the laws price every shape."""
+    if measure_on is None or plan_profile.profile_model(config) != dataclasses.asdict(config.model):
+        return run_search(config, cluster, profile, top), profile
+    wanted = max(top, TIMED_PLANS)
+    report = run_search(config, cluster, profile, wanted)
+    for _ in range(SHAPE_ROUNDS):
+        needs = plan_profile.untimed_shapes([plan.config for plan in report.plans], profile)
+        if not needs:
+            break
+        log(f"timing {len(needs)} chunk shapes of the top {len(report.plans)} plans on the servers")
+        with measure_on() as (client, idle):
+            timed = plan_profile.measure_shapes(client, config, profile, needs, idle, log=log)
+        if timed is profile:  # none of them runs on these servers
+            break
+        profile = timed
+        if keep:
+            plan_profile.store(profile, plan_profile.profile_setup(config))
+        report = run_search(config, cluster, profile, wanted)
+    report.plans = report.plans[:top]
+    return report, profile
+
+
 def run_search(config: JobConfig, cluster: Cluster, profile: DeviceProfile, top: int) -> SearchReport:
     report = search(config, cluster, profile, top=top)
     if not report.plans:
@@ -192,17 +229,19 @@ def plan_described(config: JobConfig, servers: int, memory_bytes: int | None, se
         raise PlanError(f"--device {device}: {err}") from None
     memory = memory_bytes or memory_per_local_server(devices[:1])
     cluster = Cluster(servers, memory, servers_per_host=servers_per_host or min(servers, 8))
+    measure_on = None if profile_path else (lambda: local_servers(len(devices), device))
     profile = obtain_profile(config, device_kind(devices[0]), profile_path=profile_path, log=log,
-                             measure_on=lambda: local_servers(len(devices), device))
-    return run_search(config, cluster, profile, top), cluster, profile
+                             measure_on=measure_on)
+    report, profile = search_timed(config, cluster, profile, top, measure_on, log)
+    return report, cluster, profile
 
 
 def plan_on(client, config: JobConfig, cluster: Cluster, device: str, top: int, profile_path: str | None,
             log) -> tuple[SearchReport, DeviceProfile]:
     """Plans for servers a coordinator holds; profile jobs, if needed, run on them."""
-    profile = obtain_profile(config, device, profile_path=profile_path, log=log,
-                             measure_on=lambda: given_servers(client, cluster.servers))
-    return run_search(config, cluster, profile, top), profile
+    measure_on = None if profile_path else (lambda: given_servers(client, cluster.servers))
+    profile = obtain_profile(config, device, profile_path=profile_path, log=log, measure_on=measure_on)
+    return search_timed(config, cluster, profile, top, measure_on, log)
 
 
 @dataclass(frozen=True)

@@ -44,8 +44,9 @@ import time
 from interleaf.clients import link_probe
 from interleaf.coordinator.config import ConfigError, JobConfig
 from interleaf.coordinator.partition import partition
-from interleaf.coordinator.planner.costs import DeviceProfile, chunk_forward_flops, chunk_parameters, normalized
-from interleaf.coordinator.planner.fitting import LINK_OBSERVED, fit
+from interleaf.coordinator.planner.costs import (DeviceProfile, chunk_forward_flops, chunk_parameters, chunk_shape,
+                                                  normalized)
+from interleaf.coordinator.planner.fitting import LINK_OBSERVED, SHAPE_OBSERVED, fit
 from interleaf.protos import interleaf_pb2 as pb
 from interleaf.protos.actions import parse
 
@@ -159,9 +160,13 @@ class ProfileJob:
     dp: int = 1
     zero: int = 0
     sequence_parallel: bool = False
+    layers: tuple[int, ...] = ()
+    """Layers per chunk, the model's layers their sum; empty: the profiled model's, split
+    evenly."""
 
     def describe(self, pp: int) -> str:
         return (f"{self.schedule} pp{pp}" + (f"·vpp{self.vpp}" if self.vpp > 1 else "")
+                + (f" layers={','.join(map(str, self.layers))}" if self.layers else "")
                 + (f"·tp{self.tp}" if self.tp > 1 else "") + (" sp" if self.sequence_parallel else "")
                 + (f"·dp{self.dp}" if self.dp > 1 else "")
                 + (f" zero{self.zero}" if self.zero else "") + f" {self.rows} rows"
@@ -199,13 +204,15 @@ def link_jobs(n_layers: int) -> list[ProfileJob]:
 
 
 def _job_overrides(setup: dict, pp: int, job: ProfileJob) -> list[str]:
-    values = [f"{section}.{k}={_toml(v)}" for section in ("model", "train")
-              for k, v in setup[section].items() if v is not None]
+    model = dict(setup["model"], n_layers=sum(job.layers)) if job.layers else setup["model"]
+    values = [f"{section}.{k}={_toml(v)}" for section, given in (("model", model), ("train", setup["train"]))
+              for k, v in given.items() if v is not None]
     microbatches = 2 * pp
     values += [f"parallel.dp={job.dp}", f"parallel.tp={job.tp}", f"parallel.pp={pp}", f"parallel.vpp={job.vpp}",
                f"parallel.schedule={job.schedule}", f"parallel.microbatches={microbatches}",
                f"parallel.zero={job.zero}", f"parallel.sequence_parallel={_toml(job.sequence_parallel)}",
-               "parallel.plan=", "parallel.layers=[]", f"train.global_batch={job.rows * microbatches * job.dp}",
+               "parallel.plan=", f"parallel.layers={','.join(map(str, job.layers)) if len(job.layers) > 1 else '[]'}",
+               f"train.global_batch={job.rows * microbatches * job.dp}",
                f"train.steps={STEPS}", f"trace.steps={list(TRACED)}", "checkpoint.every=0", "eval.every=0",
                f"train.recompute={job.recompute}", "train.recompute_layers=0"]
     return values
@@ -245,6 +252,7 @@ def observe(trace: pb.StepTrace, config: JobConfig, calls_timed: bool = True) ->
     rows = config.train.global_batch // (p.dp * p.microbatches)
     chunks = partition(config.model.n_layers, p.pp, p.vpp, p.schedule, p.layers)
     flops = [chunk_forward_flops(config, c, rows) for c in chunks]
+    shapes = [chunk_shape(config, c, rows) for c in chunks]
     stages = {info.rank: info.coordinates.pp for info in trace.ranks}
     found = []
     for report in trace.reports:
@@ -256,11 +264,15 @@ def observe(trace: pb.StepTrace, config: JobConfig, calls_timed: bool = True) ->
             seconds = span.end_seconds - span.start_seconds
             if span.kind in SPAN_LAWS and p.tp == 1:
                 kind = SPAN_LAWS[span.kind]
+                chunk = parse(span.action).chunk
+                if shapes[chunk] is not None and config.train.recompute == "none":  # the shape's own timing
+                    found.append({"kind": SHAPE_OBSERVED + kind, "shape": shapes[chunk], "amount": flops[chunk],
+                                  "seconds": seconds})
                 if config.train.recompute != "none":  # a backward with a rerun: not the law's
                     if config.train.recompute != "selective" or kind != "backward":
                         continue
                     kind = "backward_selective"
-                found.append({"kind": kind, "amount": flops[parse(span.action).chunk], "seconds": seconds})
+                found.append({"kind": kind, "amount": flops[chunk], "seconds": seconds})
             elif span.kind == "update" and p.zero in (0, 3):  # ZeRO-1/2's update holds a gather
                 held = sum(chunk_parameters(config, c) for c in chunks if c.pipeline_rank == stage)
                 stepped = held / p.dp if p.zero else held
@@ -369,3 +381,86 @@ def _run_profile_job(client, setup: dict, pp: int, job: ProfileJob, device: str,
         found += observations(trace, job_config, device)
     log(f"profiled {job.describe(pp)} in {time.monotonic() - started:.1f} s")
     return found
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkNeed:
+    """A chunk shape a plan holds that the profile has not timed (costs.chunk_shape)."""
+    layers: int
+    embedding: bool
+    head: bool
+    rows: int
+    split: bool
+    """Its backward is split into input and weight halves (zb-h1, zbv)."""
+
+
+SPLIT_SCHEDULES = ("zb-h1", "zbv")
+
+
+def untimed_shapes(configs: list[JobConfig], profile: DeviceProfile) -> list[ChunkNeed]:
+    """The chunk shapes of `configs` some compute of which (forward, and the whole
+    backward or both its halves) the profile has not timed, each once, in order."""
+    needs: dict[ChunkNeed, None] = {}
+    for config in configs:
+        p = config.parallel
+        rows = config.train.global_batch // (p.dp * p.microbatches)
+        split = p.schedule in SPLIT_SCHEDULES
+        kinds = ("forward", "input_grad", "weight_grad") if split else ("forward", "backward")
+        for chunk in partition(config.model.n_layers, p.pp, p.vpp, p.schedule, p.layers):
+            key = chunk_shape(config, chunk, rows)
+            if key is not None and not set(kinds) <= set(profile.shapes.get(key, {})):
+                needs[ChunkNeed(len(chunk.layers), chunk.has_embedding, chunk.has_head, rows, split)] = None
+    return list(needs)
+
+
+def shape_jobs(needs: list[ChunkNeed], servers: int) -> list[tuple[int, ProfileJob]]:
+    """(pp, job) that run every needed shape `servers` can, without recompute: one
+    holding both the embedding and the head alone on one server; the others on two, the
+    embedding's shape first, the head's last and up to two without either between them
+    (interleaved 1F1B, or zbv where the backward is split, at vpp 2), a one-layer chunk
+    in each place no shape needs. The jobs' models are the profiled model's layers, as
+    many as their chunks hold.
+
+    Worked example: at 1 row, shapes [3 layers + embedding], [2 layers], [3 layers +
+    head] and [8 layers + embedding + head] take two jobs: 1f1b on one server of 8
+    layers, and interleaved-1f1b pp2·vpp2 layers=3,2,1,3."""
+    jobs: list[tuple[int, ProfileJob]] = []
+    groups: dict[tuple[int, bool], list[ChunkNeed]] = {}
+    for need in needs:
+        groups.setdefault((need.rows, need.split), []).append(need)
+    for (rows, split), group in groups.items():
+        for need in group:
+            if need.embedding and need.head:
+                jobs.append((1, ProfileJob("zb-h1" if split else "1f1b", 1, rows, layers=(need.layers,))))
+        if servers < 2:
+            continue
+        firsts = [n.layers for n in group if n.embedding and not n.head]
+        lasts = [n.layers for n in group if n.head and not n.embedding]
+        middles = [n.layers for n in group if not n.embedding and not n.head]
+        while firsts or lasts or middles:
+            first, last = (firsts.pop(0) if firsts else 1), (lasts.pop(0) if lasts else 1)
+            if middles:
+                between = [middles.pop(0), middles.pop(0) if middles else 1]
+                jobs.append((2, ProfileJob("zbv" if split else "interleaved-1f1b", 2, rows,
+                                           layers=(first, *between, last))))
+            else:
+                jobs.append((2, ProfileJob("zb-h1" if split else "1f1b", 1, rows, layers=(first, last))))
+    return jobs
+
+
+def measure_shapes(client, config: JobConfig, profile: DeviceProfile, needs: list[ChunkNeed], servers: int,
+                   log=print) -> DeviceProfile:
+    """The profile refitted with `needs`' shapes run on the coordinator `client` talks
+    to (shape_jobs on `servers` idle servers): they are then priced at what they took."""
+    setup = profile_setup(config)
+    seen: list[dict] = []
+    ran = []
+    for pp, job in shape_jobs(needs, servers):
+        found = _run_profile_job(client, setup, pp, job, profile.device, log)
+        if found is not None:
+            seen += found
+            ran.append(job.describe(pp))
+    if not ran:
+        return profile
+    return fit(profile.observations + seen, profile.device, profile.links,
+               profile.measured_on + f"; chunk shapes of the top plans: {', '.join(ran)}")

@@ -15,7 +15,7 @@ from interleaf.clients import plan_command, plan_profile
 from interleaf.coordinator.admission import AdmissionError, check_fits, needed_bytes
 from interleaf.coordinator.config import ConfigError, load_config
 from interleaf.coordinator.partition import partition
-from interleaf.coordinator.planner import fitting
+from interleaf.coordinator.planner import costs as costs_module, fitting
 from interleaf.coordinator.planner.candidates import Layout, apply, grids, head_balanced_split, pipelines, valid_configs
 from interleaf.coordinator.planner.costs import (DeviceProfile, Law, LayoutCosts, chunk_forward_flops,
                                                 chunk_parameters, collective_s, layout_costs, normalized)
@@ -413,3 +413,76 @@ def test_tensor_parallel_shards_are_priced_at_their_measured_rate():
         compute = [x - plain.tp_collective_s for x in plain.forward_s]
         expected = [c * (1.5 if tp > 1 else 1.0) + plain.tp_collective_s for c in compute]
         assert stretched.forward_s == pytest.approx(expected)
+
+
+def test_shape_jobs_worked_example():
+    need = plan_profile.ChunkNeed
+    needs = [need(3, True, False, 1, False), need(2, False, False, 1, False),
+             need(3, False, True, 1, False), need(8, True, True, 1, False)]
+    jobs = plan_profile.shape_jobs(needs, 2)
+    assert [(pp, job.schedule, job.vpp, job.layers) for pp, job in jobs] == [
+        (1, "1f1b", 1, (8,)), (2, "interleaved-1f1b", 2, (3, 2, 1, 3))]
+    # one server runs only the shape that holds both ends
+    assert [job.layers for _, job in plan_profile.shape_jobs(needs, 1)] == [(8,)]
+    # split backwards run under the zero-bubble schedules, and never with recompute
+    split = plan_profile.shape_jobs([need(3, True, False, 2, True), need(4, False, True, 2, True)], 2)
+    assert [(pp, job.schedule, job.layers, job.recompute, job.rows) for pp, job in split] == [
+        (2, "zb-h1", (3, 4), "none", 2)]
+
+
+def test_every_shape_job_is_a_valid_config_holding_its_shapes():
+    """Each job's chunks are the needed shapes (one-layer fillers beside them), and its
+    settings pass the config's rules."""
+    config = load_config("", SMALL)
+    setup = plan_profile.profile_setup(config)
+    needs = plan_profile.untimed_shapes([apply(config, layout) for layout, _ in valid_configs(config, 2, 2)[0]],
+                                        profile())
+    assert needs
+    covered = set()
+    for pp, job in plan_profile.shape_jobs(needs, 2):
+        cfg = load_config("", plan_profile._job_overrides(setup, pp, job))
+        p = cfg.parallel
+        rows = cfg.train.global_batch // (p.dp * p.microbatches)
+        for chunk in partition(cfg.model.n_layers, p.pp, p.vpp, p.schedule, p.layers):
+            covered.add(plan_profile.ChunkNeed(len(chunk.layers), chunk.has_embedding, chunk.has_head, rows,
+                                               p.schedule in plan_profile.SPLIT_SCHEDULES))
+        assert cfg.train.recompute == "none"
+    assert set(needs) <= covered
+
+
+def test_a_timed_shape_is_priced_at_what_it_took():
+    """Shape observations fit DeviceProfile.shapes (the lower quartile, once timed often
+    enough); a chunk of that shape is then priced at it, slowdown included, any rerun on
+    top, and the laws price the rest: the halves it was not timed in, other shapes,
+    tensor shards."""
+    config = load_config("", SMALL + ["parallel.pp=2", "parallel.vpp=1", "parallel.schedule=1f1b",
+                                      "parallel.microbatches=2", "parallel.dp=1", "parallel.tp=1"])
+    chunks = partition(8, 2, 1, "1f1b")
+    key = costs_module.chunk_shape(config, chunks[0], 8)
+    assert key == f"4 layers + embedding, 8 rows, {chunk_forward_flops(config, chunks[0], 8):.6g} FLOPs"
+    base = profile()
+    seen = [{"kind": "shape:forward", "shape": key, "amount": 1.0, "seconds": s} for s in (0.5, 0.1, 0.2, 0.3)]
+    seen += [{"kind": "shape:backward", "shape": key, "amount": 1.0, "seconds": s} for s in (0.4, 0.4)]
+    fitted = fitting.fit(base_observations() + seen, "cpu", base.links, "test")
+    assert fitted.shapes == {key: {"forward": pytest.approx(0.125)}}  # two backwards: not enough
+    laws = layout_costs(config, dataclasses.replace(fitted, shapes={}), slowdown=2.0)
+    timed = layout_costs(config, fitted, slowdown=2.0)
+    assert timed.forward_s[0] == pytest.approx(0.25)
+    assert timed.backward_s[0] == laws.backward_s[0] and timed.forward_s[1] == laws.forward_s[1]
+    # recompute reruns on top of what the shape took, its forward's arithmetic again
+    full = dataclasses.replace(config, train=dataclasses.replace(config.train, recompute="full"))
+    rerun = layout_costs(full, fitted, slowdown=2.0)
+    assert costs_module.chunk_shape(full, chunks[0], 8) == key and rerun.forward_s[0] == timed.forward_s[0]
+    arithmetic = chunk_forward_flops(config, chunks[0], 8) / fitted.forward.rate
+    assert rerun.backward_s[0] == pytest.approx(timed.backward_s[0] + 2 * arithmetic)
+    assert costs_module.chunk_shape(dataclasses.replace(config, parallel=dataclasses.replace(
+        config.parallel, tp=2)), chunks[0], 8) is None
+    # the plan's other shapes are still untimed; this one only for its backward
+    needs = plan_profile.untimed_shapes([config], fitted)
+    assert [(n.layers, n.embedding, n.head, n.rows) for n in needs] == [(4, True, False, 8), (4, False, True, 8)]
+
+
+def base_observations() -> list[dict]:
+    """Forwards and backwards at two sizes: enough for the laws."""
+    return [{"kind": kind, "amount": amount, "seconds": scale * (1e-3 + amount / 1e9)}
+            for kind, scale in (("forward", 1), ("backward", 2)) for amount in (1e6, 4e6)]

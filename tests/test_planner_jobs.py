@@ -39,6 +39,7 @@ def plans(cluster, cache):
     result = _cli(cluster, "plan", *_sets(TINY), "--top", "4", "--json", timeout=300)
     assert result.returncode == 0, result.stderr
     assert "measuring the device profile" in result.stderr
+    assert "chunk shapes of the top" in result.stderr
     assert len(list((cache / "interleaf" / "plan-profiles").glob("*.json"))) == 1
     return json.loads(result.stdout)
 
@@ -68,6 +69,19 @@ def test_the_profile_measures_each_group_kinds_links_on_the_servers(cache, plans
         assert profile.links[kind].rate > 0 and profile.links[kind].overhead_s >= 0
     assert ("links: dp, dp_all_gather, dp_reduce_scatter, tp, tp_all_gather, tp_reduce_scatter in those jobs, "
             "p2p from") in profile.measured_on
+
+
+def test_the_printed_plans_chunk_shapes_were_run_on_the_servers(cache, plans):
+    """Each chunk shape of the printed plans (one server's compute: tp=1) was timed on the
+    servers before the search that printed them, and is priced at what it took."""
+    config = load_config("", TINY)
+    profile = plan_profile.load_cached(plan_profile.profile_setup(config), "cpu")
+    configs = [load_config("", TINY + plan_command.overrides(p)) for p in plans]
+    assert any(c.parallel.tp == 1 for c in configs)
+    assert plan_profile.untimed_shapes(configs, profile) == []
+    assert "chunk shapes of the top plans:" in profile.measured_on
+    timed = [o for o in profile.observations if o["kind"].startswith("shape:")]
+    assert {o["shape"] for o in timed} == set(profile.shapes)
 
 
 @pytest.mark.parametrize("pick", [0, 1])

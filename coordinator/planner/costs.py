@@ -77,6 +77,10 @@ class DeviceProfile:
     """What was run to measure it (the profile jobs' shapes), for the plan's report."""
     observations: list[dict] = field(default_factory=list)
     """Every (kind, FLOPs, seconds) fitted, profile jobs' and traces' alike."""
+    shapes: dict[str, dict[str, float]] = field(default_factory=dict)
+    """Per chunk shape run on the servers (chunk_shape: its key), the undisturbed seconds
+    of each compute kind timed ("forward", "backward", "input_grad", "weight_grad"):
+    what a chunk of that shape is priced at in place of the laws."""
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -97,7 +101,8 @@ class DeviceProfile:
         return cls(device=data["device"], links={k: Law(**v) for k, v in data["links"].items()},
                    update_s_per_param=data["update_s_per_param"], measured_on=data.get("measured_on", ""),
                    selective_share=data.get("selective_share"), tp_compute_factor=data.get("tp_compute_factor"),
-                   observations=list(data.get("observations", [])), **laws)
+                   observations=list(data.get("observations", [])), shapes=dict(data.get("shapes", {})),
+                   **laws)
 
 
 @dataclass(frozen=True)
@@ -129,6 +134,19 @@ def chunk_forward_flops(config: JobConfig, chunk: Chunk, rows: int) -> float:
     if chunk.has_head:
         flops += tokens * head / tp
     return flops
+
+
+def chunk_shape(config: JobConfig, chunk: Chunk, rows: int) -> str | None:
+    """What a chunk's compute on one server depends on beside the model and precision, as
+    the key of DeviceProfile.shapes: its layers, whether it holds the embedding and the
+    head, the microbatch's rows, and its forward FLOPs (which tell a proxy's chunks from
+    the model's). Recompute is not part of it: a shape is timed without, and a rerun is
+    priced on top of what its forward took. None for a tensor-parallel chunk, whose
+    spans hold its group's calls (priced apart)."""
+    if config.parallel.tp > 1:
+        return None
+    parts = [f"{len(chunk.layers)} layers"] + ["embedding"] * chunk.has_embedding + ["head"] * chunk.has_head
+    return " + ".join(parts) + f", {rows} rows, {chunk_forward_flops(config, chunk, rows):.6g} FLOPs"
 
 
 def head_layers(config: JobConfig) -> float:
@@ -199,13 +217,18 @@ def layout_costs(config: JobConfig, profile: DeviceProfile, slowdown: float = 1.
         blocks_f = len(chunk.layers) * tp_forward
         tp_f = blocks_f + ends_f
         tp_b = len(chunk.layers) * tp_backward + ends_b
-        compute = profile.forward.seconds(flops) * stretch
+        # a shape run on the servers is priced at what it took, the laws price the rest
+        timed = {kind: seconds * stretch
+                 for kind, seconds in profile.shapes.get(chunk_shape(config, chunk, rows) or "", {}).items()}
+        compute = timed.get("forward", profile.forward.seconds(flops) * stretch)
         share = _recompute_share(config, chunk, profile.selective_share)
-        rerun = share * (compute - profile.forward.overhead_s * stretch + (blocks_f if whole_reruns else 0.0))
+        # the rerun's arithmetic at the law's rate (what selective_share was measured against)
+        rerun = share * (flops / profile.forward.rate * stretch + (blocks_f if whole_reruns else 0.0))
         forward.append(compute + tp_f)
-        backward.append(profile.backward.seconds(flops) * stretch + tp_b + rerun)
-        inputs.append(profile.input_grad.seconds(flops) * stretch + tp_b + rerun)
-        weights.append(profile.weight_grad.seconds(flops) * stretch)  # W keeps what it needs: no calls
+        backward.append(timed.get("backward", profile.backward.seconds(flops) * stretch + tp_b) + rerun)
+        inputs.append(timed.get("input_grad", profile.input_grad.seconds(flops) * stretch + tp_b) + rerun)
+        # W keeps what it needs: no calls
+        weights.append(timed.get("weight_grad", profile.weight_grad.seconds(flops) * stretch))
         tp_share.append(tp_f)
     params = [chunk_parameters(config, c) for c in chunks]
     grad_bytes = max(params) * _master_bytes(t.precision)

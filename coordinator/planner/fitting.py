@@ -16,6 +16,11 @@ from .costs import DeviceProfile, Law
 LINK_OBSERVED = "link:"
 """An observation of kind "link:<kind>" is one call of that link kind: its bytes and held
 seconds, between two members (costs.normalized)."""
+SHAPE_OBSERVED = "shape:"
+"""An observation of kind "shape:<compute kind>" is one compute of the chunk shape its
+"shape" names (costs.chunk_shape): what DeviceProfile.shapes is made of."""
+SHAPE_TIMINGS = 3
+"""A shape's compute kind is priced at what it took once it was timed this often."""
 
 
 def undisturbed(seconds: list[float]) -> float:
@@ -57,9 +62,22 @@ def fit(observations: list[dict], device: str, links: dict[str, Law], measured_o
         links[kind[len(LINK_OBSERVED):]] = fit_line([(o["amount"], o["seconds"]) for o in observations
                                                      if o["kind"] == kind])
     return DeviceProfile(device=device, links=links, update_s_per_param=undisturbed(updates) if updates else 0.0,
-                         measured_on=measured_on, observations=observations,
+                         measured_on=measured_on, observations=observations, shapes=_shapes(observations),
                          selective_share=_selective_share(observations, laws["forward"], laws["backward"]),
                          tp_compute_factor=_tp_compute_factor(observations, laws), **laws)
+
+
+def _shapes(observations: list[dict]) -> dict[str, dict[str, float]]:
+    """Per chunk shape, each compute kind timed at least SHAPE_TIMINGS times: its
+    undisturbed seconds."""
+    timings: dict[str, dict[str, list[float]]] = {}
+    for o in observations:
+        if o["kind"].startswith(SHAPE_OBSERVED):
+            kind = o["kind"][len(SHAPE_OBSERVED):]
+            timings.setdefault(o["shape"], {}).setdefault(kind, []).append(o["seconds"])
+    shapes = {shape: {kind: undisturbed(seconds) for kind, seconds in kinds.items() if len(seconds) >= SHAPE_TIMINGS}
+              for shape, kinds in timings.items()}
+    return {shape: kinds for shape, kinds in shapes.items() if kinds}
 
 
 def _split_laws(observations: list[dict], backward: Law) -> tuple[Law, Law]:
