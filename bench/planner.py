@@ -160,7 +160,7 @@ def main() -> int:
         timing = time.monotonic()
         report, profile = plan_command.search_timed(config, planning, profile, 5,
                                                     lambda: plan_command.given_servers(client, args.servers),
-                                                    log=lambda line: print(line, flush=True), keep=False)
+                                                    args.servers, log=lambda line: print(line, flush=True), keep=False)
         shape_seconds = time.monotonic() - timing
         plan = report.plans[0].layout
         layouts = grid + ([] if plan in grid else [plan])
@@ -188,7 +188,8 @@ def main() -> int:
             predicted_peak = max(p["peak_bytes"] for p in predict(job, programs_for(job)))
             measured_peak = min(peaks(r, args.device) for r in rounds[layout])
             runs.append({"layout": layout.describe(), "settings": settings(layout), "in_grid": layout in grid,
-                         "planned": layout == plan, "default": layout == DEFAULT, "measured_step_s": measured,
+                         "planned": layout == plan, "default": layout == DEFAULT,
+                         "finalist": layout in finalists, "measured_step_s": measured,
                          "round_medians_s": medians, "playoff_medians_s": everything[len(medians):],
                          "decided_step_s": min(everything), "predicted_step_s": predicted,
                          "error": predicted / measured - 1, "losses": rounds[layout][0]["losses"],
@@ -201,7 +202,8 @@ def main() -> int:
     errors = sorted(abs(r["error"]) for r in grid_runs)
     median_error = statistics.median(errors)
     planned = next(r for r in runs if r["planned"])
-    best = next(r for r in grid_runs if r["layout"] == leader.describe())
+    # the grid's best after the playoff: its leader, or the plan where it is in the grid and beat it there
+    best = min((r for r in grid_runs if r["finalist"]), key=lambda r: r["decided_step_s"])
     default = next((r for r in runs if r["default"]), None)
     disagree = [r["layout"] for r in runs
                 if max_relative_difference(r["losses"], runs[0]["losses"]) > LOSS_TOLERANCE]

@@ -88,21 +88,32 @@ def _client(args):
     return Client(args.coordinator, _security(args))
 
 
-def _load(args, remote: bool = False):
+def _load(args, remote: bool = False, planning: bool = False):
     """(the config's text, the JobConfig). For a `remote` coordinator, a checkpoint.init
-    this machine does not see leaves the config to it (None): the path is the cluster's."""
+    this machine does not see leaves the config to it (None): the path is the cluster's.
+    A layout about to be planned (`planning`: `interleaf plan`; or parallel.plan=auto)
+    need not be valid as given: the config is then read with it set aside
+    (candidates.UNPLANNED_LAYOUT), the planner choosing it anew."""
     from interleaf.coordinator.config import ConfigError, InitNotFound, load_config
+    from interleaf.coordinator.planner.candidates import UNPLANNED_LAYOUT
 
     if getattr(args, "resume", None):  # --resume DIR is checkpoint.resume, made absolute
         args.set.append(f"checkpoint.resume={os.path.abspath(args.resume)}")
     text = _config_text(args.config)
     try:
-        return text, load_config(text, args.set)
+        return text, load_config(text, args.set + (UNPLANNED_LAYOUT if planning else []))
     except InitNotFound as err:
         if remote:
             return text, None
         raise UsageError(str(err)) from None
     except ConfigError as err:
+        if not planning:
+            try:
+                unplanned = load_config(text, args.set + UNPLANNED_LAYOUT)
+            except ConfigError:  # wrong beyond its layout
+                unplanned = None
+            if unplanned is not None and unplanned.parallel.plan == "auto":
+                return text, unplanned
         raise UsageError(str(err)) from None
 
 
@@ -196,7 +207,7 @@ def _stderr(text: str) -> None:
 def cmd_plan(args) -> int:
     from interleaf.clients import plan_command as planning
 
-    text, config = _load(args)
+    text, config = _load(args, planning=True)
     for flag, value in (("--top", args.top), ("--servers", args.servers), ("--servers-per-host", args.servers_per_host),
                         ("--server-memory", args.server_memory)):
         if value is not None and value < 1:

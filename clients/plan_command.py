@@ -114,24 +114,26 @@ of other shapes first."""
 
 
 def search_timed(config: JobConfig, cluster: Cluster, profile: DeviceProfile, top: int,
-                 measure_on: Callable | None, log=print, keep: bool = True) -> tuple[SearchReport, DeviceProfile]:
-    """The search, with every chunk shape of its first TIMED_PLANS plans run on the
-    servers `measure_on()` -> (client, idle servers) gives and priced at what it took
-    (plan_profile.measure_shapes), the profile stored with them (`keep`), and the search
-    repeated. Without servers to run them on, or for a model profiled through a proxy
-    (whose chunks are not the model's), the laws price every shape."""
+                 measure_on: Callable | None, servers: int, log=print,
+                 keep: bool = True) -> tuple[SearchReport, DeviceProfile]:
+    """The search, with every chunk shape of its first TIMED_PLANS plans that the
+    `servers` idle servers `measure_on()` -> (client, idle servers) gives can run, run
+    there and priced at what it took (plan_profile.measure_shapes), the profile stored
+    with them (`keep`), and the search repeated. Without servers to run them on, or for
+    a model profiled through a proxy (whose chunks are not the model's), the laws price
+    every shape."""
     if measure_on is None or plan_profile.profile_model(config) != dataclasses.asdict(config.model):
         return run_search(config, cluster, profile, top), profile
     wanted = max(top, TIMED_PLANS)
     report = run_search(config, cluster, profile, wanted)
     for _ in range(SHAPE_ROUNDS):
         needs = plan_profile.untimed_shapes([plan.config for plan in report.plans], profile)
-        if not needs:
+        if not plan_profile.shape_jobs(needs, servers):  # none, or none these servers run
             break
         log(f"timing {len(needs)} chunk shapes of the top {len(report.plans)} plans on the servers")
         with measure_on() as (client, idle):
             timed = plan_profile.measure_shapes(client, config, profile, needs, idle, log=log)
-        if timed is profile:  # none of them runs on these servers
+        if timed is profile:  # the jobs' configs refused them
             break
         profile = timed
         if keep:
@@ -194,7 +196,8 @@ def overrides(plan: dict) -> list[str]:
     return [a for a in args if a != "--set"] + ["parallel.plan="]
 
 
-def print_json(report: SearchReport, file=sys.stdout) -> None:
+def print_json(report: SearchReport, file=None) -> None:
+    file = file or sys.stdout  # the stdout of the call, not of the import
     json.dump([plan.as_json() for plan in report.plans], file, indent=1)
     file.write("\n")
 
@@ -232,7 +235,7 @@ def plan_described(config: JobConfig, servers: int, memory_bytes: int | None, se
     measure_on = None if profile_path else (lambda: local_servers(len(devices), device))
     profile = obtain_profile(config, device_kind(devices[0]), profile_path=profile_path, log=log,
                              measure_on=measure_on)
-    report, profile = search_timed(config, cluster, profile, top, measure_on, log)
+    report, profile = search_timed(config, cluster, profile, top, measure_on, len(devices), log)
     return report, cluster, profile
 
 
@@ -241,7 +244,7 @@ def plan_on(client, config: JobConfig, cluster: Cluster, device: str, top: int, 
     """Plans for servers a coordinator holds; profile jobs, if needed, run on them."""
     measure_on = None if profile_path else (lambda: given_servers(client, cluster.servers))
     profile = obtain_profile(config, device, profile_path=profile_path, log=log, measure_on=measure_on)
-    return search_timed(config, cluster, profile, top, measure_on, log)
+    return search_timed(config, cluster, profile, top, measure_on, cluster.servers, log)
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,11 @@ the simulator charges: a reduction that overlaps a backward is charged what it d
 hide. Pipeline messages, and a group kind that could not be run, take their law from two
 processes of this machine over gloo (clients/link_probe.py).
 
+Every tp=1 chunk those jobs run, and every one a traced job runs, is also timed as its
+shape (costs.chunk_shape); `measure_shapes` runs the shapes a plan needs that no job
+has (shape_jobs), and `interleaf plan` asks it for the shapes of the plans the laws
+rank first (plan_command.search_timed).
+
 Worked example: `interleaf plan --servers 4` on this CPU machine starts two local
 servers, runs thirteen profile jobs (about 30 s) and the link probe (about 3 s), and
 writes ~/.cache/interleaf/plan-profiles/<key>.json; the next plan of the same model,
@@ -163,6 +168,7 @@ class ProfileJob:
     layers: tuple[int, ...] = ()
     """Layers per chunk, the model's layers their sum; empty: the profiled model's, split
     evenly."""
+    scatter_gather: bool = True
 
     def describe(self, pp: int) -> str:
         return (f"{self.schedule} pp{pp}" + (f"·vpp{self.vpp}" if self.vpp > 1 else "")
@@ -211,6 +217,7 @@ def _job_overrides(setup: dict, pp: int, job: ProfileJob) -> list[str]:
     values += [f"parallel.dp={job.dp}", f"parallel.tp={job.tp}", f"parallel.pp={pp}", f"parallel.vpp={job.vpp}",
                f"parallel.schedule={job.schedule}", f"parallel.microbatches={microbatches}",
                f"parallel.zero={job.zero}", f"parallel.sequence_parallel={_toml(job.sequence_parallel)}",
+               f"parallel.scatter_gather={_toml(job.scatter_gather)}",
                "parallel.plan=", f"parallel.layers={','.join(map(str, job.layers)) if len(job.layers) > 1 else '[]'}",
                f"train.global_batch={job.rows * microbatches * job.dp}",
                f"train.steps={STEPS}", f"trace.steps={list(TRACED)}", "checkpoint.every=0", "eval.every=0",
@@ -242,7 +249,9 @@ def calls_timed(device: str) -> bool:
 
 def observe(trace: pb.StepTrace, config: JobConfig, calls_timed: bool = True) -> list[dict]:
     """(kind, FLOPs, seconds) of every traced compute of a step of `config`, and
-    (update, parameters, seconds) of every update. A tensor-parallel step's computes hold
+    (update, parameters, seconds) of every update; without recompute, each compute also
+    as one timing of its chunk's shape ("shape:<kind>", costs.chunk_shape), its
+    group's calls inside. A tensor-parallel step's computes hold
     their group's collectives, which the laws leave to the links: they count only
     together, per server, less its tensor group's calls (_tp_compute), where those are
     `calls_timed`, made only inside computes (no sequence parallelism, whose partial
@@ -262,12 +271,13 @@ def observe(trace: pb.StepTrace, config: JobConfig, calls_timed: bool = True) ->
             found += _tp_compute(report, flops)
         for span in report.spans:
             seconds = span.end_seconds - span.start_seconds
-            if span.kind in SPAN_LAWS and p.tp == 1:
-                kind = SPAN_LAWS[span.kind]
-                chunk = parse(span.action).chunk
-                if shapes[chunk] is not None and config.train.recompute == "none":  # the shape's own timing
+            if span.kind in SPAN_LAWS:
+                kind, chunk = SPAN_LAWS[span.kind], parse(span.action).chunk
+                if config.train.recompute == "none":
                     found.append({"kind": SHAPE_OBSERVED + kind, "shape": shapes[chunk], "amount": flops[chunk],
                                   "seconds": seconds})
+                if p.tp > 1:  # its group's calls inside: the laws see shards through _tp_compute
+                    continue
                 if config.train.recompute != "none":  # a backward with a rerun: not the law's
                     if config.train.recompute != "selective" or kind != "backward":
                         continue
@@ -392,6 +402,9 @@ class ChunkNeed:
     rows: int
     split: bool
     """Its backward is split into input and weight halves (zb-h1, zbv)."""
+    tp: int = 1
+    sequence_parallel: bool = False
+    scatter_gather: bool = True
 
 
 SPLIT_SCHEDULES = ("zb-h1", "zbv")
@@ -407,32 +420,39 @@ def untimed_shapes(configs: list[JobConfig], profile: DeviceProfile) -> list[Chu
         split = p.schedule in SPLIT_SCHEDULES
         kinds = ("forward", "input_grad", "weight_grad") if split else ("forward", "backward")
         for chunk in partition(config.model.n_layers, p.pp, p.vpp, p.schedule, p.layers):
-            key = chunk_shape(config, chunk, rows)
-            if key is not None and not set(kinds) <= set(profile.shapes.get(key, {})):
-                needs[ChunkNeed(len(chunk.layers), chunk.has_embedding, chunk.has_head, rows, split)] = None
+            if not set(kinds) <= set(profile.shapes.get(chunk_shape(config, chunk, rows), {})):
+                needs[ChunkNeed(len(chunk.layers), chunk.has_embedding, chunk.has_head, rows, split, p.tp,
+                                p.sequence_parallel, p.scatter_gather)] = None
     return list(needs)
 
 
 def shape_jobs(needs: list[ChunkNeed], servers: int) -> list[tuple[int, ProfileJob]]:
-    """(pp, job) that run every needed shape `servers` can, without recompute: one
-    holding both the embedding and the head alone on one server; the others on two, the
-    embedding's shape first, the head's last and up to two without either between them
-    (interleaved 1F1B, or zbv where the backward is split, at vpp 2), a one-layer chunk
-    in each place no shape needs. The jobs' models are the profiled model's layers, as
-    many as their chunks hold.
+    """(pp, job) that run every needed shape `servers` can, without recompute, each on a
+    tensor group of its size and replicated (data parallel) over the servers left, so
+    that every server computes as in the plans: one holding both the embedding and the
+    head alone (pp=1); the others on two pipeline ranks, the embedding's shape first, the head's last and
+    up to two without either between them (interleaved 1F1B, or zbv where the backward
+    is split, at vpp 2), a one-layer chunk in each place no shape needs. The jobs'
+    models are the profiled model's layers, as many as their chunks hold.
 
-    Worked example: at 1 row, shapes [3 layers + embedding], [2 layers], [3 layers +
-    head] and [8 layers + embedding + head] take two jobs: 1f1b on one server of 8
-    layers, and interleaved-1f1b pp2·vpp2 layers=3,2,1,3."""
+    Worked example: on two servers at 1 row, tp=1, shapes [3 layers + embedding], [2
+    layers], [3 layers + head] and [8 layers + embedding + head] take two jobs: 1f1b
+    dp2 of 8 layers, and interleaved-1f1b pp2·vpp2 layers=3,2,1,3."""
     jobs: list[tuple[int, ProfileJob]] = []
-    groups: dict[tuple[int, bool], list[ChunkNeed]] = {}
+    groups: dict[tuple, list[ChunkNeed]] = {}
     for need in needs:
-        groups.setdefault((need.rows, need.split), []).append(need)
-    for (rows, split), group in groups.items():
-        for need in group:
-            if need.embedding and need.head:
-                jobs.append((1, ProfileJob("zb-h1" if split else "1f1b", 1, rows, layers=(need.layers,))))
-        if servers < 2:
+        groups.setdefault((need.rows, need.split, need.tp, need.sequence_parallel, need.scatter_gather),
+                          []).append(need)
+    for (rows, split, tp, sp, sg), group in groups.items():
+        def job(schedule: str, vpp: int, layers: tuple[int, ...]) -> ProfileJob:
+            # replicas on the servers a stage leaves idle: every server computes, as in the plans
+            stages = 2 if len(layers) > 1 else 1
+            return ProfileJob(schedule, vpp, rows, tp=tp, sequence_parallel=sp, layers=layers, scatter_gather=sg,
+                              dp=servers // (stages * tp))
+
+        if servers >= tp:
+            jobs += [(1, job("zb-h1" if split else "1f1b", 1, (n.layers,))) for n in group if n.embedding and n.head]
+        if servers < 2 * tp:
             continue
         firsts = [n.layers for n in group if n.embedding and not n.head]
         lasts = [n.layers for n in group if n.head and not n.embedding]
@@ -440,11 +460,10 @@ def shape_jobs(needs: list[ChunkNeed], servers: int) -> list[tuple[int, ProfileJ
         while firsts or lasts or middles:
             first, last = (firsts.pop(0) if firsts else 1), (lasts.pop(0) if lasts else 1)
             if middles:
-                between = [middles.pop(0), middles.pop(0) if middles else 1]
-                jobs.append((2, ProfileJob("zbv" if split else "interleaved-1f1b", 2, rows,
-                                           layers=(first, *between, last))))
+                between = (middles.pop(0), middles.pop(0) if middles else 1)
+                jobs.append((2, job("zbv" if split else "interleaved-1f1b", 2, (first, *between, last))))
             else:
-                jobs.append((2, ProfileJob("zb-h1" if split else "1f1b", 1, rows, layers=(first, last))))
+                jobs.append((2, job("zb-h1" if split else "1f1b", 1, (first, last))))
     return jobs
 
 
@@ -463,4 +482,4 @@ def measure_shapes(client, config: JobConfig, profile: DeviceProfile, needs: lis
     if not ran:
         return profile
     return fit(profile.observations + seen, profile.device, profile.links,
-               profile.measured_on + f"; chunk shapes of the top plans: {', '.join(ran)}")
+               profile.measured_on + f"; chunk shapes of the top plans in {len(ran)} jobs")

@@ -420,10 +420,11 @@ def test_shape_jobs_worked_example():
     needs = [need(3, True, False, 1, False), need(2, False, False, 1, False),
              need(3, False, True, 1, False), need(8, True, True, 1, False)]
     jobs = plan_profile.shape_jobs(needs, 2)
-    assert [(pp, job.schedule, job.vpp, job.layers) for pp, job in jobs] == [
-        (1, "1f1b", 1, (8,)), (2, "interleaved-1f1b", 2, (3, 2, 1, 3))]
-    # one server runs only the shape that holds both ends
-    assert [job.layers for _, job in plan_profile.shape_jobs(needs, 1)] == [(8,)]
+    assert [(pp, job.dp, job.schedule, job.vpp, job.layers) for pp, job in jobs] == [
+        (1, 2, "1f1b", 1, (8,)), (2, 1, "interleaved-1f1b", 2, (3, 2, 1, 3))]
+    # one server runs only the shape that holds both ends; four replicate each job
+    assert [(job.dp, job.layers) for _, job in plan_profile.shape_jobs(needs, 1)] == [(1, (8,))]
+    assert [job.dp for _, job in plan_profile.shape_jobs(needs, 4)] == [4, 2]
     # split backwards run under the zero-bubble schedules, and never with recompute
     split = plan_profile.shape_jobs([need(3, True, False, 2, True), need(4, False, True, 2, True)], 2)
     assert [(pp, job.schedule, job.layers, job.recompute, job.rows) for pp, job in split] == [
@@ -435,19 +436,21 @@ def test_every_shape_job_is_a_valid_config_holding_its_shapes():
     settings pass the config's rules."""
     config = load_config("", SMALL)
     setup = plan_profile.profile_setup(config)
-    needs = plan_profile.untimed_shapes([apply(config, layout) for layout, _ in valid_configs(config, 2, 2)[0]],
-                                        profile())
-    assert needs
+    needs = plan_profile.untimed_shapes([cfg for _, cfg in valid_configs(config, 4, 4)[0]], profile())
+    assert {n.tp for n in needs} == {1, 2, 4}
     covered = set()
-    for pp, job in plan_profile.shape_jobs(needs, 2):
+    for pp, job in plan_profile.shape_jobs(needs, 4):
         cfg = load_config("", plan_profile._job_overrides(setup, pp, job))
         p = cfg.parallel
         rows = cfg.train.global_batch // (p.dp * p.microbatches)
+        assert cfg.train.recompute == "none" and p.world_size == 4
         for chunk in partition(cfg.model.n_layers, p.pp, p.vpp, p.schedule, p.layers):
             covered.add(plan_profile.ChunkNeed(len(chunk.layers), chunk.has_embedding, chunk.has_head, rows,
-                                               p.schedule in plan_profile.SPLIT_SCHEDULES))
-        assert cfg.train.recompute == "none"
+                                               p.schedule in plan_profile.SPLIT_SCHEDULES, p.tp,
+                                               p.sequence_parallel, p.scatter_gather))
     assert set(needs) <= covered
+    # two servers run no tensor group of four, nor a pipeline of tensor pairs
+    assert all(job.tp * pp <= 2 for pp, job in plan_profile.shape_jobs(needs, 2))
 
 
 def test_a_timed_shape_is_priced_at_what_it_took():
@@ -475,8 +478,9 @@ def test_a_timed_shape_is_priced_at_what_it_took():
     assert costs_module.chunk_shape(full, chunks[0], 8) == key and rerun.forward_s[0] == timed.forward_s[0]
     arithmetic = chunk_forward_flops(config, chunks[0], 8) / fitted.forward.rate
     assert rerun.backward_s[0] == pytest.approx(timed.backward_s[0] + 2 * arithmetic)
-    assert costs_module.chunk_shape(dataclasses.replace(config, parallel=dataclasses.replace(
-        config.parallel, tp=2)), chunks[0], 8) is None
+    # a tensor pair's chunk is its own shape: its spans hold the group's calls
+    pair = dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, tp=2))
+    assert costs_module.chunk_shape(pair, chunks[0], 8).endswith(", tp2 scatter/gather")
     # the plan's other shapes are still untimed; this one only for its backward
     needs = plan_profile.untimed_shapes([config], fitted)
     assert [(n.layers, n.embedding, n.head, n.rows) for n in needs] == [(4, True, False, 8), (4, False, True, 8)]
@@ -486,3 +490,20 @@ def base_observations() -> list[dict]:
     """Forwards and backwards at two sizes: enough for the laws."""
     return [{"kind": kind, "amount": amount, "seconds": scale * (1e-3 + amount / 1e9)}
             for kind, scale in (("forward", 1), ("backward", 2)) for amount in (1e6, 4e6)]
+
+
+def test_a_layout_invalid_as_given_is_planned_anew(tmp_path, capsys):
+    """`interleaf plan` sets the config's layout aside (here pp*vpp=4 chunks of a 3-layer
+    model, which no job could run): the plans are of the model and batch alone. A bad
+    value beyond the layout is still refused, naming it."""
+    from interleaf.clients.cli import main
+
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(profile().to_json()))
+    args = ["plan", "--set", "model.n_layers=3", "--set", "parallel.pp=2", "--set", "parallel.vpp=2",
+            "--servers", "2", "--profile", str(path), "--json"]
+    assert main(args) == 0
+    plans = json.loads(capsys.readouterr().out)
+    assert plans and all(p["parallel"]["pp"] * p["parallel"]["vpp"] <= 3 for p in plans)
+    assert main(args[:-1] + ["--set", "train.global_batch=0", "--json"]) == 2
+    assert "train.global_batch=0" in capsys.readouterr().err

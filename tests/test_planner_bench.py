@@ -36,3 +36,7 @@ def test_planner_bench_tiny_runs(tmp_path):
     assert data["summary"]["planned_step_s"] == min(planned["round_medians_s"] + planned["playoff_medians_s"])
     assert planned["predicted_step_s"] <= min(r["predicted_step_s"] for r in runs) * 1.01
     assert len(data["profile"]["observations"]) > 0
+    # the grid's best is its fastest finalist after the playoff; the plan's shapes were timed
+    in_grid = [r for r in finalists if r["in_grid"]]
+    assert data["summary"]["grid_best"] == min(in_grid, key=lambda r: r["decided_step_s"])["layout"]
+    assert data["summary"]["shapes_timed"] > 0

@@ -93,9 +93,9 @@ class ParallelConfig:
     """"auto": `interleaf run` and `interleaf submit` choose dp, tp, pp, vpp, the schedule,
     microbatches, zero, sequence_parallel and layers here, and train.recompute, for the servers
     the job will run on (`interleaf plan`, docs/planning.md), print the choice and why,
-    and submit that layout in place of the one given, which must still keep the rules
-    (the defaults do for 4 layers or more). "" (default): the
-    layout is as given. A coordinator refuses "auto": it is planned before submitting."""
+    and submit that layout in place of the one given, which is set aside (it need not
+    keep the rules). "" (default): the layout is as given. A coordinator refuses
+    "auto": it is planned before submitting."""
 
     def __post_init__(self):
         _positive("parallel", self, "dp", "tp", "pp", "vpp", "microbatches")

@@ -72,6 +72,14 @@ class Layout:
         return text
 
 
+UNPLANNED_LAYOUT = ["parallel.dp=1", "parallel.tp=1", "parallel.pp=1", "parallel.vpp=1", "parallel.schedule=1f1b",
+                    "parallel.microbatches=1", "parallel.zero=0", "parallel.sequence_parallel=false",
+                    "parallel.layers=[]"]
+"""Overrides that set a config's layout aside while it is planned: one server, one chunk,
+one microbatch, which every model and batch the other rules admit runs. The plan's
+own layout replaces it (apply)."""
+
+
 def apply(config: JobConfig, layout: Layout) -> JobConfig:
     """`config` with `layout`'s settings; ConfigError where a rule refuses them. The
     plan itself (parallel.plan) is spent: the result names one layout."""

@@ -13,7 +13,11 @@ A `DeviceProfile` holds the fitted laws of one device kind running one model fam
 The overheads are what a compute costs beyond its arithmetic (the executor's work, kernel
 launches); on small models they dominate, which is why the law is affine and not FLOPs
 alone. Forward FLOPs count every matrix product of the chunk on one tensor rank (1/tp of
-each block's weights, the attention scores, the head's vocabulary slice).
+each block's weights, the attention scores, the head's vocabulary slice). A chunk shape
+the servers ran (`chunk_shape`: a chunk of so many layers, with or without the
+embedding and the head, at so many rows, over a tensor group of so many) is priced at
+what it took instead, its group's calls inside, in `DeviceProfile.shapes`; the laws
+price the shapes never run.
 
 `layout_costs` turns a job config into the simulator's inputs: per chunk its F, B, I and
 W seconds (recompute's rerun and the tensor group's collectives included), the
@@ -49,6 +53,12 @@ class Law:
 
     def seconds(self, amount: float) -> float:
         return self.overhead_s + amount / self.rate
+
+
+LINK_GROUP = {"tp": "tp", "tp_reduce_scatter": "tp", "tp_all_gather": "tp",
+              "dp": "dp", "dp_reduce_scatter": "dp", "dp_all_gather": "dp"}
+"""Each collective link kind, and the group whose all-reduce law stands in for it where it
+was not measured."""
 
 
 @dataclass(frozen=True)
@@ -91,7 +101,7 @@ class DeviceProfile:
         an all-reduce's bytes in half its steps."""
         if kind in self.links:
             return self.links[kind]
-        group = kind.split("_")[0]
+        group = LINK_GROUP[kind]
         law = self.links.get(group, self.links["allreduce"])
         return law if kind == group else Law(law.overhead_s / 2, law.rate * 2)
 
@@ -136,17 +146,22 @@ def chunk_forward_flops(config: JobConfig, chunk: Chunk, rows: int) -> float:
     return flops
 
 
-def chunk_shape(config: JobConfig, chunk: Chunk, rows: int) -> str | None:
-    """What a chunk's compute on one server depends on beside the model and precision, as
+def chunk_shape(config: JobConfig, chunk: Chunk, rows: int) -> str:
+    """What a chunk's compute on its server depends on beside the model and precision, as
     the key of DeviceProfile.shapes: its layers, whether it holds the embedding and the
-    head, the microbatch's rows, and its forward FLOPs (which tell a proxy's chunks from
-    the model's). Recompute is not part of it: a shape is timed without, and a rerun is
-    priced on top of what its forward took. None for a tensor-parallel chunk, whose
-    spans hold its group's calls (priced apart)."""
-    if config.parallel.tp > 1:
-        return None
+    head, the microbatch's rows, its forward FLOPs on one tensor rank (which tell a
+    proxy's chunks from the model's), and over a tensor group its size and the calls
+    its spans hold (sequence parallelism's, or a scatter/gather message's gathers
+    between chunks). Recompute is not part of it: a shape is timed without, and a rerun
+    is priced on top of what its forward took."""
+    p = config.parallel
     parts = [f"{len(chunk.layers)} layers"] + ["embedding"] * chunk.has_embedding + ["head"] * chunk.has_head
-    return " + ".join(parts) + f", {rows} rows, {chunk_forward_flops(config, chunk, rows):.6g} FLOPs"
+    key = " + ".join(parts) + f", {rows} rows, {chunk_forward_flops(config, chunk, rows):.6g} FLOPs"
+    if p.tp > 1:
+        mode = message_mode(p.tp, p.sequence_parallel, p.scatter_gather)
+        between = not (chunk.has_embedding and chunk.has_head) and mode == "scatter_gather"
+        key += f", tp{p.tp}" + (" sp" if p.sequence_parallel else "") + (" scatter/gather" if between else "")
+    return key
 
 
 def head_layers(config: JobConfig) -> float:
@@ -217,14 +232,14 @@ def layout_costs(config: JobConfig, profile: DeviceProfile, slowdown: float = 1.
         blocks_f = len(chunk.layers) * tp_forward
         tp_f = blocks_f + ends_f
         tp_b = len(chunk.layers) * tp_backward + ends_b
-        # a shape run on the servers is priced at what it took, the laws price the rest
-        timed = {kind: seconds * stretch
-                 for kind, seconds in profile.shapes.get(chunk_shape(config, chunk, rows) or "", {}).items()}
-        compute = timed.get("forward", profile.forward.seconds(flops) * stretch)
+        # a shape run on the servers is priced at what it took (its group's calls inside),
+        # the laws price the rest
+        timed = {kind: seconds * slowdown for kind, seconds in profile.shapes.get(chunk_shape(config, chunk, rows),
+                                                                                   {}).items()}
         share = _recompute_share(config, chunk, profile.selective_share)
         # the rerun's arithmetic at the law's rate (what selective_share was measured against)
         rerun = share * (flops / profile.forward.rate * stretch + (blocks_f if whole_reruns else 0.0))
-        forward.append(compute + tp_f)
+        forward.append(timed.get("forward", profile.forward.seconds(flops) * stretch + tp_f))
         backward.append(timed.get("backward", profile.backward.seconds(flops) * stretch + tp_b) + rerun)
         inputs.append(timed.get("input_grad", profile.input_grad.seconds(flops) * stretch + tp_b) + rerun)
         # W keeps what it needs: no calls
