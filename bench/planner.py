@@ -158,9 +158,10 @@ def main() -> int:
         planning = Cluster(args.servers, memory, servers_per_host=args.servers, compute_slowdown=slowdown)
         # as `interleaf plan` does: the top plans' chunk shapes timed on the servers, the search repeated
         timing = time.monotonic()
-        report, profile = plan_command.search_timed(config, planning, profile, 5,
-                                                    lambda: plan_command.given_servers(client, args.servers),
-                                                    args.servers, log=lambda line: print(line, flush=True), keep=False)
+        servers = plan_command.ProfileServers(lambda: plan_command.given_servers(client, args.servers), args.servers,
+                                              memory, slowdown)
+        report, profile = plan_command.search_timed(config, planning, profile, 5, servers,
+                                                    log=lambda line: print(line, flush=True), keep=False)
         shape_seconds = time.monotonic() - timing
         plan = report.plans[0].layout
         layouts = grid + ([] if plan in grid else [plan])
@@ -202,7 +203,8 @@ def main() -> int:
     errors = sorted(abs(r["error"]) for r in grid_runs)
     median_error = statistics.median(errors)
     planned = next(r for r in runs if r["planned"])
-    # the grid's best after the playoff: its leader, or the plan where it is in the grid and beat it there
+    # the grid's best after the playoff: the fastest of its finalists (the leader, and the plan or the
+    # default where the grid holds them)
     best = min((r for r in grid_runs if r["finalist"]), key=lambda r: r["decided_step_s"])
     default = next((r for r in runs if r["default"]), None)
     disagree = [r["layout"] for r in runs

@@ -101,20 +101,29 @@ def _load(args, remote: bool = False, planning: bool = False):
         args.set.append(f"checkpoint.resume={os.path.abspath(args.resume)}")
     text = _config_text(args.config)
     try:
-        return text, load_config(text, args.set + (UNPLANNED_LAYOUT if planning else []))
+        return text, load_config(text, args.set)
     except InitNotFound as err:
         if remote:
             return text, None
         raise UsageError(str(err)) from None
     except ConfigError as err:
-        if not planning:
-            try:
-                unplanned = load_config(text, args.set + UNPLANNED_LAYOUT)
-            except ConfigError:  # wrong beyond its layout
-                unplanned = None
-            if unplanned is not None and unplanned.parallel.plan == "auto":
-                return text, unplanned
+        try:
+            unplanned = load_config(text, args.set + UNPLANNED_LAYOUT)
+        except ConfigError as beyond:  # wrong beyond its layout: that is what to mend
+            raise UsageError(str(beyond if planning else err)) from None
+        if planning or unplanned.parallel.plan == "auto":
+            return text, unplanned
         raise UsageError(str(err)) from None
+
+
+def _valid_as_given(text: str, sets: list[str]) -> bool:
+    from interleaf.coordinator.config import ConfigError, load_config
+
+    try:
+        load_config(text, sets)
+    except ConfigError:
+        return False
+    return True
 
 
 def cmd_run(args) -> int:
@@ -128,6 +137,9 @@ def cmd_run(args) -> int:
         _unplannable(args)
     planned = config is not None and config.parallel.plan == "auto"
     world = None if remote else config.parallel.world_size
+    if planned and not remote and args.local is None and not _valid_as_given(text, args.set):
+        raise UsageError("parallel.plan=auto: the layout given is set aside (it breaks the rules), so it cannot say "
+                         "how many local servers to plan for: give --local N")
     servers = args.local if args.local is not None else world
     if not remote and servers != world and not planned:
         raise UsageError(f"--local {servers} must equal parallel.dp*parallel.tp*parallel.pp={world}")

@@ -113,27 +113,40 @@ SHAPE_ROUNDS = 2
 of other shapes first."""
 
 
+@dataclass(frozen=True)
+class ProfileServers:
+    """The servers profile and shape jobs run on."""
+    open: Callable
+    """() -> a context of (client, idle servers)."""
+    count: int
+    memory_bytes: int
+    """What each offers: a shape job the memory model says would not fit is not run."""
+    slowdown: float = 1.0
+    """How much slower each computes when all do (shared cores): taken out of what a
+    shape job, which keeps them all busy, measures."""
+
+
 def search_timed(config: JobConfig, cluster: Cluster, profile: DeviceProfile, top: int,
-                 measure_on: Callable | None, servers: int, log=print,
+                 servers: ProfileServers | None, log=print,
                  keep: bool = True) -> tuple[SearchReport, DeviceProfile]:
-    """The search, with every chunk shape of its first TIMED_PLANS plans that the
-    `servers` idle servers `measure_on()` -> (client, idle servers) gives can run, run
-    there and priced at what it took (plan_profile.measure_shapes), the profile stored
-    with them (`keep`), and the search repeated. Without servers to run them on, or for
-    a model profiled through a proxy (whose chunks are not the model's), the laws price
-    every shape."""
-    if measure_on is None or plan_profile.profile_model(config) != dataclasses.asdict(config.model):
+    """The search, with every chunk shape of its first TIMED_PLANS plans that `servers`
+    can run run there and priced at what it took (plan_profile.measure_shapes), the
+    profile stored with them (`keep`), and the search repeated. Without servers to run
+    them on, or for a model profiled through a proxy (whose chunks are not the
+    model's), the laws price every shape."""
+    if servers is None or plan_profile.profile_model(config) != dataclasses.asdict(config.model):
         return run_search(config, cluster, profile, top), profile
     wanted = max(top, TIMED_PLANS)
     report = run_search(config, cluster, profile, wanted)
     for _ in range(SHAPE_ROUNDS):
         needs = plan_profile.untimed_shapes([plan.config for plan in report.plans], profile)
-        if not plan_profile.shape_jobs(needs, servers):  # none, or none these servers run
+        if not plan_profile.shape_jobs(needs, servers.count):  # none, or none these servers run
             break
         log(f"timing {len(needs)} chunk shapes of the top {len(report.plans)} plans on the servers")
-        with measure_on() as (client, idle):
-            timed = plan_profile.measure_shapes(client, config, profile, needs, idle, log=log)
-        if timed is profile:  # the jobs' configs refused them
+        with servers.open() as (client, idle):
+            timed = plan_profile.measure_shapes(client, config, profile, needs, idle, servers.memory_bytes,
+                                                servers.slowdown, log=log)
+        if timed is profile:  # none of the jobs ran
             break
         profile = timed
         if keep:
@@ -230,21 +243,24 @@ def plan_described(config: JobConfig, servers: int, memory_bytes: int | None, se
             devices = local_devices(device, 1)
     except ValueError as err:
         raise PlanError(f"--device {device}: {err}") from None
-    memory = memory_bytes or memory_per_local_server(devices[:1])
-    cluster = Cluster(servers, memory, servers_per_host=servers_per_host or min(servers, 8))
-    measure_on = None if profile_path else (lambda: local_servers(len(devices), device))
+    local_memory = memory_per_local_server(devices)
+    cluster = Cluster(servers, memory_bytes or local_memory, servers_per_host=servers_per_host or min(servers, 8))
+    local = None if profile_path else ProfileServers(lambda: local_servers(len(devices), device), len(devices),
+                                                     local_memory)
     profile = obtain_profile(config, device_kind(devices[0]), profile_path=profile_path, log=log,
-                             measure_on=measure_on)
-    report, profile = search_timed(config, cluster, profile, top, measure_on, len(devices), log)
+                             measure_on=local.open if local else None)
+    report, profile = search_timed(config, cluster, profile, top, local, log)
     return report, cluster, profile
 
 
 def plan_on(client, config: JobConfig, cluster: Cluster, device: str, top: int, profile_path: str | None,
             log) -> tuple[SearchReport, DeviceProfile]:
     """Plans for servers a coordinator holds; profile jobs, if needed, run on them."""
-    measure_on = None if profile_path else (lambda: given_servers(client, cluster.servers))
-    profile = obtain_profile(config, device, profile_path=profile_path, log=log, measure_on=measure_on)
-    return search_timed(config, cluster, profile, top, measure_on, cluster.servers, log)
+    given = None if profile_path else ProfileServers(lambda: given_servers(client, cluster.servers), cluster.servers,
+                                                     cluster.memory_bytes, cluster.compute_slowdown)
+    profile = obtain_profile(config, device, profile_path=profile_path, log=log,
+                             measure_on=given.open if given else None)
+    return search_timed(config, cluster, profile, top, given, log)
 
 
 @dataclass(frozen=True)

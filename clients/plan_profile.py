@@ -26,8 +26,8 @@ the simulator charges: a reduction that overlaps a backward is charged what it d
 hide. Pipeline messages, and a group kind that could not be run, take their law from two
 processes of this machine over gloo (clients/link_probe.py).
 
-Every tp=1 chunk those jobs run, and every one a traced job runs, is also timed as its
-shape (costs.chunk_shape); `measure_shapes` runs the shapes a plan needs that no job
+Every chunk those jobs run without recompute, and every one a traced job runs so, is also
+timed as its shape (costs.chunk_shape, its tensor group's calls inside); `measure_shapes` runs the shapes a plan needs that no job
 has (shape_jobs), and `interleaf plan` asks it for the shapes of the plans the laws
 rank first (plan_command.search_timed).
 
@@ -168,7 +168,6 @@ class ProfileJob:
     layers: tuple[int, ...] = ()
     """Layers per chunk, the model's layers their sum; empty: the profiled model's, split
     evenly."""
-    scatter_gather: bool = True
 
     def describe(self, pp: int) -> str:
         return (f"{self.schedule} pp{pp}" + (f"·vpp{self.vpp}" if self.vpp > 1 else "")
@@ -217,7 +216,6 @@ def _job_overrides(setup: dict, pp: int, job: ProfileJob) -> list[str]:
     values += [f"parallel.dp={job.dp}", f"parallel.tp={job.tp}", f"parallel.pp={pp}", f"parallel.vpp={job.vpp}",
                f"parallel.schedule={job.schedule}", f"parallel.microbatches={microbatches}",
                f"parallel.zero={job.zero}", f"parallel.sequence_parallel={_toml(job.sequence_parallel)}",
-               f"parallel.scatter_gather={_toml(job.scatter_gather)}",
                "parallel.plan=", f"parallel.layers={','.join(map(str, job.layers)) if len(job.layers) > 1 else '[]'}",
                f"train.global_batch={job.rows * microbatches * job.dp}",
                f"train.steps={STEPS}", f"trace.steps={list(TRACED)}", "checkpoint.every=0", "eval.every=0",
@@ -404,7 +402,6 @@ class ChunkNeed:
     """Its backward is split into input and weight halves (zb-h1, zbv)."""
     tp: int = 1
     sequence_parallel: bool = False
-    scatter_gather: bool = True
 
 
 SPLIT_SCHEDULES = ("zb-h1", "zbv")
@@ -422,7 +419,7 @@ def untimed_shapes(configs: list[JobConfig], profile: DeviceProfile) -> list[Chu
         for chunk in partition(config.model.n_layers, p.pp, p.vpp, p.schedule, p.layers):
             if not set(kinds) <= set(profile.shapes.get(chunk_shape(config, chunk, rows), {})):
                 needs[ChunkNeed(len(chunk.layers), chunk.has_embedding, chunk.has_head, rows, split, p.tp,
-                                p.sequence_parallel, p.scatter_gather)] = None
+                                p.sequence_parallel)] = None
     return list(needs)
 
 
@@ -441,13 +438,12 @@ def shape_jobs(needs: list[ChunkNeed], servers: int) -> list[tuple[int, ProfileJ
     jobs: list[tuple[int, ProfileJob]] = []
     groups: dict[tuple, list[ChunkNeed]] = {}
     for need in needs:
-        groups.setdefault((need.rows, need.split, need.tp, need.sequence_parallel, need.scatter_gather),
-                          []).append(need)
-    for (rows, split, tp, sp, sg), group in groups.items():
+        groups.setdefault((need.rows, need.split, need.tp, need.sequence_parallel), []).append(need)
+    for (rows, split, tp, sp), group in groups.items():
         def job(schedule: str, vpp: int, layers: tuple[int, ...]) -> ProfileJob:
             # replicas on the servers a stage leaves idle: every server computes, as in the plans
             stages = 2 if len(layers) > 1 else 1
-            return ProfileJob(schedule, vpp, rows, tp=tp, sequence_parallel=sp, layers=layers, scatter_gather=sg,
+            return ProfileJob(schedule, vpp, rows, tp=tp, sequence_parallel=sp, layers=layers,
                               dp=servers // (stages * tp))
 
         if servers >= tp:
@@ -468,16 +464,34 @@ def shape_jobs(needs: list[ChunkNeed], servers: int) -> list[tuple[int, ProfileJ
 
 
 def measure_shapes(client, config: JobConfig, profile: DeviceProfile, needs: list[ChunkNeed], servers: int,
-                   log=print) -> DeviceProfile:
+                   memory_bytes: int, slowdown: float = 1.0, log=print) -> DeviceProfile:
     """The profile refitted with `needs`' shapes run on the coordinator `client` talks
-    to (shape_jobs on `servers` idle servers): they are then priced at what they took."""
+    to (shape_jobs on `servers` idle servers of `memory_bytes` each, computing
+    `slowdown` times slower when all do): they are then priced at what they took. A job
+    the memory model says would not fit is not run, and one that fails leaves its shapes
+    to the laws: the plan goes on either way."""
+    from interleaf.coordinator.admission import RUNTIME_RESERVE_BYTES
+    from interleaf.coordinator.config import load_config
+    from interleaf.coordinator.memory_model import predict
+    from interleaf.coordinator.planner.search import programs_for
+
     setup = profile_setup(config)
     seen: list[dict] = []
     ran = []
     for pp, job in shape_jobs(needs, servers):
-        found = _run_profile_job(client, setup, pp, job, profile.device, log)
+        job_config = load_config("", _job_overrides(setup, pp, job))  # shape_jobs makes only valid ones
+        need = max(p["peak_bytes"] for p in predict(job_config, programs_for(job_config))) + RUNTIME_RESERVE_BYTES
+        if need > memory_bytes:
+            log(f"not timed: {job.describe(pp)} (needs {need / 2**30:.2f} GiB of {memory_bytes / 2**30:.2f})")
+            continue
+        try:
+            found = _run_profile_job(client, setup, pp, job, profile.device, log)
+        except RuntimeError as err:
+            log(f"not timed: {err}")
+            continue
         if found is not None:
-            seen += found
+            seen += [o if o["kind"].startswith(LINK_OBSERVED) else dict(o, seconds=o["seconds"] / slowdown)
+                     for o in found]
             ran.append(job.describe(pp))
     if not ran:
         return profile

@@ -438,17 +438,16 @@ def test_every_shape_job_is_a_valid_config_holding_its_shapes():
     setup = plan_profile.profile_setup(config)
     needs = plan_profile.untimed_shapes([cfg for _, cfg in valid_configs(config, 4, 4)[0]], profile())
     assert {n.tp for n in needs} == {1, 2, 4}
+    wanted = {(costs_module.chunk_shape(cfg, chunk, rows_of(cfg)), cfg.parallel.schedule in ("zb-h1", "zbv"))
+              for _, cfg in valid_configs(config, 4, 4)[0] for chunk in chunks_of(cfg)}
     covered = set()
     for pp, job in plan_profile.shape_jobs(needs, 4):
         cfg = load_config("", plan_profile._job_overrides(setup, pp, job))
-        p = cfg.parallel
-        rows = cfg.train.global_batch // (p.dp * p.microbatches)
-        assert cfg.train.recompute == "none" and p.world_size == 4
-        for chunk in partition(cfg.model.n_layers, p.pp, p.vpp, p.schedule, p.layers):
-            covered.add(plan_profile.ChunkNeed(len(chunk.layers), chunk.has_embedding, chunk.has_head, rows,
-                                               p.schedule in plan_profile.SPLIT_SCHEDULES, p.tp,
-                                               p.sequence_parallel, p.scatter_gather))
-    assert set(needs) <= covered
+        assert cfg.train.recompute == "none" and cfg.parallel.world_size == 4
+        # the shapes the job's spans are recorded under (observe), as the plans ask for them
+        covered |= {(costs_module.chunk_shape(cfg, chunk, rows_of(cfg)), cfg.parallel.schedule in ("zb-h1", "zbv"))
+                    for chunk in chunks_of(cfg)}
+    assert wanted <= covered
     # two servers run no tensor group of four, nor a pipeline of tensor pairs
     assert all(job.tp * pp <= 2 for pp, job in plan_profile.shape_jobs(needs, 2))
 
@@ -480,7 +479,7 @@ def test_a_timed_shape_is_priced_at_what_it_took():
     assert rerun.backward_s[0] == pytest.approx(timed.backward_s[0] + 2 * arithmetic)
     # a tensor pair's chunk is its own shape: its spans hold the group's calls
     pair = dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, tp=2))
-    assert costs_module.chunk_shape(pair, chunks[0], 8).endswith(", tp2 scatter/gather")
+    assert costs_module.chunk_shape(pair, chunks[0], 8).endswith(", tp2")
     # the plan's other shapes are still untimed; this one only for its backward
     needs = plan_profile.untimed_shapes([config], fitted)
     assert [(n.layers, n.embedding, n.head, n.rows) for n in needs] == [(4, True, False, 8), (4, False, True, 8)]
@@ -504,6 +503,24 @@ def test_a_layout_invalid_as_given_is_planned_anew(tmp_path, capsys):
             "--servers", "2", "--profile", str(path), "--json"]
     assert main(args) == 0
     plans = json.loads(capsys.readouterr().out)
-    assert plans and all(p["parallel"]["pp"] * p["parallel"]["vpp"] <= 3 for p in plans)
+    for plan in plans:  # each a layout the model runs
+        load_config("", ["model.n_layers=3"] + plan_command.overrides(plan))
     assert main(args[:-1] + ["--set", "train.global_batch=0", "--json"]) == 2
     assert "train.global_batch=0" in capsys.readouterr().err
+    # a valid layout is kept while planning, so settings that need it still hold
+    elastic = ["--set", "parallel.elastic=true", "--set", "parallel.dp=2", "--set", "parallel.pp=1",
+               "--set", "parallel.vpp=1", "--set", "parallel.schedule=1f1b"]
+    assert main(["plan", *elastic, "--servers", "2", "--profile", str(path), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)
+    # run --plan auto cannot count local servers from a layout set aside
+    assert main(["run", "--plan", "auto", "--set", "model.n_layers=3"]) == 2
+    assert "give --local N" in capsys.readouterr().err
+
+
+def rows_of(config) -> int:
+    return config.train.global_batch // (config.parallel.dp * config.parallel.microbatches)
+
+
+def chunks_of(config) -> list:
+    p = config.parallel
+    return partition(config.model.n_layers, p.pp, p.vpp, p.schedule, p.layers)

@@ -93,8 +93,9 @@ class ParallelConfig:
     """"auto": `interleaf run` and `interleaf submit` choose dp, tp, pp, vpp, the schedule,
     microbatches, zero, sequence_parallel and layers here, and train.recompute, for the servers
     the job will run on (`interleaf plan`, docs/planning.md), print the choice and why,
-    and submit that layout in place of the one given, which is set aside (it need not
-    keep the rules). "" (default): the layout is as given. A coordinator refuses
+    and submit that layout in place of the one given (which, where it breaks the rules,
+    is set aside; `interleaf run` then needs --local N or a coordinator). "" (default):
+    the layout is as given. A coordinator refuses
     "auto": it is planned before submitting."""
 
     def __post_init__(self):

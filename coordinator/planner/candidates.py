@@ -75,9 +75,10 @@ class Layout:
 UNPLANNED_LAYOUT = ["parallel.dp=1", "parallel.tp=1", "parallel.pp=1", "parallel.vpp=1", "parallel.schedule=1f1b",
                     "parallel.microbatches=1", "parallel.zero=0", "parallel.sequence_parallel=false",
                     "parallel.layers=[]"]
-"""Overrides that set a config's layout aside while it is planned: one server, one chunk,
-one microbatch, which every model and batch the other rules admit runs. The plan's
-own layout replaces it (apply)."""
+"""Overrides that set aside a layout that breaks the rules, where the config is being
+planned: one server, one chunk, one microbatch. The plan's own layout replaces it
+(apply). (Settings that need more, parallel.elastic's data parallelism, must come with
+a valid layout.)"""
 
 
 def apply(config: JobConfig, layout: Layout) -> JobConfig:

@@ -150,17 +150,14 @@ def chunk_shape(config: JobConfig, chunk: Chunk, rows: int) -> str:
     """What a chunk's compute on its server depends on beside the model and precision, as
     the key of DeviceProfile.shapes: its layers, whether it holds the embedding and the
     head, the microbatch's rows, its forward FLOPs on one tensor rank (which tell a
-    proxy's chunks from the model's), and over a tensor group its size and the calls
-    its spans hold (sequence parallelism's, or a scatter/gather message's gathers
-    between chunks). Recompute is not part of it: a shape is timed without, and a rerun
-    is priced on top of what its forward took."""
+    proxy's chunks from the model's), and over a tensor group its size and whether its
+    calls are sequence parallelism's. Recompute is not part of it: a shape is timed
+    without, and a rerun is priced on top of what its forward took."""
     p = config.parallel
     parts = [f"{len(chunk.layers)} layers"] + ["embedding"] * chunk.has_embedding + ["head"] * chunk.has_head
     key = " + ".join(parts) + f", {rows} rows, {chunk_forward_flops(config, chunk, rows):.6g} FLOPs"
     if p.tp > 1:
-        mode = message_mode(p.tp, p.sequence_parallel, p.scatter_gather)
-        between = not (chunk.has_embedding and chunk.has_head) and mode == "scatter_gather"
-        key += f", tp{p.tp}" + (" sp" if p.sequence_parallel else "") + (" scatter/gather" if between else "")
+        key += f", tp{p.tp}" + (" sp" if p.sequence_parallel else "")
     return key
 
 
@@ -228,23 +225,24 @@ def layout_costs(config: JobConfig, profile: DeviceProfile, slowdown: float = 1.
     whole_reruns = t.recompute == "full" or (t.recompute == "selective" and t.recompute_layers > 0)
     for chunk in chunks:
         flops = chunk_forward_flops(config, chunk, rows)
-        ends_f, ends_b = _tp_chunk_seconds(config, profile, chunk, len(chunks), hidden)
+        ends_f, ends_b = _tp_chunk_seconds(config, profile, chunk, hidden)
+        gather_f, gather_b = _message_gathers(config, profile, chunk, len(chunks), hidden)
         blocks_f = len(chunk.layers) * tp_forward
         tp_f = blocks_f + ends_f
         tp_b = len(chunk.layers) * tp_backward + ends_b
-        # a shape run on the servers is priced at what it took (its group's calls inside),
-        # the laws price the rest
+        # a shape run on the servers is priced at what its computes took (the group's calls
+        # inside them), the laws price the rest
         timed = {kind: seconds * slowdown for kind, seconds in profile.shapes.get(chunk_shape(config, chunk, rows),
                                                                                    {}).items()}
         share = _recompute_share(config, chunk, profile.selective_share)
         # the rerun's arithmetic at the law's rate (what selective_share was measured against)
         rerun = share * (flops / profile.forward.rate * stretch + (blocks_f if whole_reruns else 0.0))
-        forward.append(timed.get("forward", profile.forward.seconds(flops) * stretch + tp_f))
-        backward.append(timed.get("backward", profile.backward.seconds(flops) * stretch + tp_b) + rerun)
-        inputs.append(timed.get("input_grad", profile.input_grad.seconds(flops) * stretch + tp_b) + rerun)
+        forward.append(timed.get("forward", profile.forward.seconds(flops) * stretch + tp_f) + gather_f)
+        backward.append(timed.get("backward", profile.backward.seconds(flops) * stretch + tp_b) + gather_b + rerun)
+        inputs.append(timed.get("input_grad", profile.input_grad.seconds(flops) * stretch + tp_b) + gather_b + rerun)
         # W keeps what it needs: no calls
         weights.append(timed.get("weight_grad", profile.weight_grad.seconds(flops) * stretch))
-        tp_share.append(tp_f)
+        tp_share.append(tp_f + gather_f)
     params = [chunk_parameters(config, c) for c in chunks]
     grad_bytes = max(params) * _master_bytes(t.precision)
     param_bytes = max(params) * act_bytes
@@ -287,32 +285,35 @@ def _tp_block_seconds(config: JobConfig, profile: DeviceProfile, hidden: float) 
     return rows * reduce, columns * reduce
 
 
-def _tp_chunk_seconds(config: JobConfig, profile: DeviceProfile, chunk: Chunk, chunks: int,
-                      hidden: float) -> tuple[float, float]:
+def _tp_chunk_seconds(config: JobConfig, profile: DeviceProfile, chunk: Chunk, hidden: float) -> tuple[float, float]:
     """What a chunk calls over the tensor group beyond its blocks, forward and backward:
     the vocabulary-parallel embedding's sum (a reduce-scatter under sequence
-    parallelism, its gradient gathered back), the head's input gradient summed (under
-    sequence parallelism its input gathered, its gradient reduce-scattered), and with
-    scatter/gather messages (stageserver/pipeline_messages.py) each received message
-    all-gathered: a forward's input from the chunk before, a backward's gradient from
-    the one after. The loss's own calls are a few numbers per token: left out."""
+    parallelism, its gradient gathered back) and the head's input gradient summed (under
+    sequence parallelism its input gathered, its gradient reduce-scattered), inside its
+    computes. The loss's own calls are a few numbers per token: left out."""
     p = config.parallel
     if p.tp <= 1:
         return 0.0, 0.0
-    gather = collective_s(profile.link("tp_all_gather"), p.tp, hidden)
-    forward = backward = 0.0
     if p.sequence_parallel:
+        gather = collective_s(profile.link("tp_all_gather"), p.tp, hidden)
         scatter = collective_s(profile.link("tp_reduce_scatter"), p.tp, hidden)
-        forward += chunk.has_embedding * scatter + chunk.has_head * gather
-        backward += chunk.has_embedding * gather + chunk.has_head * scatter
-    else:
-        reduce = collective_s(profile.link("tp"), p.tp, hidden)
-        forward += chunk.has_embedding * reduce
-        backward += chunk.has_head * reduce
-    if message_mode(p.tp, p.sequence_parallel, p.scatter_gather) == "scatter_gather":
-        forward += (chunk.index > 0) * gather
-        backward += (chunk.index < chunks - 1) * gather
-    return forward, backward
+        return (chunk.has_embedding * scatter + chunk.has_head * gather,
+                chunk.has_embedding * gather + chunk.has_head * scatter)
+    reduce = collective_s(profile.link("tp"), p.tp, hidden)
+    return chunk.has_embedding * reduce, chunk.has_head * reduce
+
+
+def _message_gathers(config: JobConfig, profile: DeviceProfile, chunk: Chunk, chunks: int,
+                     hidden: float) -> tuple[float, float]:
+    """With scatter/gather pipeline messages (stageserver/pipeline_messages.py), the
+    tensor group's all-gather of each received message, before the compute that takes
+    it (the executor's wait, not its span): a forward's input from the chunk before, a
+    backward's gradient from the one after."""
+    p = config.parallel
+    if message_mode(p.tp, p.sequence_parallel, p.scatter_gather) != "scatter_gather":
+        return 0.0, 0.0
+    gather = collective_s(profile.link("tp_all_gather"), p.tp, hidden)
+    return (chunk.index > 0) * gather, (chunk.index < chunks - 1) * gather
 
 
 @functools.lru_cache(maxsize=64)
