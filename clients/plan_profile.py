@@ -47,11 +47,14 @@ import pathlib
 import time
 
 from interleaf.clients import link_probe
-from interleaf.coordinator.config import ConfigError, JobConfig
+from interleaf.coordinator.admission import RUNTIME_RESERVE_BYTES
+from interleaf.coordinator.config import ConfigError, JobConfig, load_config
+from interleaf.coordinator.memory_model import predict
 from interleaf.coordinator.partition import partition
 from interleaf.coordinator.planner.costs import (DeviceProfile, chunk_forward_flops, chunk_parameters, chunk_shape,
                                                   normalized)
 from interleaf.coordinator.planner.fitting import LINK_OBSERVED, SHAPE_OBSERVED, fit
+from interleaf.coordinator.planner.search import programs_for
 from interleaf.protos import interleaf_pb2 as pb
 from interleaf.protos.actions import parse
 
@@ -369,25 +372,29 @@ def measure(client, config: JobConfig, device: str, idle_servers: int, log=print
 def _run_profile_job(client, setup: dict, pp: int, job: ProfileJob, device: str, log) -> list[dict] | None:
     """The observations of one profile job's traced steps; None for a job the model's
     shape rules out (a tensor pair where the heads do not divide by two)."""
-    from interleaf.coordinator.config import load_config
-
     overrides = _job_overrides(setup, pp, job)
     try:
         job_config = load_config("", overrides)
     except ConfigError as err:
         log(f"not profiled: {job.describe(pp)} ({err})")
         return None
+    return _run_traced(client, overrides, job_config, job.describe(pp), device, log)
+
+
+def _run_traced(client, overrides: list[str], job_config: JobConfig, label: str, device: str, log) -> list[dict]:
+    """Submits the job of `overrides` (read as `job_config`) and returns its traced steps'
+    observations; RuntimeError if it does not succeed."""
     started = time.monotonic()
     status = client.submit("", overrides)
     final, _ = client.wait(status.job_id, timeout_s=600)
     if final.state != "SUCCEEDED":
-        raise RuntimeError(f"profile job {status.job_id} ({job.describe(pp)}) ended {final.state}: "
+        raise RuntimeError(f"profile job {status.job_id} ({label}) ended {final.state}: "
                            f"{final.error or final.reason}")
     found = []
     for step in TRACED:
         trace = client.trace(status.job_id, step)
         found += observations(trace, job_config, device)
-    log(f"profiled {job.describe(pp)} in {time.monotonic() - started:.1f} s")
+    log(f"profiled {label} in {time.monotonic() - started:.1f} s")
     return found
 
 
@@ -470,29 +477,24 @@ def measure_shapes(client, config: JobConfig, profile: DeviceProfile, needs: lis
     `slowdown` times slower when all do): they are then priced at what they took. A job
     the memory model says would not fit is not run, and one that fails leaves its shapes
     to the laws: the plan goes on either way."""
-    from interleaf.coordinator.admission import RUNTIME_RESERVE_BYTES
-    from interleaf.coordinator.config import load_config
-    from interleaf.coordinator.memory_model import predict
-    from interleaf.coordinator.planner.search import programs_for
-
     setup = profile_setup(config)
     seen: list[dict] = []
     ran = []
     for pp, job in shape_jobs(needs, servers):
-        job_config = load_config("", _job_overrides(setup, pp, job))  # shape_jobs makes only valid ones
+        overrides = _job_overrides(setup, pp, job)
+        job_config = load_config("", overrides)  # shape_jobs makes only valid ones
         need = max(p["peak_bytes"] for p in predict(job_config, programs_for(job_config))) + RUNTIME_RESERVE_BYTES
         if need > memory_bytes:
             log(f"not timed: {job.describe(pp)} (needs {need / 2**30:.2f} GiB of {memory_bytes / 2**30:.2f})")
             continue
         try:
-            found = _run_profile_job(client, setup, pp, job, profile.device, log)
+            found = _run_traced(client, overrides, job_config, job.describe(pp), profile.device, log)
         except RuntimeError as err:
             log(f"not timed: {err}")
             continue
-        if found is not None:
-            seen += [o if o["kind"].startswith(LINK_OBSERVED) else dict(o, seconds=o["seconds"] / slowdown)
-                     for o in found]
-            ran.append(job.describe(pp))
+        seen += [o if o["kind"].startswith(LINK_OBSERVED) else dict(o, seconds=o["seconds"] / slowdown)
+                 for o in found]
+        ran.append(job.describe(pp))
     if not ran:
         return profile
     return fit(profile.observations + seen, profile.device, profile.links,
