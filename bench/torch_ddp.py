@@ -21,17 +21,21 @@ import memory
 import torch_training
 
 
-def train(rank: int, config: JobConfig) -> dict:
-    return train_with(rank, config, "DDP", torch_training.adamw, lambda optimizer: optimizer.state)
+def train(rank: int, config: JobConfig, bucket_cap_mb: float | None = None) -> dict:
+    """`bucket_cap_mb`: DDP's bucket size (None: its default, 25 MiB after a first bucket
+    of 1 MiB)."""
+    return train_with(rank, config, "DDP", torch_training.adamw, lambda optimizer: optimizer.state, bucket_cap_mb)
 
 
-def train_with(rank: int, config: JobConfig, name: str, make_optimizer, optimizer_state) -> dict:
+def train_with(rank: int, config: JobConfig, name: str, make_optimizer, optimizer_state,
+               bucket_cap_mb: float | None = None) -> dict:
     """DDP with `make_optimizer(chunks, weight_decay)`; `optimizer_state(optimizer)` is
     the state this rank holds (ZeRO-1's peer passes its sharded optimizer)."""
     m, p, t = config.model, config.parallel, config.train
     data_parallel.check_layout(config, name)
     model = full_model(shape_of(m), t.seed)
-    ddp = DistributedDataParallel(model)
+    ddp = DistributedDataParallel(model) if bucket_cap_mb is None else DistributedDataParallel(
+        model, bucket_cap_mb=bucket_cap_mb)
     params = list(model.parameters())
     optimizer, lr_schedule, sampler = torch_training.training_setup(config, [model], make_optimizer)
 

@@ -14,6 +14,15 @@ buffer, never as per-element masks: no extra bytes per parameter.
 
 Worked example: parameters a (6 elements) and b (3), dp=4 -> padded 12, S=3;
 rank 1 owns [3, 6), all of a; rank 2 owns [6, 9), all of b; rank 3 owns padding only.
+
+The rest of a chunk is cut into buckets of at most parallel.bucket_mb of gradient
+(`split_buckets`), filled from its last parameter back, the order a backward finishes
+them in: a bucket's reduction can then start while the backward still computes the
+gradients of the buckets before it (stageserver/bucket_readiness.py), as DDP's and
+Megatron-LM's buckets do. Each bucket is padded and sharded on its own, so ZeRO's shards
+and reductions are per bucket too. `chunk_buckets` puts the tied embedding's where a
+backward finishes it: last in the chunk that embeds (the embedding is its first
+operation), first in the one whose head reads it.
 """
 
 from __future__ import annotations
@@ -21,6 +30,46 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 Segments = list[tuple[int, int]]
+
+MIB = 1 << 20
+
+
+def bucket_cap_bytes(bucket_mb: float) -> int:
+    """parallel.bucket_mb in bytes, as the coordinator sends it (SetupRequest.bucket_bytes)."""
+    return int(bucket_mb * MIB)
+
+
+def chunk_buckets(sizes: list[tuple[str, int]], tied: str, has_embedding: bool, cap_bytes: int,
+                  element_bytes: int) -> list[list[str]]:
+    """A chunk's buckets in the order its backward finishes them: the tied embedding
+    (named `tied`, if the chunk holds it) alone, and the rest by `split_buckets`."""
+    rest = split_buckets([(name, n) for name, n in sizes if name != tied], cap_bytes, element_bytes)
+    if not any(name == tied for name, _ in sizes):
+        return rest
+    return rest + [[tied]] if has_embedding else [[tied]] + rest
+
+
+def split_buckets(sizes: list[tuple[str, int]], cap_bytes: int, element_bytes: int) -> list[list[str]]:
+    """The names of `sizes` ((name, elements) in forward order) cut into buckets of at most
+    `cap_bytes` of gradient at `element_bytes` each, filled from the last parameter back;
+    the buckets in that order (the first is the one a backward finishes first), each
+    bucket's names in forward order. A parameter larger than the cap is a bucket alone;
+    cap_bytes 0: one bucket.
+
+    Worked example: a 4, b 3, c 2, d 5 elements of 4 bytes, cap 24 bytes (6 elements):
+    d (5) opens the first bucket; c would make it 7, so it opens the second, which b
+    fills to 5; a would make it 9 and opens the third -> [[d], [b, c], [a]].
+    """
+    cap = cap_bytes // element_bytes if cap_bytes else 0
+    buckets: list[list[str]] = []
+    filled = 0
+    for name, n in reversed(sizes):
+        if not buckets or (cap and filled + n > cap):
+            buckets.append([])
+            filled = 0
+        buckets[-1].insert(0, name)
+        filled += n
+    return buckets
 
 
 @dataclass(frozen=True)

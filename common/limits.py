@@ -37,6 +37,7 @@ MAXIMA = {
     "parallel.pp": 1024,
     "parallel.vpp": 64,
     "parallel.microbatches": 4096,
+    "parallel.bucket_mb": float(1 << 20),  # a TiB: more than any chunk's gradient
     "train.steps": 10_000_000,
     "train.global_batch": 1 << 20,
     "train.warmup_steps": 10_000_000,

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from interleaf.coordinator.schedule import CostModel, SimResult, simulate
 from interleaf.protos import interleaf_pb2 as pb
-from interleaf.protos.actions import CATEGORIES, COMPUTE, Action, Kind, parse
+from interleaf.protos.actions import CATEGORIES, COMPUTE, REDUCTION, Action, Kind, parse
 
 PREDICTION_LINKS = "eager"
 """The link semantics of the prediction. The executor never waits for a send (it is
@@ -160,8 +160,10 @@ def _args(action: Action, step: int) -> dict:
 
 def chrome_trace(trace: pb.StepTrace) -> dict:
     """The Trace Event Format (Chrome's about:tracing, Perfetto): one process per rank with
-    one thread holding its step, a complete ("X") event per span, times in microseconds
-    from the earliest rank's step start; the span's kind is the event's category."""
+    one thread holding its step's actions and a second its gradient buckets' reductions
+    in flight (which overlap the backwards), a complete ("X") event per span, times in
+    microseconds from the earliest rank's step start; the span's kind is the event's
+    category."""
     coords, events = _coords(trace), []
     for report, offset in zip(trace.reports, offsets(trace)):
         c, rank = coords[report.rank], report.rank
@@ -170,10 +172,11 @@ def chrome_trace(trace: pb.StepTrace) -> dict:
              "args": {"name": f"rank {rank} (dp {c.dp}, pp {c.pp}, tp {c.tp})"}},
             {"ph": "M", "name": "process_sort_index", "pid": rank, "tid": 0, "args": {"sort_index": rank}},
             {"ph": "M", "name": "thread_name", "pid": rank, "tid": 0, "args": {"name": f"step {trace.step}"}},
+            {"ph": "M", "name": "thread_name", "pid": rank, "tid": 1, "args": {"name": "gradient reductions"}},
         ]
         for span in report.spans:
             events.append({
-                "name": span.action, "cat": span.kind, "ph": "X", "pid": rank, "tid": 0,
+                "name": span.action, "cat": span.kind, "ph": "X", "pid": rank, "tid": int(span.kind == REDUCTION),
                 "ts": (offset + span.start_seconds) * 1e6,
                 "dur": (span.end_seconds - span.start_seconds) * 1e6,
                 "args": _args(parse(span.action), trace.step),
@@ -236,7 +239,7 @@ def figure(trace: pb.StepTrace):
     for report, offset in zip(trace.reports, offsets(trace)):
         c = coords[report.rank]
         bars = [picture.bar_of(parse(s.action), s.kind, (offset + s.start_seconds) * 1e3,
-                               (offset + s.end_seconds) * 1e3, pp) for s in report.spans]
+                               (offset + s.end_seconds) * 1e3, pp) for s in report.spans if s.kind != REDUCTION]
         rows.append((f"rank {report.rank} · dp{c.dp} pp{c.pp} tp{c.tp}", bars))
     executed = picture.Panel(f"executed: {_measured_text(trace)}", rows)
     result, costs = predicted(trace)

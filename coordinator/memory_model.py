@@ -34,7 +34,8 @@ the optimizer step.
 
 from __future__ import annotations
 
-from interleaf.common.buckets import BucketLayout, clip_segments
+from interleaf.common.buckets import BucketLayout, bucket_cap_bytes, chunk_buckets, clip_segments
+from interleaf.common.overlapped_reductions import overlapped_reductions
 from interleaf.common.memory import MemoryLedger
 from interleaf.common.model.config import shape_of
 from interleaf.common.model.params import TIED
@@ -52,15 +53,24 @@ from interleaf.coordinator.partition import Chunk, chunks_of, partition
 from interleaf.protos.actions import RECVS, SENDS, Action, Kind
 
 
-def bucket_sizes(config: JobConfig, chunk: Chunk) -> list[int]:
-    """Parameters per bucket of a chunk on one tp rank: [input embedding,] the rest (the
-    same split as stageserver/model_state.py makes), from the parameters the chunk's
-    ModelChunk would hold: the architecture's, with the vocabulary padded for tp."""
-    t = config.parallel.tp
+def bucket_names(config: JobConfig, chunk: Chunk) -> tuple[dict, dict[str, int], list[list[str]]]:
+    """(specs, elements on one tp rank, names per bucket) of a chunk's parameters: [the
+    tied embedding,] the rest cut by parallel.bucket_mb, in the order a backward finishes
+    them (the same split as stageserver/model_state.py makes: common/buckets.py), from the
+    parameters the chunk's ModelChunk would hold: the architecture's, with the
+    vocabulary padded for tp."""
+    p, t = config.parallel, config.parallel.tp
     specs = chunk_param_specs(shape_of(config.model), chunk.layers, chunk.has_embedding, chunk.has_head, t)
     sizes = {name: local_numel(spec, t) for name, spec in specs.items()}
-    groups = [[n for name, n in sizes.items() if name == TIED], [n for name, n in sizes.items() if name != TIED]]
-    return [sum(group) for group in groups if group]
+    groups = chunk_buckets(list(sizes.items()), TIED, chunk.has_embedding, bucket_cap_bytes(p.bucket_mb),
+                           PRECISION_BYTES[config.train.precision])
+    return specs, sizes, groups
+
+
+def bucket_sizes(config: JobConfig, chunk: Chunk) -> list[int]:
+    """Parameters per bucket of a chunk on one tp rank (`bucket_names`)."""
+    _, sizes, groups = bucket_names(config, chunk)
+    return [sum(sizes[name] for name in group) for group in groups]
 
 
 class _ProgramWalk:
@@ -76,8 +86,12 @@ class _ProgramWalk:
         self.block_recompute = (t.recompute, t.recompute_layers)  # selective: inside the blocks
         self.sequence_parallel = p.sequence_parallel and p.tp > 1
         self.chunks = {c.index: c for c in chunks_of(partition(m.n_layers, p.pp, p.vpp, p.schedule, p.layers), pipeline_rank)}
-        self.full = {c: sum(-(-n // p.dp) * p.dp for n in bucket_sizes(config, chunk))
-                     for c, chunk in self.chunks.items()}  # padded elements, all buckets
+        # Padded elements per bucket, and of all of a chunk's.
+        self.buckets = {c: [-(-n // p.dp) * p.dp for n in bucket_sizes(config, chunk)]
+                        for c, chunk in self.chunks.items()}
+        self.full = {c: sum(sizes) for c, sizes in self.buckets.items()}
+        self.overlap = p.overlap_grad_reduce
+        self.overlapped: dict[int, int] = {}  # chunk -> microbatch of the B that starts its reductions
         self.shard = {c: n // p.dp for c, n in self.full.items()}
         self.rows = t.global_batch // (p.dp * p.microbatches)
         # The hidden states [rows, seq, d] a compute takes and gives (sequence parallel:
@@ -91,7 +105,7 @@ class _ProgramWalk:
                                     for dp_rank in range(config.parallel.dp)) if self.sequence_parallel else 0
         self.ledger = MemoryLedger()
         self.grads_held = {c: p.zero < 2 for c in self.chunks}
-        self.pending: list[tuple[int, int, bool]] = []  # (chunk, staged bytes, frees grads)
+        self.pending: list[tuple[int, int, int]] = []  # (chunk, staged bytes, gradient bytes freed when done)
         # (chunk, microbatch) of each I whose W has not run -> [bytes counted for that W,
         # bytes of its input it reads that the previous chunk still counts].
         self.weights_owed: dict[tuple[int, int], list[int]] = {}
@@ -111,6 +125,7 @@ class _ProgramWalk:
 
     def run(self, program: list[Action]) -> dict[str, int]:
         a, m, zero = self.a, self.m, self.zero
+        self.overlapped = overlapped_reductions(program)[0] if self.overlap else {}
         for c in self.chunks:  # what a step after the first starts with
             owned = self.full[c] if zero == 0 else self.shard[c]
             self.ledger.add("parameters", a * (self.shard[c] if zero == 3 else self.full[c]))
@@ -197,6 +212,8 @@ class _ProgramWalk:
         self.ledger.add("activations", held - kept)  # recompute's rerun
         if not self.chunks[c].has_head:  # the output's gradient, handed over or received
             self.ledger.free("communication", self.hidden if c + 1 in self.chunks else self.message)
+        if action.kind is Kind.BACKWARD and self.overlapped.get(c) == action.microbatch:
+            self._start_reductions(c, inside_backward=True)  # while its activations are held
         self.ledger.free("activations", held)
         owed = self.weights_owed.get((c + 1, action.microbatch))
         if owed and owed[1]:  # this chunk's output, which the next chunk's W still reads
@@ -231,27 +248,47 @@ class _ProgramWalk:
         self.ledger.free("communication", sent)
 
     def _reduce(self, action: Action) -> None:
-        c, a, m = action.chunk, self.a, self.m
-        self._finish_all(action)  # the executor waits the previous reduction first
-        staged = m * self.full[c] if self.separate else 0
-        if self.zero:
-            staged += m * self.shard[c]  # the reduce-scatter's output
-        self.ledger.add("communication", staged)
-        if self.separate and self.zero >= 2:  # the fp32 copy travels; the bf16 one goes
-            self.ledger.free("gradients", a * self.full[c])
+        c = action.chunk
+        for other in {e[0] for e in self.pending} - {c}:  # the executor waits the others' first
+            self._finish(other)
+        if self.overlapped.get(c) is None:  # else its last backward started every bucket
+            self._start_reductions(c, inside_backward=False)
+
+    def _start_reductions(self, c: int, inside_backward: bool) -> None:
+        """Each bucket's reduction started (sharded_bucket.py's reduce): in bf16 its fp32
+        copy staged, and under ZeRO the reduce-scatter's output; at stages 2/3 the
+        bucket's full-size gradient goes, at once where its fp32 copy is what travels and
+        the reduction starts after the backward, else when the reduction is done. Inside
+        the backward each bucket's start first finishes the bucket before it (the
+        executor's `_start_bucket`), in bucket order, the order the backward finishes them."""
+        a, m = self.a, self.m
+        for n in self.buckets[c]:
+            if inside_backward and self.pending and self.pending[-1][0] == c:
+                self._finish_entry(self.pending.pop())
+            staged = m * n if self.separate else 0
+            if self.zero:
+                staged += m * (n // self.dp)  # the reduce-scatter's output
+            self.ledger.add("communication", staged)
+            drops_now = self.separate and self.zero >= 2 and not inside_backward
+            if drops_now:
+                self.ledger.free("gradients", a * n)
+            self.pending.append((c, staged, a * n if self.zero >= 2 and not drops_now else 0))
+        if self.separate and self.zero >= 2 and not inside_backward:
             self.grads_held[c] = False
-        self.pending.append((c, staged, self.zero >= 2 and self.grads_held[c]))
 
     def _finish(self, c: int) -> None:
         for entry in [e for e in self.pending if e[0] == c]:
             self.pending.remove(entry)
-            _, staged, frees_grads = entry
-            self.ledger.free("communication", staged)
-            if self.zero == 0 and self.separate:
-                self.ledger.add("gradients", staged)  # the fp32 sum, kept for the step
-            if frees_grads:
-                self.ledger.free("gradients", self.a * self.full[c])
-                self.grads_held[c] = False
+            self._finish_entry(entry)
+
+    def _finish_entry(self, entry: tuple[int, int, int]) -> None:
+        c, staged, freed = entry
+        self.ledger.free("communication", staged)
+        if self.zero == 0 and self.separate:
+            self.ledger.add("gradients", staged)  # the fp32 sum, kept for the step
+        if freed:
+            self.ledger.free("gradients", freed)
+            self.grads_held[c] = False
 
     def _finish_all(self, action: Action) -> None:
         for c in {e[0] for e in self.pending}:
@@ -301,10 +338,8 @@ def partial_grad_elements(config: JobConfig, pipeline_rank: int, dp_rank: int = 
     p = config.parallel
     count = 0
     for chunk in chunks_of(partition(config.model.n_layers, p.pp, p.vpp, p.schedule, p.layers), pipeline_rank):
-        specs = chunk_param_specs(shape_of(config.model), chunk.layers, chunk.has_embedding, chunk.has_head, p.tp)
-        for names in ([n for n in specs if n == TIED], [n for n in specs if n != TIED]):
-            if not names:
-                continue
+        specs = bucket_names(config, chunk)[0]
+        for names in bucket_names(config, chunk)[2]:
             layout = BucketLayout.build([(n, local_numel(specs[n], p.tp)) for n in names], p.dp, dp_rank)
             window = (0, layout.padded) if p.zero == 0 else layout.shard
             replicated = layout.segments(n for n in names if specs[n].tp_dim is None)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from interleaf.common.buckets import bucket_cap_bytes
 from interleaf.coordinator import partition as partitioning
 from interleaf.coordinator.config import ConfigError, JobConfig
 from interleaf.coordinator.grid import RankGrid, place
@@ -205,6 +206,8 @@ def setup_requests(
                 transport=plan.transport,
                 sequence_parallel=p.sequence_parallel,
                 scatter_gather=p.scatter_gather,
+                bucket_bytes=bucket_cap_bytes(p.bucket_mb),
+                overlap_grad_reduce=p.overlap_grad_reduce,
                 torch_profiler=config.trace.torch_profiler,
                 memory_snapshot=config.trace.memory_snapshot,
                 eval_program=[pb.Action(text=str(a)) for a in plan.eval_programs[c.pp]] if plan.eval_programs else [],

@@ -86,6 +86,12 @@ CATEGORIES = {
 point-to-point (send, recv, exchange), the data-parallel and tied-embedding all-reduces (collective), and ZeRO's reduce-scatters,
 gathers and releases (zero)."""
 
+REDUCTION = "reduction"
+"""A traced span's kind that is no action's: a gradient bucket's data-parallel reduction
+in flight, from its start (inside a backward, under parallel.overlap_grad_reduce) until
+its rank saw it done. The DP or RS action that started the chunk's reductions has its
+own span; the trace's prediction, replay and picture leave these out."""
+
 
 @dataclass(frozen=True, order=True)
 class Action:

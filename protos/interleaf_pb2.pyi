@@ -127,7 +127,7 @@ class Action(_message.Message):
     def __init__(self, text: _Optional[str] = ...) -> None: ...
 
 class SetupRequest(_message.Message):
-    __slots__ = ("job_id", "rank", "world_size", "coordinates", "grid", "vpp", "model", "train", "data_source", "chunks", "program", "groups", "store_host", "store_port", "store_prefix", "comm_timeout_s", "zero", "transport", "probes", "init_from", "sequence_parallel", "scatter_gather", "eval_program", "eval_microbatches", "eval_samples", "eval_source", "eval_fraction", "held_out_fraction", "torch_profiler", "memory_snapshot")
+    __slots__ = ("job_id", "rank", "world_size", "coordinates", "grid", "vpp", "model", "train", "data_source", "chunks", "program", "groups", "store_host", "store_port", "store_prefix", "comm_timeout_s", "zero", "transport", "probes", "init_from", "sequence_parallel", "scatter_gather", "eval_program", "eval_microbatches", "eval_samples", "eval_source", "eval_fraction", "held_out_fraction", "torch_profiler", "memory_snapshot", "bucket_bytes", "overlap_grad_reduce")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -158,6 +158,8 @@ class SetupRequest(_message.Message):
     HELD_OUT_FRACTION_FIELD_NUMBER: _ClassVar[int]
     TORCH_PROFILER_FIELD_NUMBER: _ClassVar[int]
     MEMORY_SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    BUCKET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    OVERLAP_GRAD_REDUCE_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     rank: int
     world_size: int
@@ -188,7 +190,9 @@ class SetupRequest(_message.Message):
     held_out_fraction: float
     torch_profiler: bool
     memory_snapshot: bool
-    def __init__(self, job_id: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., coordinates: _Optional[_Union[Coordinates, _Mapping]] = ..., grid: _Optional[_Union[Coordinates, _Mapping]] = ..., vpp: _Optional[int] = ..., model: _Optional[_Union[ModelSpec, _Mapping]] = ..., train: _Optional[_Union[TrainSpec, _Mapping]] = ..., data_source: _Optional[str] = ..., chunks: _Optional[_Iterable[_Union[ChunkSpec, _Mapping]]] = ..., program: _Optional[_Iterable[_Union[Action, _Mapping]]] = ..., groups: _Optional[_Iterable[_Union[Group, _Mapping]]] = ..., store_host: _Optional[str] = ..., store_port: _Optional[int] = ..., store_prefix: _Optional[str] = ..., comm_timeout_s: _Optional[float] = ..., zero: _Optional[int] = ..., transport: _Optional[str] = ..., probes: _Optional[_Iterable[_Union[FileRef, _Mapping]]] = ..., init_from: _Optional[str] = ..., sequence_parallel: _Optional[bool] = ..., scatter_gather: _Optional[bool] = ..., eval_program: _Optional[_Iterable[_Union[Action, _Mapping]]] = ..., eval_microbatches: _Optional[int] = ..., eval_samples: _Optional[int] = ..., eval_source: _Optional[str] = ..., eval_fraction: _Optional[float] = ..., held_out_fraction: _Optional[float] = ..., torch_profiler: _Optional[bool] = ..., memory_snapshot: _Optional[bool] = ...) -> None: ...
+    bucket_bytes: int
+    overlap_grad_reduce: bool
+    def __init__(self, job_id: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., coordinates: _Optional[_Union[Coordinates, _Mapping]] = ..., grid: _Optional[_Union[Coordinates, _Mapping]] = ..., vpp: _Optional[int] = ..., model: _Optional[_Union[ModelSpec, _Mapping]] = ..., train: _Optional[_Union[TrainSpec, _Mapping]] = ..., data_source: _Optional[str] = ..., chunks: _Optional[_Iterable[_Union[ChunkSpec, _Mapping]]] = ..., program: _Optional[_Iterable[_Union[Action, _Mapping]]] = ..., groups: _Optional[_Iterable[_Union[Group, _Mapping]]] = ..., store_host: _Optional[str] = ..., store_port: _Optional[int] = ..., store_prefix: _Optional[str] = ..., comm_timeout_s: _Optional[float] = ..., zero: _Optional[int] = ..., transport: _Optional[str] = ..., probes: _Optional[_Iterable[_Union[FileRef, _Mapping]]] = ..., init_from: _Optional[str] = ..., sequence_parallel: _Optional[bool] = ..., scatter_gather: _Optional[bool] = ..., eval_program: _Optional[_Iterable[_Union[Action, _Mapping]]] = ..., eval_microbatches: _Optional[int] = ..., eval_samples: _Optional[int] = ..., eval_source: _Optional[str] = ..., eval_fraction: _Optional[float] = ..., held_out_fraction: _Optional[float] = ..., torch_profiler: _Optional[bool] = ..., memory_snapshot: _Optional[bool] = ..., bucket_bytes: _Optional[int] = ..., overlap_grad_reduce: _Optional[bool] = ...) -> None: ...
 
 class GroupId(_message.Message):
     __slots__ = ("name", "id")

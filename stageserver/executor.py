@@ -10,7 +10,10 @@ were waited where posted, until its partner is there (rendezvous semantics, NCCL
 so waiting later cannot deadlock either. Reductions and
 parameter gathers start asynchronously and are waited where their result is needed: a
 chunk's gather before its first compute that reads parameters (F, B, I; never W), its
-reduction before its gradient is touched again (B, W; never I).
+reduction before its gradient is touched again (B, W; never I). Under
+parallel.overlap_grad_reduce a chunk's last B starts each gradient bucket's reduction
+as soon as it has written the bucket (bucket_readiness.py); the program's reduction
+then starts only what that backward left.
 A backward is B, or I then W (model/weight_grads.py): I computes the input gradient
 and leaves the parameter gradients queued, W computes them.
 Every tensor the step allocates or frees is entered in the model's memory ledger. A
@@ -20,6 +23,7 @@ failing action raises `StepError` naming the rank, the step and the action.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import threading
 import time
@@ -27,7 +31,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from interleaf.protos.actions import CATEGORIES, RECVS, SENDS, Action, Kind
+from interleaf.common.overlapped_reductions import overlapped_reductions
+from interleaf.protos.actions import CATEGORIES, RECVS, REDUCTION, SENDS, Action, Kind
 from interleaf.stageserver.activation_meter import ChunkActivations, parameter_storages
 from interleaf.stageserver.compute_clock import ComputeClock
 from interleaf.stageserver.deferred_grads import DeferredGrads
@@ -118,6 +123,11 @@ class _StepState:
     # chunk -> started reductions / parameter gathers, waited when next needed.
     reductions: dict = field(default_factory=dict)
     gathers: dict = field(default_factory=dict)
+    # chunk -> the buckets its last backward started reducing (overlap_grad_reduce).
+    started_buckets: dict = field(default_factory=dict)
+    # A traced step's bucket reductions: [reduction action text, start mark, landed mark
+    # (None until seen done), its Pending].
+    in_flight: list | None = None
     losses: list = field(default_factory=list)
     wait_s: float = 0.0
     grad_norm: float = 0.0
@@ -173,11 +183,16 @@ class Executor:
             Kind.REDUCE_TIED_GRADS: self._reduce_tied_grads,
             Kind.OPTIMIZER_STEP: self._optimizer_step,
         }
+        # chunk -> the microbatch of the backward that starts its buckets' reductions,
+        # and the program's reduction action it stands in for (common/overlapped_reductions.py).
+        self.overlapped, self.reductions = overlapped_reductions(program)
+        if not model.overlap_grad_reduce:
+            self.overlapped = {}
 
     def run_step(self, step: int, trace: bool = False) -> StepStats:
         """Runs the program once. `trace`: also time every action (two clock marks each;
         on a GPU, events on the compute stream, read at the step's end)."""
-        state = _StepState(step)
+        state = _StepState(step, in_flight=[] if trace else None)
         reset_peaks(self.model.device)
         self.ledger.reset_peaks()
         marks = [] if trace else None
@@ -192,6 +207,8 @@ class Executor:
                     marks.append(self.clock.mark())
                 self.handlers[action.kind](action, state)
                 self._reap_sends(state, block=False)
+                if state.in_flight:
+                    self._note_landed(state)
                 if marks is not None:
                     marks.append(self.clock.mark())
             except Exception as err:
@@ -204,6 +221,8 @@ class Executor:
                             f"{', '.join(f'I{c}.{m}' for c, m in state.deferred.left())}: the program lacks their W")
         for chunk in list(state.gathers):
             self._wait(state.gathers, chunk, state)
+        if state.in_flight:
+            self._note_landed(state, every=True)
         # The step's one host synchronization: its losses and gradient norm. Each loss
         # stays on the device until here (a GPU would otherwise idle at every microbatch).
         losses = torch.stack(state.losses).double().tolist() if state.losses else []
@@ -224,7 +243,8 @@ class Executor:
             memory=self._memory_report(),
             idle_seconds=max(0.0, step_seconds - compute_seconds),
             started_unix=started_unix,
-            spans=self._spans(self.clock.seconds(marks), computes) if marks is not None else [],
+            spans=self._spans(self.clock.seconds(marks), computes) + self._reduction_spans(state)
+            if marks is not None else [],
         )
 
     def _spans(self, marks: list[float], computes: list[tuple[float, float]]) -> list[tuple]:
@@ -243,6 +263,21 @@ class Executor:
             else:
                 spans.append((text, CATEGORIES[action.kind], begin, end))
         return spans
+
+    def _reduction_spans(self, state: _StepState) -> list[tuple]:
+        """A traced step's bucket reductions as (reduction action, REDUCTION, start, end):
+        from when it started (inside a backward, under overlap_grad_reduce) until the
+        executor saw it done, at the end of an action or in a wait (so at most that late)."""
+        starts = self.clock.seconds([entry[1] for entry in state.in_flight])
+        ends = self.clock.seconds([entry[2] for entry in state.in_flight])
+        return [(entry[0], REDUCTION, start, end) for entry, start, end in zip(state.in_flight, starts, ends)]
+
+    def _note_landed(self, state: _StepState, every: bool = False) -> None:
+        """Marks the traced reductions done since the last look (`every`: all of them,
+        at the step's end, when every one has been waited)."""
+        for entry in state.in_flight:
+            if entry[2] is None and (every or entry[3].done or entry[3].work.is_completed()):
+                entry[2] = self.clock.mark()
 
     def _memory_report(self) -> dict:
         return dict(self.ledger.report(), rss_peak_bytes=rss_peak_bytes(),
@@ -306,8 +341,16 @@ class Executor:
             return self.activations.forward(chunk, index, x, targets, keep_graph, self._local_input(chunk, index))
 
     def _backward(self, a: Action, state: _StepState) -> None:
-        """B: the input gradient and every parameter gradient in one backward."""
-        self._input_grads(a, state, defer=False)
+        """B: the input gradient and every parameter gradient in one backward. The
+        chunk's last B of the step, under overlap_grad_reduce, starts each gradient
+        bucket's reduction as soon as it has written that bucket."""
+        if self.overlapped.get(a.chunk) != a.microbatch:
+            self._input_grads(a, state, defer=False)
+            return
+        start = functools.partial(self._start_bucket, a.chunk, state, True)
+        with self.model.readiness[a.chunk].armed(start) as started:
+            self._input_grads(a, state, defer=False)
+        state.started_buckets[a.chunk] = started
 
     def _backward_input(self, a: Action, state: _StepState) -> None:
         """I: B's backward, its parameter gradients left queued for W
@@ -458,11 +501,32 @@ class Executor:
     def _reduce_grads(self, a: Action, state: _StepState) -> None:
         if (a.kind is Kind.REDUCE_GRADS) != (self.model.zero == 0):
             raise RuntimeError(f"{a} does not belong in a ZeRO stage {self.model.zero} program")
-        # The previous reduction has had the backwards since it started to overlap with:
-        # waiting for it here, not at the step's end, frees its staging buffers (and at
-        # stages 2/3 the full-size gradient) before the next chunk's are taken.
-        self._finish_reductions(state)
-        state.reductions.setdefault(a.chunk, []).extend(self.model.start_reduction(a.chunk))
+        # The other chunks' reductions have had the backwards since they started to
+        # overlap with: waiting for them here, not at the step's end, frees their staging
+        # buffers (and at stages 2/3 the full-size gradients) before this chunk's are taken.
+        for chunk in [c for c in state.reductions if c != a.chunk]:
+            self._wait(state.reductions, chunk, state)
+        started = state.started_buckets.pop(a.chunk, set())
+        for bucket in range(len(self.model.buckets[a.chunk])):
+            if bucket not in started:
+                self._start_bucket(a.chunk, state, False, bucket)
+
+    def _start_bucket(self, chunk: int, state: _StepState, inside_backward: bool, bucket: int) -> None:
+        """Starts one gradient bucket's data-parallel reduction, waited when the chunk's
+        gradient is next needed. Inside the backward, the bucket the backward finished
+        before it is waited first: it has had this bucket's computing to overlap with,
+        and one bucket's staging at a time is all the backward then adds to what it
+        holds (a GPU's wait only orders the streams)."""
+        if inside_backward and state.reductions.get(chunk):
+            t0 = time.perf_counter()
+            state.reductions[chunk].pop().wait()
+            state.wait_s += time.perf_counter() - t0
+            if state.in_flight:
+                self._note_landed(state)
+        pending = self.model.start_bucket_reduction(chunk, bucket, inside_backward)
+        state.reductions.setdefault(chunk, []).append(pending)
+        if state.in_flight is not None:
+            state.in_flight.append([self.reductions[chunk], self.clock.mark(), None, pending])
 
     def _gather(self, a: Action, state: _StepState) -> None:
         if self.model.zero == 0:

@@ -193,7 +193,8 @@ class StageJob:
             self.model = ModelState(self.config, self.chunks, groups, self.sampler, self.train, last_chunk,
                                     zero=r.zero, device=self.device, initial=self.initial,
                                     sequence_parallel=r.sequence_parallel, scatter_gather=r.scatter_gather,
-                                    eval_microbatches=r.eval_microbatches if r.eval_program else 0)
+                                    eval_microbatches=r.eval_microbatches if r.eval_program else 0,
+                                    bucket_bytes=r.bucket_bytes, overlap_grad_reduce=r.overlap_grad_reduce)
         except BaseException:
             for joined in groups.values():  # never left to the garbage collector
                 joined.close()

@@ -13,12 +13,13 @@ from dataclasses import dataclass
 
 import torch
 
-from interleaf.common.buckets import BucketLayout, clip_segments
+from interleaf.common.buckets import BucketLayout, chunk_buckets, clip_segments
 from interleaf.common.lr_schedule import DECAY_FRACTION, MIN_LR_RATIO, Schedule
 from interleaf.common.model.config import ModelShape
 from interleaf.common.model.params import TIED
 from interleaf.common.pipeline_message_modes import message_mode
 from interleaf.protos.actions import Action
+from interleaf.stageserver.bucket_readiness import BucketReadiness
 from interleaf.stageserver.data import Sampler
 from interleaf.stageserver.memory import MemoryLedger, nbytes
 from interleaf.stageserver.model import ModelChunk
@@ -87,13 +88,18 @@ class ModelState:
         sequence_parallel: bool = False,
         scatter_gather: bool = False,
         eval_microbatches: int = 0,
+        bucket_bytes: int = 0,
+        overlap_grad_reduce: bool = False,
     ):
         """`initial`: the weights to start from (checkpoint.init), else (seed, name)'s.
         `eval_microbatches`: how many microbatches an evaluation runs ([eval]; 0: none),
         which its messages' tags must number as a step's do.
         `sequence_parallel`, `scatter_gather`: parallel.sequence_parallel and
         parallel.scatter_gather (how hidden states sit on the tensor ranks and cross
-        between stages: pipeline_messages.py)."""
+        between stages: pipeline_messages.py).
+        `bucket_bytes`, `overlap_grad_reduce`: parallel.bucket_mb (in bytes; 0: each
+        chunk's gradient in one bucket beside the tied embedding's) and
+        parallel.overlap_grad_reduce (bucket_readiness.py)."""
         self.config = config
         self.device = device
         self.groups = groups
@@ -111,6 +117,9 @@ class ModelState:
         self.ledger = MemoryLedger()
         self.chunks: dict[int, ModelChunk] = {}
         self.buckets: dict[int, list[ShardedBucket]] = {}
+        self.bucket_bytes = bucket_bytes
+        self.overlap_grad_reduce = overlap_grad_reduce
+        self.readiness: dict[int, BucketReadiness] = {}  # chunk -> its buckets' hooks
         self.tied: dict[int, ShardedBucket] = {}  # chunk -> its tied-embedding bucket
         self.norm_segments: dict[tuple[int, int], list[tuple[int, int]]] = {}
         self.sequence_parallel = sequence_parallel and self.tp.size > 1
@@ -131,12 +140,15 @@ class ModelState:
             self.buckets[plan.index] = self._bucketize(plan, chunk)
 
     def _bucketize(self, plan: ChunkPlan, chunk: ModelChunk) -> list[ShardedBucket]:
-        """The input embedding in a bucket of its own (see buckets.py), the rest in one."""
+        """The tied embedding in a bucket of its own, the rest cut into buckets of at most
+        bucket_bytes of gradient, in the order a backward finishes them (common/buckets.py)."""
         specs = chunk.param_specs()
-        named = list(chunk.named_parameters())
-        groups = [[(n, p) for n, p in named if n == TIED], [(n, p) for n, p in named if n != TIED]]
+        named = dict(chunk.named_parameters())
+        element_bytes = torch.empty((), dtype=self.dtype).element_size()
+        groups = chunk_buckets([(n, p.numel()) for n, p in named.items()], TIED, plan.has_embedding,
+                               self.bucket_bytes, element_bytes)
         buckets = []
-        for params in (g for g in groups if g):
+        for params in ([(n, named[n]) for n in names] for names in groups):
             layout = BucketLayout.build([(n, p.numel()) for n, p in params], self.dp.size, self.dp.rank)
             decayed = {n for n, _ in params if specs[n].weight_decay}
             self.norm_segments[(plan.index, len(buckets))] = layout.segments(
@@ -149,6 +161,8 @@ class ModelState:
                                          self.train.betas, self.train.eps))
             if specs[params[0][0]].tied:
                 self.tied[plan.index] = buckets[-1]
+        if self.overlap_grad_reduce:
+            self.readiness[plan.index] = BucketReadiness([[named[n] for n in names] for names in groups])
         return buckets
 
     def _counts_toward_norm(self, plan: ChunkPlan, spec) -> bool:
@@ -190,8 +204,10 @@ class ModelState:
         for bucket in self.buckets[chunk]:
             bucket.hold_grads()
 
-    def start_reduction(self, chunk: int) -> list[Pending]:
-        return [bucket.reduce() for bucket in self.buckets[chunk]]
+    def start_bucket_reduction(self, chunk: int, bucket: int, inside_backward: bool) -> Pending:
+        """One bucket's data-parallel reduction; `inside_backward`: started by the chunk's
+        last backward while it runs (sharded_bucket.py)."""
+        return self.buckets[chunk][bucket].reduce(inside_backward)
 
     def start_gather(self, chunk: int) -> list[Pending]:
         return [bucket.gather() for bucket in self.buckets[chunk]]

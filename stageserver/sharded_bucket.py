@@ -38,13 +38,14 @@ class Pending:
     """An asynchronous collective and what to do once it has completed."""
 
     def __init__(self, work, finish=None):
-        self.work, self.finish = work, finish
+        self.work, self.finish, self.done = work, finish, False
 
     def wait(self) -> None:
         self.work.wait()
         if self.finish is not None:
             self.finish()
             self.finish = None
+        self.done = True
 
 
 def _release(tensor: torch.Tensor) -> None:
@@ -149,16 +150,20 @@ class ShardedBucket:
             self.ledger.add("gradients", nbytes(self.grads))
             self.grads_held = True
 
-    def reduce(self) -> Pending:
+    def reduce(self, inside_backward: bool = False) -> Pending:
         """Stage 0: all-reduces the full gradient. Stages 1-3: reduce-scatters it and adds
         this rank's shard of the sum to grad_shard; stages 2/3 then drop the full one (in
-        bf16 at once: the master-dtype copy is what travels)."""
+        bf16 at once: the master-dtype copy is what travels). `inside_backward`: started
+        by the chunk's last backward while it still runs (bucket_readiness.py); the full
+        gradient is then dropped when the reduction is done, in bf16 too, so that what
+        a backward holds only grows as its buckets start, whichever order autograd
+        finishes them in (the memory model need not know that order)."""
         source = self.grads if self.cd == self.md else self.grads.to(self.md)
         staged = 0 if source is self.grads else nbytes(source)
         out = torch.empty(self.layout.shard_size, dtype=self.md, device=self.device) if self.zero else None
         staged += nbytes(out) if self.zero else 0
         self.ledger.add("communication", staged)
-        if source is not self.grads and self.zero >= 2:
+        if source is not self.grads and self.zero >= 2 and not inside_backward:
             self._drop_grads()
         if self.zero == 0:
             self._optimizer_grad = source

@@ -122,10 +122,13 @@ ARCHS = {
 embedding or two, grouped-query attention; the vocabulary of 64 padded to 128·tp."""
 
 
-def _split(names_numels) -> list[int]:
-    """stageserver/model_state.py's buckets: the input embedding alone, then the rest."""
+def _split(names_numels, has_embedding: bool) -> list[int]:
+    """stageserver/model_state.py's buckets of a model under parallel.bucket_mb: the input
+    embedding alone (last where the chunk embeds, first where a head reads it), and the
+    rest."""
     tied = [n for name, n in names_numels if name == TIED]
-    return tied + [sum(n for name, n in names_numels if name != TIED)]
+    rest = [sum(n for name, n in names_numels if name != TIED)]
+    return rest + tied if has_embedding else tied + rest
 
 
 @pytest.mark.parametrize("arch", ARCHS.values(), ids=ARCHS.keys())
@@ -140,7 +143,7 @@ def test_bucket_sizes_are_the_chunks_parameter_counts(tp, layout, arch):
             # Building a chunk reads only its tensor group's size and rank.
             group = SimpleNamespace(size=tp, rank=tp_rank) if tp > 1 else SoloTransport()
             model = ModelChunk(shape_of(config.model), chunk.layers, chunk.has_embedding, chunk.has_head, group, 0)
-            assert bucket_sizes(config, chunk) == _split([(n, p.numel()) for n, p in model.named_parameters()]), \
+            assert bucket_sizes(config, chunk) == _split([(n, p.numel()) for n, p in model.named_parameters()], chunk.has_embedding), \
                 (chunk, tp_rank)
         # The input embedding's own bucket: the first chunk's, or a tied head's copy.
         assert len(bucket_sizes(config, chunk)) == 1 + (

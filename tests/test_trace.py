@@ -73,10 +73,15 @@ def test_chrome_trace_has_a_track_per_rank_and_every_action(traced_job, tmp_path
     spans = [e for e in events if e["ph"] == "X"]
     names = {e["pid"]: e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "process_name"}
     assert names == {r: f"rank {r} (dp {r // 4}, pp {r // 2 % 2}, tp {r % 2})" for r in range(8)}
-    assert {(e["pid"], e["tid"]) for e in spans} == {(r, 0) for r in range(8)}  # one track per rank
+    # A track per rank for its actions, and one for its gradient buckets' reductions in flight.
+    assert {(e["pid"], e["tid"]) for e in spans} == {(r, t) for r in range(8) for t in (0, 1)}
     programs = traces.programs(trace)
     for rank in range(8):
-        mine = sorted((e for e in spans if e["pid"] == rank), key=lambda e: e["ts"])
+        reductions = [e for e in spans if e["pid"] == rank and e["tid"] == 1]
+        assert {e["cat"] for e in reductions} == {"reduction"}
+        assert {e["name"] for e in reductions} == {str(a) for a in programs[rank // 2 % 2]
+                                                   if a.kind in (Kind.REDUCE_GRADS, Kind.REDUCE_SCATTER_GRADS)}
+        mine = sorted((e for e in spans if e["pid"] == rank and e["tid"] == 0), key=lambda e: e["ts"])
         for before, after in zip(mine, mine[1:]):  # one thread: spans follow each other
             assert before["ts"] + before["dur"] <= after["ts"] + 1e-3
         # Every action of the rank's program, once, in program order (a compute's wait before it).

@@ -56,6 +56,18 @@ class ParallelConfig:
     needs them (0: each gather waits in front of its first use; 1: the next chunk's gather
     overlaps the current chunk's compute). Bounds the gathered chunks a rank holds at
     once to zero_prefetch + 1."""
+    bucket_mb: float = 25.0
+    """MiB of gradient (in the compute dtype) per data-parallel bucket: each chunk's
+    parameters, the tied embedding apart, are cut into flat buckets of at most this,
+    filled from the last layer back, each reduced and (under ZeRO) sharded on its own
+    (torch DDP's bucket_cap_mb, Megatron-LM's --ddp-bucket-size). A parameter larger
+    than this is a bucket alone."""
+    overlap_grad_reduce: bool = True
+    """Start each bucket's data-parallel reduction inside its chunk's last backward, as
+    soon as that backward has written all of the bucket's gradients, so the reduction
+    runs while the backward computes the rest (DDP's and Megatron-LM's
+    --overlap-grad-reduce); false: the chunk's buckets are reduced after its backward.
+    Split backwards (zb-h1, zbv) reduce after the chunk's last W either way."""
     transport: str = "auto"
     """How tensors move between ranks: nccl (CUDA servers, through CuPy), gloo (CPU
     servers), or auto: nccl when the job's servers compute on GPUs, gloo otherwise. A job
@@ -141,6 +153,9 @@ class ParallelConfig:
             raise ConfigError(
                 f"parallel.zero_prefetch={self.zero_prefetch} must be between 0 and {MAX_ZERO_PREFETCH}"
             )
+        if not self.bucket_mb > 0:
+            raise ConfigError(f"parallel.bucket_mb={self.bucket_mb} must be > 0 (MiB of gradient per "
+                              f"data-parallel bucket)")
         if self.elastic:
             self._check_elastic()
 

@@ -10,6 +10,9 @@ class _Done:
     def wait(self) -> None:
         return None
 
+    def is_completed(self) -> bool:
+        return True
+
 
 class SoloTransport:
     size = 1
