@@ -208,7 +208,7 @@ class Executor:
                 self.handlers[action.kind](action, state)
                 self._reap_sends(state, block=False)
                 if state.in_flight:
-                    self._note_landed(state)
+                    self._note_landed(state.in_flight)
                 if marks is not None:
                     marks.append(self.clock.mark())
             except Exception as err:
@@ -222,7 +222,7 @@ class Executor:
         for chunk in list(state.gathers):
             self._wait(state.gathers, chunk, state)
         if state.in_flight:
-            self._note_landed(state, every=True)
+            self._note_landed(state.in_flight, every=True)
         # The step's one host synchronization: its losses and gradient norm. Each loss
         # stays on the device until here (a GPU would otherwise idle at every microbatch).
         losses = torch.stack(state.losses).double().tolist() if state.losses else []
@@ -243,7 +243,7 @@ class Executor:
             memory=self._memory_report(),
             idle_seconds=max(0.0, step_seconds - compute_seconds),
             started_unix=started_unix,
-            spans=self._spans(self.clock.seconds(marks), computes) + self._reduction_spans(state)
+            spans=self._spans(self.clock.seconds(marks), computes) + self._reduction_spans(state.in_flight or [])
             if marks is not None else [],
         )
 
@@ -264,18 +264,18 @@ class Executor:
                 spans.append((text, CATEGORIES[action.kind], begin, end))
         return spans
 
-    def _reduction_spans(self, state: _StepState) -> list[tuple]:
+    def _reduction_spans(self, in_flight: list) -> list[tuple]:
         """A traced step's bucket reductions as (reduction action, REDUCTION, start, end):
         from when it started (inside a backward, under overlap_grad_reduce) until the
         executor saw it done, at the end of an action or in a wait (so at most that late)."""
-        starts = self.clock.seconds([entry[1] for entry in state.in_flight])
-        ends = self.clock.seconds([entry[2] for entry in state.in_flight])
-        return [(entry[0], REDUCTION, start, end) for entry, start, end in zip(state.in_flight, starts, ends)]
+        starts = self.clock.seconds([entry[1] for entry in in_flight])
+        ends = self.clock.seconds([entry[2] for entry in in_flight])
+        return [(entry[0], REDUCTION, start, end) for entry, start, end in zip(in_flight, starts, ends)]
 
-    def _note_landed(self, state: _StepState, every: bool = False) -> None:
+    def _note_landed(self, in_flight: list, every: bool = False) -> None:
         """Marks the traced reductions done since the last look (`every`: all of them,
         at the step's end, when every one has been waited)."""
-        for entry in state.in_flight:
+        for entry in in_flight:
             if entry[2] is None and (every or entry[3].done or entry[3].work.is_completed()):
                 entry[2] = self.clock.mark()
 
@@ -522,7 +522,7 @@ class Executor:
             state.reductions[chunk].pop().wait()
             state.wait_s += time.perf_counter() - t0
             if state.in_flight:
-                self._note_landed(state)
+                self._note_landed(state.in_flight)
         pending = self.model.start_bucket_reduction(chunk, bucket, inside_backward)
         state.reductions.setdefault(chunk, []).append(pending)
         if state.in_flight is not None:
