@@ -47,6 +47,7 @@ import pathlib
 import time
 
 from interleaf.clients import link_probe
+from interleaf.common.overlapped_reductions import overlapped_reductions
 from interleaf.coordinator.admission import RUNTIME_RESERVE_BYTES
 from interleaf.coordinator.config import ConfigError, JobConfig, load_config
 from interleaf.coordinator.memory_model import predict
@@ -56,7 +57,7 @@ from interleaf.coordinator.planner.costs import (DeviceProfile, chunk_forward_fl
 from interleaf.coordinator.planner.fitting import LINK_OBSERVED, SHAPE_OBSERVED, fit
 from interleaf.coordinator.planner.search import programs_for
 from interleaf.protos import interleaf_pb2 as pb
-from interleaf.protos.actions import parse
+from interleaf.protos.actions import Action, Kind, parse
 
 PROXY_ABOVE_FLOPS = 1e9
 """A model whose layer's forward at the small microbatch takes more FLOPs is profiled
@@ -264,14 +265,17 @@ def observe(trace: pb.StepTrace, config: JobConfig, calls_timed: bool = True) ->
     flops = [chunk_forward_flops(config, c, rows) for c in chunks]
     shapes = [chunk_shape(config, c, rows) for c in chunks]
     stages = {info.rank: info.coordinates.pp for info in trace.ranks}
+    armed = _armed_backwards(trace) if p.overlap_grad_reduce else {}
     found = []
     for report in trace.reports:
         stage = stages[report.rank]
         if (p.tp > 1 and calls_timed and config.train.recompute == "none" and not p.sequence_parallel
                 and not (p.pp > 1 and p.scatter_gather)):
-            found += _tp_compute(report, flops)
+            found += _tp_compute(report, flops, armed.get(stage, set()))
         for span in report.spans:
             seconds = span.end_seconds - span.start_seconds
+            if span.action in armed.get(stage, ()):
+                continue  # it started its buckets' reductions, each waiting for the one before
             if span.kind in SPAN_LAWS:
                 kind, chunk = SPAN_LAWS[span.kind], parse(span.action).chunk
                 if config.train.recompute == "none":
@@ -318,13 +322,24 @@ def observe_links(trace: pb.StepTrace, config: JobConfig) -> list[dict]:
     return found
 
 
-def _tp_compute(report: pb.StepReport, flops: list[float]) -> list[dict]:
+def _armed_backwards(trace: pb.StepTrace) -> dict[int, set[str]]:
+    """Per pipeline rank, the backwards that started their chunk's bucket reductions
+    (parallel.overlap_grad_reduce): each bucket waits inside them for the one before,
+    so their spans hold data-parallel waits and are no compute's measure."""
+    programs = {p.pipeline_rank: [parse(a.text) for a in p.actions] for p in trace.programs}
+    return {stage: {str(Action(Kind.BACKWARD, chunk, microbatch))
+                    for chunk, microbatch in overlapped_reductions(program)[0].items()}
+            for stage, program in programs.items()}
+
+
+def _tp_compute(report: pb.StepReport, flops: list[float],
+                armed: frozenset[str] | set[str] = frozenset()) -> list[dict]:
     """A tensor-parallel server's step as one observation of its shard's compute: its
     computes' (law, FLOPs), and their spans' seconds less those it was held in its
-    tensor group's calls (which happen inside them)."""
+    tensor group's calls (which happen inside them); `armed` backwards left out."""
     if not report.comm:  # an unmetered server: its calls cannot be taken out
         return []
-    spans = [span for span in report.spans if span.kind in SPAN_LAWS]
+    spans = [span for span in report.spans if span.kind in SPAN_LAWS and span.action not in armed]
     if not spans:
         return []
     computes = [[SPAN_LAWS[span.kind], flops[parse(span.action).chunk]] for span in spans]

@@ -35,8 +35,18 @@ MIB = 1 << 20
 
 
 def bucket_cap_bytes(bucket_mb: float) -> int:
-    """parallel.bucket_mb in bytes, as the coordinator sends it (SetupRequest.bucket_bytes)."""
-    return int(bucket_mb * MIB)
+    """parallel.bucket_mb in bytes, as the coordinator sends it (SetupRequest.bucket_bytes):
+    at least 1 (0 on the wire means no cap)."""
+    return max(1, int(bucket_mb * MIB))
+
+
+def starts_in_backward(elements: int, cap_bytes: int, element_bytes: int) -> bool:
+    """Whether a bucket's reduction may start inside the backward: not one over the cap
+    (a parameter larger than it, alone: the tied embedding or an untied head, whose
+    gradient the head chunk's backward writes first). Inside the backward each bucket
+    waits for the one before it, so a huge first one would hold up the rest of the
+    backward; it is left to the program's reduction action instead."""
+    return not cap_bytes or elements * element_bytes <= cap_bytes
 
 
 def chunk_buckets(sizes: list[tuple[str, int]], tied: str, has_embedding: bool, cap_bytes: int,
@@ -60,7 +70,7 @@ def split_buckets(sizes: list[tuple[str, int]], cap_bytes: int, element_bytes: i
     d (5) opens the first bucket; c would make it 7, so it opens the second, which b
     fills to 5; a would make it 9 and opens the third -> [[d], [b, c], [a]].
     """
-    cap = cap_bytes // element_bytes if cap_bytes else 0
+    cap = max(1, cap_bytes // element_bytes) if cap_bytes else 0
     buckets: list[list[str]] = []
     filled = 0
     for name, n in reversed(sizes):

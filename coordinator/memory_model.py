@@ -34,7 +34,7 @@ the optimizer step.
 
 from __future__ import annotations
 
-from interleaf.common.buckets import BucketLayout, bucket_cap_bytes, chunk_buckets, clip_segments
+from interleaf.common.buckets import BucketLayout, bucket_cap_bytes, chunk_buckets, clip_segments, starts_in_backward
 from interleaf.common.overlapped_reductions import overlapped_reductions
 from interleaf.common.memory import MemoryLedger
 from interleaf.common.model.config import shape_of
@@ -90,6 +90,9 @@ class _ProgramWalk:
         self.buckets = {c: [-(-n // p.dp) * p.dp for n in bucket_sizes(config, chunk)]
                         for c, chunk in self.chunks.items()}
         self.full = {c: sum(sizes) for c, sizes in self.buckets.items()}
+        # Per bucket, whether the backward may start it (common/buckets.py's starts_in_backward).
+        self.early = {c: [starts_in_backward(n, bucket_cap_bytes(p.bucket_mb), self.a)
+                          for n in bucket_sizes(config, chunk)] for c, chunk in self.chunks.items()}
         self.overlap = p.overlap_grad_reduce
         self.overlapped: dict[int, int] = {}  # chunk -> microbatch of the B that starts its reductions
         self.shard = {c: n // p.dp for c, n in self.full.items()}
@@ -251,18 +254,25 @@ class _ProgramWalk:
         c = action.chunk
         for other in {e[0] for e in self.pending} - {c}:  # the executor waits the others' first
             self._finish(other)
-        if self.overlapped.get(c) is None:  # else its last backward started every bucket
+        if self.overlapped.get(c) is None:
             self._start_reductions(c, inside_backward=False)
+        else:  # its last backward started the others
+            self._start_reductions(c, inside_backward=False, which=[not e for e in self.early[c]])
 
-    def _start_reductions(self, c: int, inside_backward: bool) -> None:
+    def _start_reductions(self, c: int, inside_backward: bool, which: list[bool] | None = None) -> None:
         """Each bucket's reduction started (sharded_bucket.py's reduce): in bf16 its fp32
         copy staged, and under ZeRO the reduce-scatter's output; at stages 2/3 the
         bucket's full-size gradient goes, at once where its fp32 copy is what travels and
         the reduction starts after the backward, else when the reduction is done. Inside
         the backward each bucket's start first finishes the bucket before it (the
-        executor's `_start_bucket`), in bucket order, the order the backward finishes them."""
+        executor's `_start_bucket`), in bucket order, the order the backward finishes them;
+        only those it may start (`early`). `which`: the buckets to start (default: all)."""
         a, m = self.a, self.m
-        for n in self.buckets[c]:
+        if inside_backward:
+            which = self.early[c]
+        for n, chosen in zip(self.buckets[c], which or [True] * len(self.buckets[c])):
+            if not chosen:
+                continue
             if inside_backward and self.pending and self.pending[-1][0] == c:
                 self._finish_entry(self.pending.pop())
             staged = m * n if self.separate else 0
@@ -273,7 +283,7 @@ class _ProgramWalk:
             if drops_now:
                 self.ledger.free("gradients", a * n)
             self.pending.append((c, staged, a * n if self.zero >= 2 and not drops_now else 0))
-        if self.separate and self.zero >= 2 and not inside_backward:
+        if self.separate and self.zero >= 2 and not inside_backward and which is None:
             self.grads_held[c] = False
 
     def _finish(self, c: int) -> None:

@@ -14,7 +14,8 @@ while autograd goes on computing the buckets before it.
 Autograd runs a leaf's AccumulateGrad once per backward, after summing every use of it
 (the tied embedding's two, in a chunk with both ends), so the count reaches zero exactly
 at the last write. A bucket the backward left unfinished (a parameter that got no
-gradient) is reported by `armed` and reduced by the program's action.
+gradient) is reported by `armed` and reduced by the program's action, as is a bucket
+given with no parameters (one over the cap: common/buckets.py's `starts_in_backward`).
 
 Worked example: buckets [[proj, fc], [qkv], [wpe]] (the first is the last layers'); the
 backward writes fc, proj (bucket 0 starts), qkv (bucket 1 starts), wpe (bucket 2 starts),

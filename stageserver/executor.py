@@ -267,7 +267,8 @@ class Executor:
     def _reduction_spans(self, in_flight: list) -> list[tuple]:
         """A traced step's bucket reductions as (reduction action, REDUCTION, start, end):
         from when it started (inside a backward, under overlap_grad_reduce) until the
-        executor saw it done, at the end of an action or in a wait (so at most that late)."""
+        executor saw it done: when it waited for it, when it started the next bucket, or
+        at the end of an action (so at most that late)."""
         starts = self.clock.seconds([entry[1] for entry in in_flight])
         ends = self.clock.seconds([entry[2] for entry in in_flight])
         return [(entry[0], REDUCTION, start, end) for entry, start, end in zip(in_flight, starts, ends)]
@@ -291,6 +292,8 @@ class Executor:
             for p in pending:
                 p.wait()
             state.wait_s += time.perf_counter() - t0
+            if state.in_flight:
+                self._note_landed(state.in_flight)
 
     # -- compute ---------------------------------------------------------------
 
@@ -514,13 +517,13 @@ class Executor:
     def _start_bucket(self, chunk: int, state: _StepState, inside_backward: bool, bucket: int) -> None:
         """Starts one gradient bucket's data-parallel reduction, waited when the chunk's
         gradient is next needed. Inside the backward, the bucket the backward finished
-        before it is waited first: it has had this bucket's computing to overlap with,
-        and one bucket's staging at a time is all the backward then adds to what it
-        holds (a GPU's wait only orders the streams)."""
+        before it is waited first, as FSDP2 waits its previous reduce-scatter: it has had
+        this bucket's computing to overlap with, and one bucket's staging at a time is
+        all the backward then adds to what it holds. A GPU's wait only orders the
+        streams; a CPU's blocks the backward, and stays in its span (the step's
+        communication wait leaves it out, as it does a tensor group's calls)."""
         if inside_backward and state.reductions.get(chunk):
-            t0 = time.perf_counter()
             state.reductions[chunk].pop().wait()
-            state.wait_s += time.perf_counter() - t0
             if state.in_flight:
                 self._note_landed(state.in_flight)
         pending = self.model.start_bucket_reduction(chunk, bucket, inside_backward)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from interleaf.common.buckets import BucketLayout, chunk_buckets, clip_segments
+from interleaf.common.buckets import BucketLayout, chunk_buckets, clip_segments, starts_in_backward
 from interleaf.common.lr_schedule import DECAY_FRACTION, MIN_LR_RATIO, Schedule
 from interleaf.common.model.config import ModelShape
 from interleaf.common.model.params import TIED
@@ -161,8 +161,10 @@ class ModelState:
                                          self.train.betas, self.train.eps))
             if specs[params[0][0]].tied:
                 self.tied[plan.index] = buckets[-1]
-        if self.overlap_grad_reduce:
-            self.readiness[plan.index] = BucketReadiness([[named[n] for n in names] for names in groups])
+        if self.overlap_grad_reduce:  # buckets over the cap are left to the reduction action
+            self.readiness[plan.index] = BucketReadiness([
+                [named[n] for n in names] if starts_in_backward(bucket.layout.numel, self.bucket_bytes, element_bytes)
+                else [] for names, bucket in zip(groups, buckets)])
         return buckets
 
     def _counts_toward_norm(self, plan: ChunkPlan, spec) -> bool:

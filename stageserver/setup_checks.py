@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 
+from interleaf.common.buckets import bucket_cap_bytes
 from interleaf.common.limits import MAX_PIPELINE_SLOTS, MAX_RANKS, MAX_TEXT_CHARS, MAXIMA, shown
 from interleaf.common.lr_schedule import DECAYS
 from interleaf.common.model.architectures import ARCHITECTURES
@@ -62,6 +63,7 @@ def check_setup(r: pb.SetupRequest) -> None:
     for axis in ("dp", "pp", "tp"):
         _within(f"coordinates.{axis}", getattr(r.coordinates, axis), 0, getattr(g, axis) - 1)
     _within("vpp", r.vpp, 1, MAXIMA["parallel.vpp"])
+    _within("bucket_bytes", r.bucket_bytes, 0, bucket_cap_bytes(MAXIMA["parallel.bucket_mb"]))
     for name in ("n_layers", "d_model", "n_heads", "seq_len", "vocab_size"):
         _within(f"model.{name}", getattr(m, name), 1, MAXIMA[f"model.{name}"])
     if m.arch not in ("", *ARCHITECTURES):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from interleaf.common.buckets import bucket_cap_bytes, chunk_buckets, split_buckets
+from interleaf.common.buckets import bucket_cap_bytes, chunk_buckets, split_buckets, starts_in_backward
 from interleaf.common.overlapped_reductions import overlapped_reductions
 from interleaf.coordinator.config import ConfigError, load_config
 from interleaf.coordinator.memory_model import bucket_sizes
@@ -28,7 +28,13 @@ def test_split_buckets_worked_example():
     assert split_buckets([("a", 4), ("b", 3), ("c", 2), ("d", 5)], 24, 4) == [["d"], ["b", "c"], ["a"]]
     assert split_buckets([("a", 4), ("b", 3)], 0, 4) == [["a", "b"]]  # no cap: one bucket
     assert split_buckets([("a", 9), ("b", 3)], 8, 4) == [["b"], ["a"]]  # larger than the cap: alone
-    assert bucket_cap_bytes(25.0) == 25 << 20
+    assert split_buckets([("a", 2), ("b", 3)], 1, 4) == [["b"], ["a"]]  # a cap under an element: each alone
+    assert bucket_cap_bytes(25.0) == 25 << 20 and bucket_cap_bytes(1e-9) == 1
+
+
+def test_a_bucket_over_the_cap_is_left_to_the_reduction_action():
+    assert starts_in_backward(6, 24, 4) and not starts_in_backward(7, 24, 4)
+    assert starts_in_backward(10**9, 0, 4)  # no cap: one bucket, started inside
 
 
 def test_the_tied_embedding_is_bucketed_where_the_backward_finishes_it():
@@ -108,16 +114,19 @@ BUCKETED = {
                                    + ["parallel.zero=3", "parallel.sequence_parallel=true"],
                                    ["train.recompute=selective"]),
     "zero2-dp2-pp2-zbh1": (layout(dp=2, pp=2, schedule="zb-h1") + ["parallel.zero=2"], []),
+    "zero1-dp2-pp2-over-cap": (layout(dp=2, pp=2, schedule="1f1b") + ["parallel.zero=1", "parallel.bucket_mb=0.005"],
+                               []),
     "zero3-dp2-no-overlap": (layout(dp=2, schedule="1f1b") + ["parallel.zero=3", "parallel.overlap_grad_reduce=false"],
                              []),
 }
 """Many buckets under each ZeRO stage, with pipelines (interleaved chunks on one rank, the
 tied embedding's two copies), tensor and sequence parallelism with selective recompute,
-a split backward (whose W leaves the reductions to the action) and overlap off."""
+a split backward (whose W leaves the reductions to the action), buckets over the cap
+(most parameters alone, left to the action) and overlap off."""
 
 
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("name", BUCKETED)
 def test_bucketed_reductions_keep_the_equivalence_contract(client, tmp_path, name, arch):
     sets, setup = BUCKETED[name]
-    check_equivalent(client, sets + SMALL_BUCKETS, tmp_path, ARCHS[arch] + setup)
+    check_equivalent(client, SMALL_BUCKETS + sets, tmp_path, ARCHS[arch] + setup)

@@ -80,6 +80,10 @@ LAYOUTS = {
                                "parallel.zero=2", "train.precision=bf16", "parallel.bucket_mb=0.06"],
     "buckets-zero0-dp2-pp2-v2-bf16": ["parallel.dp=2", "parallel.pp=2", "parallel.vpp=2", "train.precision=bf16",
                                       "parallel.bucket_mb=0.06"],
+    # 5 KiB: most parameters over the cap, alone, and left to the reduction action.
+    "buckets-over-cap-zero2-dp2-pp2-bf16": ["parallel.dp=2", "parallel.pp=2", "parallel.vpp=1",
+                                            "parallel.schedule=1f1b", "parallel.zero=2", "train.precision=bf16",
+                                            "parallel.bucket_mb=0.005"],
     "buckets-zero3-dp2-tp2-pp2-v2": ["parallel.dp=2", "parallel.tp=2", "parallel.pp=2", "parallel.vpp=2",
                                      "parallel.zero=3", "parallel.bucket_mb=0.06"],
     "zbv-selective-dp2-pp1": ["parallel.dp=2", "parallel.pp=1", "parallel.vpp=2", "parallel.schedule=zbv",
