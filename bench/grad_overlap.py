@@ -11,7 +11,8 @@ weights and samples:
   interleaf  defaults (25 MiB, overlap on)   vs  DDP defaults (25 MiB, first bucket 1 MiB)
 
 and reads each Interleaf job's traced last step: how many bucket reductions started
-inside the last backward, and what share of their time in flight the backward hid.
+inside the last backward, and what share of their time in flight fell inside its span
+(which also holds the backward's waits for them: each bucket waits for the one before).
 It reports step-time ratios per round and their median, Interleaf's overlap on over off,
 and loss agreement, and exits non-zero when the two sides' losses differ beyond
 measure.LOSS_TOLERANCE.
@@ -52,7 +53,7 @@ def overrides(arch: str, steps: int, bucket: list[str]) -> list[str]:
 def overlap_in_trace(trace) -> dict:
     """Per rank of a traced step: the bucket reductions (their count, how many started
     inside the chunk's last backward) and the share of their seconds in flight that
-    fell inside that backward."""
+    fell inside that backward's span (its waits for them included)."""
     ranks = []
     for report in trace.reports:
         backwards = [s for s in report.spans if s.kind == "backward"]
@@ -132,7 +133,7 @@ def main() -> None:
                 print(f"{label}, round {i + 1}, rank {rank['rank']}: {rank['buckets']} bucket reductions, "
                       f"{rank['started_inside_last_backward']} started inside the last backward "
                       f"({rank['last_backward_seconds'] * 1e3:.0f} ms), {rank['hidden_share']:.0%} of their "
-                      f"{rank['in_flight_seconds'] * 1e3:.0f} ms in flight inside it")
+                      f"{rank['in_flight_seconds'] * 1e3:.0f} ms in flight inside its span")
     print(f"{args.arch}; {before['cpus']} CPUs, load average {before['load_average_1m']} before, "
           f"{after['load_average_1m']} after; {args.steps} steps per run, first {args.warmup} left out; "
           f"cells: Interleaf s/step / DDP s/step = ratio (medians of the run's steady steps)")
