@@ -72,18 +72,13 @@ def overlap_in_trace(trace) -> dict:
 
 
 def run_interleaf(sets: list[str], args) -> tuple[dict, dict]:
-    cluster = LocalCluster(DP, threads_per_server=1, steps_per_call=args.steps_per_call)
-    try:
-        cluster.start()
+    with LocalCluster(DP, threads_per_server=1, steps_per_call=args.steps_per_call) as cluster:
         client = cluster.client()
         try:
             ours = run_job(client, sets)
-            overlap = overlap_in_trace(client.trace(ours["job_id"]))
+            return ours, overlap_in_trace(client.trace(ours["job_id"]))
         finally:
             client.close()
-    finally:
-        cluster.stop()
-    return ours, overlap
 
 
 def run_ddp(sets: list[str], bucket_cap_mb: float | None) -> tuple[list[float], list[float]]:

@@ -86,13 +86,14 @@ class _ProgramWalk:
         self.block_recompute = (t.recompute, t.recompute_layers)  # selective: inside the blocks
         self.sequence_parallel = p.sequence_parallel and p.tp > 1
         self.chunks = {c.index: c for c in chunks_of(partition(m.n_layers, p.pp, p.vpp, p.schedule, p.layers), pipeline_rank)}
+        sizes = {c: bucket_sizes(config, chunk) for c, chunk in self.chunks.items()}
         # Padded elements per bucket, and of all of a chunk's.
-        self.buckets = {c: [-(-n // p.dp) * p.dp for n in bucket_sizes(config, chunk)]
-                        for c, chunk in self.chunks.items()}
-        self.full = {c: sum(sizes) for c, sizes in self.buckets.items()}
-        # Per bucket, whether the backward may start it (common/buckets.py's starts_in_backward).
-        self.early = {c: [starts_in_backward(n, bucket_cap_bytes(p.bucket_mb), self.a)
-                          for n in bucket_sizes(config, chunk)] for c, chunk in self.chunks.items()}
+        self.buckets = {c: [-(-n // p.dp) * p.dp for n in ns] for c, ns in sizes.items()}
+        self.full = {c: sum(ns) for c, ns in self.buckets.items()}
+        # The buckets the backward may start (common/buckets.py's starts_in_backward), and the rest.
+        cap = bucket_cap_bytes(p.bucket_mb)
+        self.early = {c: [b for b, n in enumerate(ns) if starts_in_backward(n, cap, self.a)] for c, ns in sizes.items()}
+        self.late = {c: [b for b in range(len(ns)) if b not in self.early[c]] for c, ns in sizes.items()}
         self.overlap = p.overlap_grad_reduce
         self.overlapped: dict[int, int] = {}  # chunk -> microbatch of the B that starts its reductions
         self.shard = {c: n // p.dp for c, n in self.full.items()}
@@ -216,7 +217,7 @@ class _ProgramWalk:
         if not self.chunks[c].has_head:  # the output's gradient, handed over or received
             self.ledger.free("communication", self.hidden if c + 1 in self.chunks else self.message)
         if action.kind is Kind.BACKWARD and self.overlapped.get(c) == action.microbatch:
-            self._start_reductions(c, inside_backward=True)  # while its activations are held
+            self._start_reductions(c, self.early[c], inside_backward=True)  # while its activations are held
         self.ledger.free("activations", held)
         owed = self.weights_owed.get((c + 1, action.microbatch))
         if owed and owed[1]:  # this chunk's output, which the next chunk's W still reads
@@ -254,25 +255,20 @@ class _ProgramWalk:
         c = action.chunk
         for other in {e[0] for e in self.pending} - {c}:  # the executor waits the others' first
             self._finish(other)
-        if self.overlapped.get(c) is None:
-            self._start_reductions(c, inside_backward=False)
-        else:  # its last backward started the others
-            self._start_reductions(c, inside_backward=False, which=[not e for e in self.early[c]])
+        # Its last backward started all but the late ones, where it was armed.
+        left = self.late[c] if self.overlapped.get(c) is not None else range(len(self.buckets[c]))
+        self._start_reductions(c, left, inside_backward=False)
 
-    def _start_reductions(self, c: int, inside_backward: bool, which: list[bool] | None = None) -> None:
+    def _start_reductions(self, c: int, buckets, inside_backward: bool) -> None:
         """Each bucket's reduction started (sharded_bucket.py's reduce): in bf16 its fp32
         copy staged, and under ZeRO the reduce-scatter's output; at stages 2/3 the
         bucket's full-size gradient goes, at once where its fp32 copy is what travels and
         the reduction starts after the backward, else when the reduction is done. Inside
         the backward each bucket's start first finishes the bucket before it (the
-        executor's `_start_bucket`), in bucket order, the order the backward finishes them;
-        only those it may start (`early`). `which`: the buckets to start (default: all)."""
+        executor's `_start_bucket`), in bucket order, the order the backward finishes them.
+        `buckets`: the indices of those to start."""
         a, m = self.a, self.m
-        if inside_backward:
-            which = self.early[c]
-        for n, chosen in zip(self.buckets[c], which or [True] * len(self.buckets[c])):
-            if not chosen:
-                continue
+        for n in (self.buckets[c][b] for b in buckets):
             if inside_backward and self.pending and self.pending[-1][0] == c:
                 self._finish_entry(self.pending.pop())
             staged = m * n if self.separate else 0
@@ -283,8 +279,8 @@ class _ProgramWalk:
             if drops_now:
                 self.ledger.free("gradients", a * n)
             self.pending.append((c, staged, a * n if self.zero >= 2 and not drops_now else 0))
-        if self.separate and self.zero >= 2 and not inside_backward and which is None:
-            self.grads_held[c] = False
+        if self.separate and self.zero >= 2 and not inside_backward and len(buckets) == len(self.buckets[c]):
+            self.grads_held[c] = False  # every bucket's gradient dropped at its start
 
     def _finish(self, c: int) -> None:
         for entry in [e for e in self.pending if e[0] == c]:
