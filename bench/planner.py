@@ -155,7 +155,8 @@ def main() -> int:
         profile_seconds = time.monotonic() - profiling
         memory = cluster.memory_per_server
         slowdown = 1.0 if gpu else plan_command.host_slowdown(args.servers, cluster.threads, os.cpu_count() or 1)
-        planning = Cluster(args.servers, memory, servers_per_host=args.servers, compute_slowdown=slowdown)
+        planning = Cluster(args.servers, memory, servers_per_host=args.servers, compute_slowdown=slowdown,
+                           device_type="cuda" if gpu else "cpu")
         # as `interleaf plan` does: the top plans' chunk shapes timed on the servers, the search repeated
         timing = time.monotonic()
         servers = plan_command.ProfileServers(lambda: plan_command.given_servers(client, args.servers), args.servers,
@@ -186,7 +187,7 @@ def main() -> int:
             measured = min(medians)
             predicted = predicted_step(config, layout, profile, planning)
             job = apply(config, layout)
-            predicted_peak = max(p["peak_bytes"] for p in predict(job, programs_for(job)))
+            predicted_peak = max(p["peak_bytes"] for p in predict(job, programs_for(job), planning.device_type))
             measured_peak = min(peaks(r, args.device) for r in rounds[layout])
             runs.append({"layout": layout.describe(), "settings": settings(layout), "in_grid": layout in grid,
                          "planned": layout == plan, "default": layout == DEFAULT,

@@ -293,6 +293,7 @@ def _admit_locally(config, servers: int, device: str) -> None:
     """The coordinator's admission check, made before any local process starts: each
     local server would offer its GPU's memory, or its share of this machine's."""
     from interleaf.clients.launcher import local_devices, memory_per_local_server
+    from interleaf.common.model.compile_modes import device_type_of
     from interleaf.coordinator.admission import AdmissionError, check_fits, needed_bytes
     from interleaf.coordinator.plan import plan_programs
 
@@ -311,7 +312,8 @@ def _admit_locally(config, servers: int, device: str) -> None:
     programs, _ = plan_programs(config)
     share = memory_per_local_server(devices)
     try:
-        check_fits(needed_bytes(config, programs), [(f"local-{i}", share) for i in range(servers)])
+        check_fits(needed_bytes(config, programs, device_type_of(devices)),
+                   [(f"local-{i}", share) for i in range(servers)])
     except AdmissionError as err:
         raise UsageError(str(err)) from None
 

@@ -18,6 +18,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from interleaf.common.model.compile_modes import device_type_of
 from interleaf.coordinator.config import JobConfig
 from interleaf.coordinator.planner.costs import DeviceProfile
 from interleaf.coordinator.planner.search import Cluster, SearchReport, explain, search
@@ -44,7 +45,8 @@ def local_cluster(servers: int, device: str, memory_bytes: int | None = None) ->
     cores = os.cpu_count() or 1
     slowdown = host_slowdown(servers, max(1, cores // servers), cores) if devices[0] == "cpu" else 1.0
     memory = memory_bytes or memory_per_local_server(devices)
-    return Cluster(servers, memory, servers_per_host=servers, compute_slowdown=slowdown), device_kind(devices[0])
+    return Cluster(servers, memory, servers_per_host=servers, compute_slowdown=slowdown,
+                   device_type=device_type_of(devices)), device_kind(devices[0])
 
 
 def device_kind(device: str) -> str:
@@ -68,7 +70,8 @@ def remote_cluster(servers) -> tuple[Cluster, str]:
     hosts: dict[str, int] = {}
     for s in idle:
         hosts[s.host] = hosts.get(s.host, 0) + 1
-    return Cluster(len(idle), min(s.memory_bytes for s in idle), servers_per_host=max(hosts.values())), kinds[0]
+    return Cluster(len(idle), min(s.memory_bytes for s in idle), servers_per_host=max(hosts.values()),
+                   device_type=kinds[0]), kinds[0]
 
 
 def obtain_profile(config: JobConfig, device: str, *, measure_on: Callable | None, profile_path: str | None = None,
@@ -244,7 +247,8 @@ def plan_described(config: JobConfig, servers: int, memory_bytes: int | None, se
     except ValueError as err:
         raise PlanError(f"--device {device}: {err}") from None
     local_memory = memory_per_local_server(devices)
-    cluster = Cluster(servers, memory_bytes or local_memory, servers_per_host=servers_per_host or min(servers, 8))
+    cluster = Cluster(servers, memory_bytes or local_memory, servers_per_host=servers_per_host or min(servers, 8),
+                      device_type=device_type_of(devices))
     local = None if profile_path else ProfileServers(lambda: local_servers(len(devices), device), len(devices),
                                                      local_memory)
     profile = obtain_profile(config, device_kind(devices[0]), profile_path=profile_path, log=log,

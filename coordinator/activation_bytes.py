@@ -47,6 +47,10 @@ b*s*(V/t)*f, with the final norm's output and the targets: for the 8x2048 tokens
 67,108,864 + 206,045,184.) The transient of one chunk's logits in the forward, bounded
 by fused_loss.CHUNK_BYTES, is not counted, as no forward temporary is.
 
+Blocks compiled by train.compile keep what inductor's partitioner chooses, counted by
+compiled_block_bytes (and compiled_selective_block_bytes): for gpt2 the same, for llama
+and for float8 blocks less; the embedding, final norm and head stay eager.
+
 A split backward (zero-bubble schedules) frees these at its input-gradient half I and
 keeps until its weight-gradient half W only what the parameter gradients are computed
 from: `weight_grad_bytes`, documented there.
@@ -118,6 +122,69 @@ def block_activation_bytes(model, rows: int, tp: int, precision: str, sequence_p
     return norms + attention + mlp
 
 
+def compiled_block_bytes(model, rows: int, tp: int, precision: str, sequence_parallel: bool = False,
+                         fp8_recipe: str = "tensorwise") -> int:
+    """What one block compiled by train.compile (stageserver/model/compiled.py) saves for
+    its backward, on one tp rank: what inductor's partitioner keeps, which recomputes
+    in the backward whatever is cheap elementwise work on a kept tensor, measured tensor
+    by tensor on torch 2.13's CPU kernels (tests/test_compiled_activation_bytes.py) and
+    matching the GPU's ledger (docs/gpus.md). Per block:
+      gpt2    as eager (block_activation_bytes): inductor keeps the same tensors
+      llama   4*b*s_local*d*a                 the residual stream twice (the norms'
+                                               inputs, in the compute dtype: no float32
+                                               copy) and both norms' outputs
+            + 2*b*s_local*f                   the two reciprocal rms
+            + 4*b*s*d*a/t + b*(h/t)*s*f       q, k, v, the attention output, the logsumexp
+            + 3*b*s*F*a/t                     gate and up outputs, SiLU(gate)*up (down's
+                                               input); SiLU itself and the rotary tables
+                                               are recomputed
+    float8 (train.precision="fp8", tp=1 only; a=2, f=4): the norms' outputs and the MLP's
+    activation are recomputed too (their float8 casts are, anyway):
+      gpt2    6*b*s*d*a + 4*b*s*f + b*h*s*f   residual stream twice, q/k/v, attention
+            + b*s*F*a                         output; LayerNorm statistics (float32); up
+      llama   6*b*s*d*a + 2*b*s*f + b*h*s*f   likewise, the reciprocal rms
+            + 2*b*s*F*a                       gate and up
+    plus, with the tensorwise recipe, one compute-dtype scalar per linear (4 in a gpt2
+    block, 7 in a llama one), the scale its backward reads."""
+    a, f = _dtype_bytes(precision)
+    s, d = model.seq_len, model.d_model
+    bs = rows * s
+    local = _local_tokens(rows, s, tp, sequence_parallel)
+    ffn = model.ffn_hidden // tp
+    attention = 4 * bs * d // tp * a + rows * (model.n_heads // tp) * s * f  # q, k, v, output; logsumexp
+    if precision == "fp8":
+        linears = 4 if model.arch == "gpt2" else 7
+        scales = linears * a if fp8_recipe == "tensorwise" else 0
+        if model.arch == "gpt2":
+            return 2 * bs * d * a + attention + 4 * bs * f + bs * ffn * a + scales
+        return 2 * bs * d * a + attention + 2 * bs * f + 2 * bs * ffn * a + scales
+    if model.arch == "gpt2":
+        return block_activation_bytes(model, rows, tp, precision, sequence_parallel)
+    return 4 * local * d * a + 2 * local * f + attention + 3 * bs * ffn * a
+
+
+def compiled_selective_block_bytes(model, rows: int, tp: int, precision: str, sequence_parallel: bool = False) -> int:
+    """What one compiled block keeps under selective recompute, on one tp rank. The
+    policy (stageserver/model/recompute.py) sees the compiled graph's calls, not its
+    operations: attention is an operation it saves, but the matrix products inside the
+    graph are inductor's own calls into their kernels, which it does not. So the
+    backward reruns those products, and a block keeps selective_block_bytes less the
+    products the policy would have saved: its input, the attention output and
+    logsumexp, and what its Tape records, which is the same as eager - with tp > 1 the
+    two row-parallel outputs, and under sequence parallelism the column-parallel products
+    too (then all of selective_block_bytes):
+      b*s_local*d*a + b*s*d*a/t + b*(h/t)*s*f    the input, attention output, logsumexp
+      + 2*b*s_local*d*a                          proj and down, after g (tp > 1)
+      + the column-parallel outputs              (sequence parallel)"""
+    if sequence_parallel and tp > 1:
+        return selective_block_bytes(model, rows, tp, precision, sequence_parallel)
+    a, f = _dtype_bytes(precision)
+    s, d = model.seq_len, model.d_model
+    local = _local_tokens(rows, s, tp, sequence_parallel)
+    tape = 2 * local * d * a if tp > 1 else 0
+    return local * d * a + rows * s * d // tp * a + rows * (model.n_heads // tp) * s * f + tape
+
+
 def selective_block_bytes(model, rows: int, tp: int, precision: str, sequence_parallel: bool = False) -> int:
     """What one block keeps under selective recompute (stageserver/model/recompute.py),
     on one tp rank: its input, the outputs of its column-parallel matrix products and of
@@ -148,33 +215,41 @@ def selective_block_bytes(model, rows: int, tp: int, precision: str, sequence_pa
     return local * d * a + columns + rows_out + attention
 
 
-def _blocks_bytes(model, modes: list[str], rows: int, tp: int, precision: str, sequence_parallel: bool) -> int:
-    """The blocks of a chunk, each as its recompute mode keeps it (recompute.block_modes)."""
+def _blocks_bytes(model, modes: list[str], rows: int, tp: int, precision: str, sequence_parallel: bool,
+                  compiled: bool, fp8_recipe: str) -> int:
+    """The blocks of a chunk, each as its recompute mode keeps it (recompute.block_modes),
+    compiled or eager."""
     a, _ = _dtype_bytes(precision)
-    kept = {
-        "none": lambda: block_activation_bytes(model, rows, tp, precision, sequence_parallel),
-        "selective": lambda: selective_block_bytes(model, rows, tp, precision, sequence_parallel),
-        "full": lambda: _local_tokens(rows, model.seq_len, tp, sequence_parallel) * model.d_model * a,  # input only
-    }
-    return sum(kept[mode]() for mode in modes)
+    if compiled:
+        plain = compiled_block_bytes(model, rows, tp, precision, sequence_parallel, fp8_recipe)
+        selective = compiled_selective_block_bytes(model, rows, tp, precision, sequence_parallel)
+    else:
+        plain = block_activation_bytes(model, rows, tp, precision, sequence_parallel)
+        selective = selective_block_bytes(model, rows, tp, precision, sequence_parallel)
+    kept = {"none": plain, "selective": selective,
+            "full": _local_tokens(rows, model.seq_len, tp, sequence_parallel) * model.d_model * a}  # input only
+    return sum(kept[mode] for mode in modes)
 
 
 def chunk_activation_bytes(
     model, layers: int, has_embedding: bool, has_head: bool, rows: int, tp: int, precision: str,
-    sequence_parallel: bool = False, block_modes: list[str] | None = None,
+    sequence_parallel: bool = False, block_modes: list[str] | None = None, compiled: bool = False,
+    fp8_recipe: str = "tensorwise",
 ) -> int:
     """Bytes one tp rank keeps from a chunk's forward of `rows` samples of model.seq_len
     tokens until its backward (recompute=none, or per block `block_modes`, one of
     common/model/recompute_modes.py's block_modes), counting the chunk's input and
-    output; `model` has ModelShape's fields. Also the transient peak of saved
-    activations while recompute=full reruns the forward in the backward."""
+    output; `model` has ModelShape's fields; `compiled`: its blocks run through
+    torch.compile (train.compile), the embedding, final norm and head eager. Also the
+    transient peak of saved activations while recompute=full reruns the forward in the
+    backward."""
     a, f = _dtype_bytes(precision)
     s, d = model.seq_len, model.d_model
     bs = rows * s
     local = _local_tokens(rows, s, tp, sequence_parallel)
     norm_input, norm_own = _norm_bytes(model.arch, local, d, a, f)
     modes = block_modes or ["none"] * layers
-    total = _blocks_bytes(model, modes, rows, tp, precision, sequence_parallel)
+    total = _blocks_bytes(model, modes, rows, tp, precision, sequence_parallel, compiled, fp8_recipe)
     if has_embedding:
         total += (
             token_window_bytes(s, rows)  # x: the token ids, a view of the window
@@ -182,8 +257,10 @@ def chunk_activation_bytes(
             + bs * _BOOL  # which ids are outside that slice (masked_fill's mask)
             + (local // rows * _INT64 if model.arch == "gpt2" else 0)  # this rank's positions (wpe's indices)
         )
-    elif norm_input != local * d * a and modes[0] == "none":  # a recomputed block keeps its input
-        total += local * d * a  # x, the input: the first norm keeps only its float32 copy
+    elif norm_input != local * d * a and modes[0] == "none" and not compiled:
+        # x, the input, which the first eager block's norm keeps only as its float32 copy
+        # (a recomputed or compiled block keeps the input itself, counted with the block)
+        total += local * d * a
     if has_head:
         total += (
             norm_input + norm_own  # ln_f: its input is the last hidden states

@@ -19,10 +19,12 @@ class AdmissionError(ConfigError):
     needed and the bytes available."""
 
 
-def needed_bytes(config: JobConfig, programs: list[list[Action]]) -> list[int]:
-    """Bytes each rank needs (by rank): its predicted peak plus the runtime reserve."""
+def needed_bytes(config: JobConfig, programs: list[list[Action]], device_type: str = "cpu") -> list[int]:
+    """Bytes each rank needs (by rank) on servers of `device_type`: its predicted peak
+    plus the runtime reserve."""
     p = config.parallel
-    per_stage = [prediction["peak_bytes"] + RUNTIME_RESERVE_BYTES for prediction in predict(config, programs)]
+    per_stage = [prediction["peak_bytes"] + RUNTIME_RESERVE_BYTES
+                 for prediction in predict(config, programs, device_type)]
     grid = RankGrid(p.dp, p.pp, p.tp)
     return [per_stage[grid.coord(rank).pp] for rank in range(grid.world_size)]
 

@@ -21,7 +21,7 @@ from functools import partial
 
 import grpc
 
-from interleaf.common.model.compile_modes import compiles
+from interleaf.common.model.compile_modes import compiles, device_type_of
 from interleaf.coordinator.job_logs import start_job_logs
 from interleaf.coordinator.jobs import JobRecord
 from interleaf.coordinator.admission import needed_bytes
@@ -309,7 +309,8 @@ class JobDriver(threading.Thread):
             planned.append(programs or plan_programs(config))
             options.append(config)
             programs = planned[-1][0]
-            choices.append(partial(place_servers, config, need_bytes=max(needed_bytes(config, programs))))
+            choices.append(partial(place_servers, config,
+                                   need_bytes=max(needed_bytes(config, programs, self._device_type()))))
 
         def choose(idle):
             for index, place in enumerate(choices):
@@ -366,7 +367,7 @@ class JobDriver(threading.Thread):
         if job.cancel_requested.is_set() or not grows_back(job.config, self.config, step):
             return None
         if not self._submitted_need:  # predicted once: a shrunk job asks at every boundary
-            self._submitted_need = max(needed_bytes(job.config, self._submitted_programs()[0]))
+            self._submitted_need = max(needed_bytes(job.config, self._submitted_programs()[0], self._device_type()))
         choose = partial(place_servers, job.config, need_bytes=self._submitted_need)
         slots = self.registry.claim(job.job_id, choose, timeout_s=0.0, own=True)
         if slots is None:
@@ -542,6 +543,11 @@ class JobDriver(threading.Thread):
         if step == self.first_step and self._compiles():
             deadline += recovery.compile_timeout_s
         return deadline
+
+    def _device_type(self) -> str:
+        """The device type the registered servers share ("cpu" where they differ), for
+        the memory model: whether train.compile="auto" compiles the blocks there."""
+        return device_type_of([s.device for s in self.registry.servers()])
 
     def _compiles(self) -> bool:
         """Whether any server of the current plan compiles its blocks (as it decides:

@@ -37,6 +37,7 @@ from __future__ import annotations
 from interleaf.common.buckets import BucketLayout, bucket_cap_bytes, chunk_buckets, clip_segments, starts_in_backward
 from interleaf.common.overlapped_reductions import overlapped_reductions
 from interleaf.common.memory import MemoryLedger
+from interleaf.common.model.compile_modes import compiles
 from interleaf.common.model.config import shape_of
 from interleaf.common.model.params import TIED
 from interleaf.common.model.recompute_modes import block_modes
@@ -78,8 +79,9 @@ class _ProgramWalk:
     the allocations and releases it makes entered in a ledger: one handler per action
     kind, as the executor has."""
 
-    def __init__(self, config: JobConfig, pipeline_rank: int):
+    def __init__(self, config: JobConfig, pipeline_rank: int, compiled: bool = False):
         p, t, m = config.parallel, config.train, config.model
+        self.compiled, self.fp8_recipe = compiled, t.fp8_recipe
         self.a, self.m = PRECISION_BYTES[t.precision], MASTER_BYTES[t.precision]
         self.zero, self.dp, self.tp, self.model, self.precision = p.zero, p.dp, p.tp, m, t.precision
         self.recompute = t.recompute == "full"
@@ -146,7 +148,8 @@ class _ProgramWalk:
         chunk = self.chunks[c]
         full = chunk_activation_bytes(self.model, len(chunk.layers), chunk.has_embedding, chunk.has_head,
                                       self.rows, self.tp, self.precision, self.sequence_parallel,
-                                      block_modes(chunk.layers, *self.block_recompute))
+                                      block_modes(chunk.layers, *self.block_recompute), self.compiled,
+                                      self.fp8_recipe)
         if self.recompute:
             return chunk_input_bytes(self.model, chunk.has_embedding, self.rows, self.precision, self.tp,
                                      self.sequence_parallel), full
@@ -353,12 +356,17 @@ def partial_grad_elements(config: JobConfig, pipeline_rank: int, dp_rank: int = 
     return count
 
 
-def predict_rank(config: JobConfig, program: list[Action], pipeline_rank: int) -> dict[str, int]:
+def predict_rank(config: JobConfig, program: list[Action], pipeline_rank: int, compiled: bool = False) -> dict[str, int]:
     """The ledger figures of any rank at this pipeline rank (dp and tp replicas hold
-    equal shards), for a step after the first."""
-    return _ProgramWalk(config, pipeline_rank).run(program)
+    equal shards), for a step after the first; `compiled`: its servers run the blocks
+    through torch.compile (train.compile)."""
+    return _ProgramWalk(config, pipeline_rank, compiled).run(program)
 
 
-def predict(config: JobConfig, programs: list[list[Action]]) -> list[dict[str, int]]:
-    """One prediction per pipeline rank (index = pipeline rank)."""
-    return [predict_rank(config, program, rank) for rank, program in enumerate(programs)]
+def predict(config: JobConfig, programs: list[list[Action]], device_type: str = "cpu") -> list[dict[str, int]]:
+    """One prediction per pipeline rank (index = pipeline rank), for servers on
+    `device_type` ("cpu", "cuda"), which decides whether train.compile="auto" compiles
+    their blocks: compiled blocks keep less for their backward (activation_bytes.py)."""
+    splits = any(a.kind is Kind.BACKWARD_INPUT for program in programs for a in program)
+    compiled = compiles(str(config.train.compile), device_type, splits)
+    return [predict_rank(config, program, rank, compiled) for rank, program in enumerate(programs)]

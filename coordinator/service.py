@@ -11,6 +11,7 @@ import grpc
 from interleaf.common import wire
 from interleaf.common.data.vocab_check import check_eval_source, check_vocab
 from interleaf.common.limits import shown
+from interleaf.common.model.compile_modes import device_type_of
 from interleaf.coordinator.admission import check_fits, needed_bytes
 from interleaf.coordinator.checkpoints import CheckpointError, find
 from interleaf.coordinator.config import load_config
@@ -147,10 +148,11 @@ class CoordinatorService(rpc.CoordinatorServicer):
         """Refuses a job the registered servers cannot hold (AdmissionError). With too
         few servers registered yet, the job waits and the driver places it on servers
         with memory enough."""
-        alive = [(e.address, e.memory_bytes) for e in self.registry.servers() if e.alive]
-        if len(alive) >= config.parallel.world_size:
+        servers = [e for e in self.registry.servers() if e.alive]
+        if len(servers) >= config.parallel.world_size:
             programs, _ = plan_programs(config)
-            check_fits(needed_bytes(config, programs), alive)
+            device_type = device_type_of([e.device for e in servers])
+            check_fits(needed_bytes(config, programs, device_type), [(e.address, e.memory_bytes) for e in servers])
 
     def _job(self, job_id: str, context):
         record = self.jobs.get(job_id)

@@ -49,14 +49,20 @@ def _relative(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got.double() - want.double()).abs().max() / want.double().abs().max()).item()
 
 
+# Compiled (train.compile): each chunk's softmax arithmetic through inductor; fewer
+# shapes, each compiling its kernels (padded vocabularies, chunks that do not divide).
+CASES = [(shape, False) for shape in SHAPES] + [(shape, True) for shape in SHAPES[1::2]]
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("shape", SHAPES, ids=str)
-def test_matches_linear_then_cross_entropy(shape, dtype):
+@pytest.mark.parametrize("shape,compiled", CASES, ids=lambda c: "compiled" if c is True else "eager" if c is False else str(c))
+def test_matches_linear_then_cross_entropy(shape, compiled, dtype):
     b, s, d, rows, vocab, step = shape
     x, weight, targets, scale = _case(b, s, d, rows, vocab)
     want = _reference(x, weight, targets, scale, vocab, dtype)
     xs, ws = x.to(dtype).requires_grad_(), weight.to(dtype).requires_grad_()
-    loss = fused_linear_cross_entropy(xs, ws, targets, SoloTransport(), vocab, tokens_per_chunk=step)
+    loss = fused_linear_cross_entropy(xs, ws, targets, SoloTransport(), vocab, tokens_per_chunk=step,
+                                      compiled=compiled)
     (loss * scale.to(loss.dtype)).backward()
     assert loss.dtype == fused_loss.softmax_dtype(dtype) and xs.grad.dtype == ws.grad.dtype == dtype
     loss_tol, grad_tol = TOL[dtype]
@@ -66,11 +72,13 @@ def test_matches_linear_then_cross_entropy(shape, dtype):
     assert not ws.grad[vocab:].any()  # padding rows never enter the softmax
 
 
-def test_no_grad_computes_the_loss_only():
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_no_grad_computes_the_loss_only(compiled):
     x, weight, targets, _ = _case(2, 6, 8, 24, 20)
     x.requires_grad_()
     with torch.no_grad():
-        loss = fused_linear_cross_entropy(x, weight, targets, SoloTransport(), 20, tokens_per_chunk=5)
+        loss = fused_linear_cross_entropy(x, weight, targets, SoloTransport(), 20, tokens_per_chunk=5,
+                                          compiled=compiled)
     assert loss.grad_fn is None
     assert _relative(loss, _reference(x.detach(), weight, targets, torch.tensor(1.0), 20, torch.float64)[0]) <= 1e-12
 
@@ -102,25 +110,29 @@ def test_kept_for_the_backward_does_not_scale_with_tokens_times_vocab():
     loss.backward()
 
 
-def _rank(rank: int, tp, case: tuple, vocab: int, step: int, sequence_parallel: bool) -> dict:
+def _rank(rank: int, tp, case: tuple, vocab: int, step: int, sequence_parallel: bool, compiled: bool) -> dict:
     x, weight, targets, scale = case
     x = x.chunk(tp.size, dim=1)[rank] if sequence_parallel else x  # this rank's tokens
     x, w = x.detach().clone().requires_grad_(), tp_shard(weight, 0, tp).clone().requires_grad_()
-    loss = fused_linear_cross_entropy(x, w, targets, tp, vocab, sequence_parallel, tokens_per_chunk=step)
+    loss = fused_linear_cross_entropy(x, w, targets, tp, vocab, sequence_parallel, tokens_per_chunk=step,
+                                      compiled=compiled)
     (loss * scale).backward()
     with torch.no_grad():
-        evaluated = fused_linear_cross_entropy(x, w, targets, tp, vocab, sequence_parallel, tokens_per_chunk=step)
+        evaluated = fused_linear_cross_entropy(x, w, targets, tp, vocab, sequence_parallel, tokens_per_chunk=step,
+                                               compiled=compiled)
     return {"loss": loss.detach(), "evaluated": evaluated, "x": x.grad, "weight": w.grad}
 
 
-@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "sequence-parallel"])
-def test_tp2_matches_the_unsharded_op(sequence_parallel):
+@pytest.mark.parametrize("sequence_parallel,compiled", [(False, False), (True, False), (True, True)],
+                         ids=["tp", "sequence-parallel", "sequence-parallel-compiled"])
+def test_tp2_matches_the_unsharded_op(sequence_parallel, compiled):
     """fp64 on a two-rank gloo group, a padded vocabulary (60 rows, 50 ids: rank 1's
     slice is partly padding) and chunks of 5 of 16 tokens: the loss on both ranks, each
-    rank's rows of grad_W and (sequence parallel: its tokens of) the summed grad_x."""
+    rank's rows of grad_W and (sequence parallel: its tokens of) the summed grad_x;
+    compiled, the collectives between the compiled kernels."""
     case = _case(2, 8, 12, 60, 50)
     loss, grad_x, grad_w = _reference(*case, 50, torch.float64)
-    results = run_world(_rank, 2, case, 50, 5, sequence_parallel)
+    results = run_world(_rank, 2, case, 50, 5, sequence_parallel, compiled)
     for rank, got in enumerate(results):
         assert _relative(got["loss"], loss) <= 1e-12 and _relative(got["evaluated"], loss) <= 1e-12
         assert _relative(got["weight"], grad_w.chunk(2, 0)[rank]) <= 1e-12
@@ -149,3 +161,18 @@ def test_model_matches_the_unfused_head(arch, tied):
     assert _relative(loss, want) <= 1e-12
     for (name, p), q in zip(fused.named_parameters(), plain.parameters(), strict=True):
         assert _relative(p.grad, q.grad) <= 1e-12, name
+
+
+def test_compiled_runs_the_softmax_arithmetic_as_three_graphs():
+    """The row maxima, the target logits with the sums, and the gradient: three graphs
+    without a break, the matrix products and collectives between them eager."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    x, weight, targets, scale = _case(2, 8, 16, 40, 33)
+    x, weight = x.float().requires_grad_(), weight.float().requires_grad_()
+    loss = fused_linear_cross_entropy(x, weight, targets, SoloTransport(), 33, tokens_per_chunk=8, compiled=True)
+    (loss * scale.float()).backward()
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 3
+    assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])

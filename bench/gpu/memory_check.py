@@ -4,8 +4,8 @@ torch.cuda.max_memory_allocated over each step, and the server's own ledger peak
 
 Cases (bf16, one stage server, pp=1, 4 microbatches of 8 samples of 2048 tokens):
 - gpt2-1.1b: bench/gpu/train.py's model (20 layers, d_model 2048), eager and compiled
-  (train.compile: inductor's graphs keep other tensors than eager autograd does, and the
-  model predicts eager's);
+  (train.compile: the model predicts what inductor's graphs keep, coordinator/
+  activation_bytes.py's compiled_block_bytes);
 - gpt2-2.7b-full: 32 layers, d_model 2560, 32 heads, full recompute, the case admission
   refused on an 80 GB H100 (83.3 GiB predicted against 79.2 GiB). Run where the GPU
   holds the prediction (an H200), it says whether the refusal was right.
@@ -59,17 +59,18 @@ TINY_CASES = {
 }
 
 
-def predicted_peak(overrides: list[str]) -> int:
-    """The memory model's peak for the job these overrides make (pipeline rank 0: pp=1)."""
+def predicted_peak(overrides: list[str], device_type: str) -> int:
+    """The memory model's peak for the job these overrides make on servers of
+    `device_type` (pipeline rank 0: pp=1)."""
     config = load_config("", overrides)
     programs, _ = plan_programs(config)
-    return predict(config, programs)[0]["peak_bytes"]
+    return predict(config, programs, device_type)[0]["peak_bytes"]
 
 
 def compared(name: str, overrides: list[str], run: dict, gpu: bool) -> dict:
     """A finished run's measured peak (the steps after the first, which the model
     predicts) beside the prediction for its overrides."""
-    predicted = predicted_peak(overrides)
+    predicted = predicted_peak(overrides, "cuda" if gpu else "cpu")
     after_first = [rank for step in run["memory"][1:] for rank in step]
     measured = max(r["device_peak_bytes" if gpu else "peak_bytes"] for r in after_first)
     return {"case": name, "overrides": overrides, "predicted_peak_bytes": predicted, "measured_peak_bytes": measured,

@@ -21,3 +21,12 @@ def compiles(setting: str, device_type: str, splits_backward: bool) -> bool:
     if setting == "off" or splits_backward:
         return False
     return setting == "on" or device_type == "cuda"
+
+
+def device_type_of(devices: list[str]) -> str:
+    """The device type servers on `devices` ("cuda:0", "cpu", or a profile's device kind,
+    "cuda (NVIDIA H100 80GB HBM3)") share, for what
+    train.compile="auto" does on them: "cuda" where every one is a GPU, else "cpu", on
+    which nothing compiles by default and the memory model predicts the eager blocks'
+    larger bytes (so admission errs toward refusing, never toward running out)."""
+    return "cuda" if devices and all(d.startswith("cuda") for d in devices) else "cpu"

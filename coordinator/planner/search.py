@@ -48,6 +48,9 @@ class Cluster:
     compute_slowdown: float = 1.0
     """How much slower a server computes when its host's servers all compute at once
     (more threads than cores: local servers on a small machine)."""
+    device_type: str = "cpu"
+    """What the servers compute on, "cpu" or "cuda": whether train.compile="auto"
+    compiles their blocks, which then keep less for the backward (the memory model)."""
 
 
 @dataclass(frozen=True)
@@ -178,7 +181,7 @@ def search(config: JobConfig, cluster: Cluster, profile: DeviceProfile, top: int
         if key not in programs_cache:  # the programs depend on dp only through dp > 1
             programs_cache[key] = programs_for(cfg)
         programs = programs_cache[key]
-        peaks = [prediction["peak_bytes"] for prediction in predict(cfg, programs)]
+        peaks = [prediction["peak_bytes"] for prediction in predict(cfg, programs, cluster.device_type)]
         if max(peaks) + RUNTIME_RESERVE_BYTES > cluster.memory_bytes:
             report.refused_by_memory += 1
             refused_sizes.append((max(peaks) + RUNTIME_RESERVE_BYTES, layout.describe()))

@@ -93,6 +93,7 @@ class ModelChunk(nn.Module):
         self.has_head = has_head
         self.tp = tp
         self.recompute = recompute  # which blocks keep what for the backward (recompute.py)
+        self.compiled_loss = False  # the loss's arithmetic through inductor (compiled.py, fused_loss.py)
         self.sequence_parallel = sequence_parallel and tp.size > 1
         self.rows = config.padded_vocab(tp.size)
         if has_embedding or (has_head and config.tie_embeddings):
@@ -169,7 +170,8 @@ class ModelChunk(nn.Module):
         # keep its input and output gradient: both computed in I (weight_grads.at_once).
         with at_once():
             return fused_linear_cross_entropy(self.ln_f(x), self.head_weight(), targets, self.tp,
-                                              self.config.vocab_size, self.sequence_parallel)
+                                              self.config.vocab_size, self.sequence_parallel,
+                                              compiled=self.compiled_loss)
 
 
 def next_token_logits(model: ModelChunk, tokens: torch.Tensor,

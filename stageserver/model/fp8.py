@@ -7,9 +7,10 @@ The weights, their gradients, the master copy and the optimizer stay as bf16 run
 them; only the products' operands are cast, dynamically, so there is no scale history
 to checkpoint or shard, and ZeRO, pipelining and recompute see bf16 tensors. Eager, a
 linear saves its bf16 input and weight for its backward, as under bf16 (the memory
-model's bytes); compiled (train.compile), inductor may save the float8 copies instead,
-and the model then over-predicts (docs/gpus.md, "Memory: predicted against measured"). The embedding, the final norm and the head stay bf16, as torchtitan
-leaves the output projection out of float8.
+model's bytes); compiled (train.compile), inductor keeps fewer of them and recomputes the
+rest, casts included (coordinator/activation_bytes.py, compiled_block_bytes). The
+embedding, the final norm and the head stay bf16, as torchtitan leaves the output
+projection out of float8.
 
 Recipes (train.fp8_recipe): tensorwise, one scale per tensor (fastest); rowwise, one
 per row of each operand (more accurate for outliers). On a GPU the products need float8

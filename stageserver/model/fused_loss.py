@@ -36,6 +36,15 @@ partial sum over its vocabulary slice, all-reduced in the backward as copy_to_tp
 or under sequence parallelism reduce-scattered back to this rank's tokens, the input
 having been gathered in the forward as sequence_parallel.gathered_linears does.
 
+Compiled (train.compile, `compiled=True`): a chunk's softmax arithmetic - the upcast,
+the mask, the max, the exponentials and their sum, the gradient and its cast back - runs
+as three inductor kernels that each read the chunk's logits in the compute dtype (the
+row maxima; the target logits and sums of exponentials; the gradient, written in the
+compute dtype), with the tensor group's two collectives between them, where eager runs
+about ten operations over a float32 copy of the chunk. The same arithmetic in the same
+order, so the same loss and gradients to rounding; in bf16 no float32 [chunk x V/t]
+tensor exists at all.
+
 The head's parameter gradient is never deferred to a split backward's W (the chunk runs
 this under weight_grads.at_once): it is made in the forward and returned by the
 backward, into the head's .grad (the tied embedding's sums with the first chunk's wte's
@@ -44,6 +53,8 @@ computed.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -82,12 +93,64 @@ def chunk_tokens(local_vocab: int, dtype: torch.dtype) -> int:
     return max(1, fitting - fitting % ROWS_ALIGN if fitting >= ROWS_ALIGN else fitting)
 
 
+def _row_max(logits: torch.Tensor, start: int, vocab_size: int) -> torch.Tensor:
+    """Each row's largest logit over this slice's real columns, in the softmax dtype."""
+    return upcast_masked(logits, start, vocab_size).amax(dim=1)
+
+
+def _target_and_sum(logits: torch.Tensor, row_max: torch.Tensor, local_targets: torch.Tensor,
+                    outside: torch.Tensor, start: int, vocab_size: int) -> torch.Tensor:
+    """[2, n]: each row's target logit less the row max (0 where the target lies in
+    another rank's slice) and its sum of exp(logit - row max), as exp_and_sums makes them."""
+    shifted = upcast_masked(logits, start, vocab_size) - row_max.unsqueeze(1)
+    predicted = shifted.gather(1, local_targets.unsqueeze(1)).squeeze(1).masked_fill(outside, 0.0)
+    return torch.stack([predicted, shifted.exp().sum(dim=1)])
+
+
+def _loss_gradient(logits: torch.Tensor, row_max: torch.Tensor, sum_exp: torch.Tensor, local_targets: torch.Tensor,
+                   outside: torch.Tensor, scale: torch.Tensor, start: int, vocab_size: int) -> torch.Tensor:
+    """(softmax - onehot) * scale in the logits' dtype: the eager path's minus_onehot_
+    and scaling, in the same order."""
+    softmax = (upcast_masked(logits, start, vocab_size) - row_max.unsqueeze(1)).exp() / sum_exp.unsqueeze(1)
+    onehot = (outside.to(softmax.dtype) - 1.0).unsqueeze(1)
+    return (softmax.scatter_add(1, local_targets.unsqueeze(1), onehot) * scale).to(logits.dtype)
+
+
+@functools.cache
+def _compiled(fn):
+    """`fn` through torch.compile, once per process (static shapes: a step has two chunk
+    lengths at most, the full one and the remainder)."""
+    return torch.compile(fn, dynamic=False)
+
+
+def _chunk_compiled(logits: torch.Tensor, targets: torch.Tensor, start: int, vocab_size: int, tp: Transport,
+                    scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(per-token loss, gradient of the logits times `scale`, or None without a scale)
+    of one chunk of logits [n, V/t] in the compute dtype, through the compiled kernels."""
+    n, local_vocab = logits.shape
+    maxima = logits.new_empty(tp.size * n, dtype=softmax_dtype(logits.dtype))
+    tp.all_gather(maxima, _compiled(_row_max)(logits, start, vocab_size))
+    row_max = maxima.view(tp.size, n).max(dim=0).values  # the unsharded row's, as exp_and_sums takes it
+    outside = (targets < start) | (targets >= start + local_vocab)
+    local_targets = (targets - start).masked_fill(outside, 0)
+    sums = _compiled(_target_and_sum)(logits, row_max, local_targets, outside, start, vocab_size)
+    tp.all_reduce(sums)
+    target_logit, sum_exp = sums
+    per_token = sum_exp.log() - target_logit
+    if scale is None:
+        return per_token, None
+    return per_token, _compiled(_loss_gradient)(logits, row_max, sum_exp, local_targets, outside, scale, start,
+                                                vocab_size)
+
+
 def head_loss(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, tp: Transport, vocab_size: int,
-              step: int, with_grads: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+              step: int, with_grads: bool, compiled: bool = False
+              ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """(mean cross-entropy, grad_x, grad_W) of F.linear(x, weight) over every token of x
     [n, d] with targets [n] (global ids), `step` tokens at a time; weight [V/t, d] is
     this rank's vocabulary slice, ids from `vocab_size` on padding. The gradients (of
-    the mean, in x's dtype; grad_x this rank's partial sum) only `with_grads`, else None."""
+    the mean, in x's dtype; grad_x this rank's partial sum) only `with_grads`, else None.
+    `compiled`: each chunk's softmax arithmetic through inductor's kernels."""
     n = x.size(0)
     if targets.numel() != n:
         raise ValueError(f"targets hold {targets.numel()} tokens but the hidden states hold {n}")
@@ -97,8 +160,15 @@ def head_loss(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, tp: 
     # grad_W is summed over the chunks in float32 at least: each chunk's product is
     # rounded to the compute dtype once, as autograd's one product over all tokens is.
     grad_w = weight.new_zeros(weight.shape, dtype=softmax_dtype(weight.dtype)) if with_grads else None
+    scale = torch.tensor(1.0 / n, dtype=per_token.dtype, device=x.device) if with_grads else None
     for lo in range(0, n, step):
         x_c, t_c = x[lo:lo + step], targets[lo:lo + step]
+        if compiled:
+            per_token[lo:lo + step], grad = _chunk_compiled(F.linear(x_c, weight), t_c, start, vocab_size, tp, scale)
+            if grad_x is not None and grad_w is not None and grad is not None:
+                torch.mm(grad, weight, out=grad_x[lo:lo + step])
+                grad_w.add_(grad.t().mm(x_c))
+            continue
         # One [chunk x V/t] float32 (float64) tensor carries the logits through exp,
         # the softmax and the gradient, in place: upcast_masked's copy, or the matmul's
         # own output where that is float32 or wider and unpadded.
@@ -120,10 +190,10 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, tp: Transport,
-                vocab_size: int, sequence_parallel: bool, step: int) -> torch.Tensor:
+                vocab_size: int, sequence_parallel: bool, step: int, compiled: bool) -> torch.Tensor:
         whole = sp.gather(x, tp) if sequence_parallel else x  # a temporary: grad_x is what is kept
         loss, grad_x, grad_w = head_loss(whole.reshape(-1, whole.size(-1)), weight, targets.reshape(-1), tp,
-                                         vocab_size, step, with_grads=True)
+                                         vocab_size, step, with_grads=True, compiled=compiled)
         ctx.tp, ctx.sequence_parallel, ctx.shape = tp, sequence_parallel, whole.shape
         ctx.save_for_backward(grad_x, grad_w)
         return loss
@@ -138,25 +208,26 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             grad_x = sp.scatter_sum(grad_x, ctx.tp)
         elif ctx.tp.size > 1:
             ctx.tp.all_reduce(grad_x)  # copy_to_tp's sum, in place: grad_x is this backward's own tensor
-        return grad_x, grad_w * grad_loss, None, None, None, None, None
+        return grad_x, grad_w * grad_loss, None, None, None, None, None, None
 
 
 def fused_linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, tp: Transport,
                                vocab_size: int, sequence_parallel: bool = False,
-                               tokens_per_chunk: int | None = None) -> torch.Tensor:
+                               tokens_per_chunk: int | None = None, compiled: bool = False) -> torch.Tensor:
     """Mean cross-entropy of the logits F.linear(x, weight) against `targets` [b, s]
     (global ids), as vocab_parallel_cross_entropy(vocab_parallel_logits(x, weight, tp,
     sequence_parallel), targets, tp, vocab_size) computes it, without their logits: x
     [b, s, d] is the final norm's output (sequence parallel: this rank's [b, s/t, d]),
-    weight [V/t, d] this rank's head shard. `tokens_per_chunk` defaults to chunk_tokens.
-    Returns the same scalar on every rank."""
+    weight [V/t, d] this rank's head shard. `tokens_per_chunk` defaults to chunk_tokens;
+    `compiled`: each chunk's softmax arithmetic through inductor (train.compile). Returns
+    the same scalar on every rank."""
     sequence_parallel = sequence_parallel and tp.size > 1
     if plain():  # autocast (a peer's loop, param_ops.plain): the unfused operations, which it casts
         return vocab_parallel_cross_entropy(vocab_parallel_logits(x, weight, tp, sequence_parallel), targets, tp,
                                             vocab_size)
     step = tokens_per_chunk or chunk_tokens(weight.size(0), x.dtype)
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
-        return _FusedLinearCrossEntropy.apply(x, weight, targets, tp, vocab_size, sequence_parallel, step)
+        return _FusedLinearCrossEntropy.apply(x, weight, targets, tp, vocab_size, sequence_parallel, step, compiled)
     whole = sp.gather(x, tp) if sequence_parallel else x
     return head_loss(whole.reshape(-1, whole.size(-1)), weight, targets.reshape(-1), tp, vocab_size, step,
-                     with_grads=False)[0]
+                     with_grads=False, compiled=compiled)[0]

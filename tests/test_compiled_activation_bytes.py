@@ -1,0 +1,117 @@
+"""The memory model's bytes for compiled blocks (train.compile, inductor on the CPU here)
+and compiled float8 blocks (train.precision=fp8, torchao's emulation on the CPU) against
+what the activation meter measures, to the byte, as tests/test_activation_bytes.py
+holds eager blocks: coordinator/activation_bytes.py's compiled_block_bytes and
+compiled_selective_block_bytes.
+
+Inductor's partitioner decides what a compiled block keeps for its backward, and keeps
+less than eager autograd for llama blocks and for float8 ones (docs/gpus.md, "Memory:
+predicted against measured", where the same formulas meet the GPU's ledger). Each case
+compiles its chunk afresh (several seconds on the CPU), so the cases are few and each
+covers several things at once: chunk kinds, precisions, grouped-query attention, padded
+vocabularies, the recompute modes.
+"""
+
+from __future__ import annotations
+
+import pytest
+from tests.gloo_world import run_world
+from tests.test_activation_bytes import _measure, _measure_selective, _predict, _predict_selective, token_file
+from interleaf.stageserver.transport import SoloTransport
+
+__all__ = ["token_file"]  # the fixture, shared
+
+COMPILED = [
+    ("bf16", True, True, 2, "llama-gqa2-padded"),  # embedding and head, two blocks
+    ("fp32", False, False, 1, "llama-gqa4"),
+    ("fp64", False, True, 2, "llama-mha"),
+    ("bf16", True, False, 1, "gpt2-s13"),  # gpt2: inductor keeps what eager does
+]
+
+
+@pytest.mark.parametrize("case", COMPILED, ids=lambda c: "-".join(map(str, c)))
+def test_compiled_prediction_equals_measurement(case, token_file):
+    # The plain forward, recompute=full's kept input, and its rerun's transient peak.
+    measured = _measure(SoloTransport(), token_file, case, compiled=True)
+    assert measured == _predict(case, 1, compiled=True)
+    if case[-1].startswith("llama"):  # what the formula is for: fails if it fell back to eager's
+        assert measured["plain"] < _predict(case, 1)["plain"]
+    else:
+        assert measured == _predict(case, 1)
+
+
+@pytest.mark.parametrize("case, recipe", [
+    (("bf16", True, True, 1, "gpt2-s11"), "tensorwise"),
+    (("bf16", False, False, 2, "llama-gqa2-padded"), "rowwise"),
+], ids=["gpt2-tensorwise", "llama-rowwise"])
+def test_compiled_fp8_prediction_equals_measurement(case, recipe, token_file):
+    measured = _measure(SoloTransport(), token_file, case, compiled=True, fp8_recipe=recipe)
+    assert measured == _predict(case, 1, compiled=True, fp8_recipe=recipe)
+    assert measured["plain"] < _predict(case, 1)["plain"]  # float8 compiled keeps less than bf16 eager
+
+
+def _measure_compiled(rank: int, tp, token_file: str, cases: list, sequence_parallel: bool) -> list:
+    return [_measure(tp, token_file, case, sequence_parallel, compiled=True) for case in cases]
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp2", "tp2-sp"])
+def test_compiled_prediction_equals_measurement_tp2(token_file, sequence_parallel):
+    """On gloo: the collectives break each block's graph into pieces, which keep what the
+    formula says on both ranks (the residual stream and norms on this rank's tokens
+    under sequence parallelism)."""
+    cases = [("bf16", False, True, 1, "llama-gqa2-s12"), ("fp32", True, False, 1, "gpt2-s16")]
+    for rank, measured in enumerate(run_world(_measure_compiled, 2, token_file, cases, sequence_parallel)):
+        for case, got in zip(cases, measured):
+            assert got == _predict(case, 2, sequence_parallel, compiled=True), f"rank {rank}, case {case}"
+
+
+def test_compiled_selective_prediction_equals_measurement(token_file):
+    # Selective recompute over a compiled block keeps its input and attention's output
+    # (the products inside the graph are rerun); recompute_layers=2 reruns the first
+    # block whole and keeps the second as compiled, with gradients equal to the plain
+    # compiled chunk's.
+    for case in [("bf16", False, False, 2, "llama-mha"), ("fp32", True, True, 1, "gpt2-s13")]:
+        for recompute_layers in (0, 2):
+            kept, equal = _measure_selective(SoloTransport(), token_file, case, recompute_layers, compiled=True)
+            assert equal, f"{case}: selective recompute changed an output or a gradient"
+            assert kept == _predict_selective(case, 1, recompute_layers, compiled=True), (case, recompute_layers)
+
+
+def _measure_selective_compiled(rank: int, tp, token_file: str, cases: list, sequence_parallel: bool) -> list:
+    return [_measure_selective(tp, token_file, case, 0, sequence_parallel, compiled=True) for case in cases]
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp2", "tp2-sp"])
+def test_compiled_selective_prediction_equals_measurement_tp2(token_file, sequence_parallel):
+    # The Tape records the row-parallel outputs, and under sequence parallelism the
+    # column-parallel products as well: there a compiled block keeps what an eager one does.
+    cases = [("bf16", False, False, 1, "llama-gqa2-s12")]
+    for rank, measured in enumerate(run_world(_measure_selective_compiled, 2, token_file, cases, sequence_parallel)):
+        for case, (kept, equal) in zip(cases, measured):
+            assert equal, f"rank {rank}, case {case}: selective recompute changed a gradient"
+            assert kept == _predict_selective(case, 2, 0, sequence_parallel, compiled=True), f"rank {rank}, {case}"
+
+
+def test_the_memory_model_predicts_compiled_blocks_where_the_servers_compile():
+    """train.compile="auto" compiles on CUDA servers only: the prediction for them is the
+    compiled blocks', smaller for a llama; for CPU servers, or a zero-bubble schedule
+    (never compiled), eager's. Mixed servers are predicted as CPU ones (eager's bytes, the
+    larger), so admission errs toward refusing."""
+    from interleaf.common.model.compile_modes import device_type_of
+    from interleaf.coordinator.config import load_config
+    from interleaf.coordinator.memory_model import predict
+    from interleaf.coordinator.plan import plan_programs
+
+    def peaks(overrides: list[str], device_type: str) -> list[int]:
+        config = load_config("", ["model.arch=llama", "model.n_layers=4", "model.d_model=64", "model.n_heads=4",
+                                  "model.seq_len=32", "model.vocab_size=256", "parallel.pp=2", "parallel.vpp=1",
+                                  "train.precision=bf16", *overrides])
+        return [p["activations_peak_bytes"] for p in predict(config, plan_programs(config)[0], device_type)]
+
+    assert peaks([], "cuda") < peaks([], "cpu") == peaks(["train.compile=false"], "cuda")
+    assert peaks(["train.compile=true"], "cpu") == peaks([], "cuda")
+    zero_bubble = ["parallel.schedule=zb-h1"]
+    assert peaks(zero_bubble, "cuda") == peaks(zero_bubble, "cpu")
+    assert device_type_of(["cuda:0", "cuda:1"]) == "cuda"
+    assert device_type_of(["cuda (NVIDIA H100 80GB HBM3)"]) == "cuda"
+    assert device_type_of(["cuda:0", "cpu"]) == device_type_of([]) == "cpu"
