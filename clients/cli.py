@@ -379,7 +379,7 @@ def cmd_schedule(args) -> int:
     print("programs (every action, in order):")
     for rank, program in enumerate(programs):
         print(f"rank {rank:<2} {format_program(program)}")
-    print(memory_table(config, predict(config, programs)))
+    print(memory_table(config, predict(config, programs, args.device)))
     if p.zero == 3:
         print(f"ZeRO-3: at most {max(max_gathered(program) for program in programs)} chunks gathered "
               f"at once on a rank (parallel.zero_prefetch={p.zero_prefetch})")
@@ -653,6 +653,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="point-to-point semantics to simulate: rendezvous (NCCL's: a send waits for "
                         "its receiver; default) or eager (sends never wait); says 'deadlock-free' "
                         "or names the blocked ranks and actions and exits 1")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="the servers' device type the memory table predicts for: on cuda, "
+                        "train.compile=\"auto\" compiles the blocks, which keep less for the backward "
+                        "(default: cpu)")
     p.set_defaults(fn=cmd_schedule)
 
     p = sub.add_parser("config", help="print the complete config a job would run with, as TOML; or, with "

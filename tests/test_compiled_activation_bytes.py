@@ -115,3 +115,21 @@ def test_the_memory_model_predicts_compiled_blocks_where_the_servers_compile():
     assert device_type_of(["cuda:0", "cuda:1"]) == "cuda"
     assert device_type_of(["cuda (NVIDIA H100 80GB HBM3)"]) == "cuda"
     assert device_type_of(["cuda:0", "cpu"]) == device_type_of([]) == "cpu"
+
+
+def test_schedule_shows_the_prediction_for_gpu_servers(capsys):
+    """`interleaf schedule --device cuda`: the memory table for servers that compile (a
+    llama's activations smaller than for CPU servers, the default); the state the same."""
+    from interleaf.clients.cli import main
+
+    def table(device: str) -> list[list[float]]:
+        assert main(["schedule", "--set", "model.arch=llama", "--set", "model.n_layers=4", "--set", "parallel.pp=2",
+                     "--set", "parallel.vpp=1", "--set", "parallel.schedule=1f1b", "--device", device]) == 0
+        lines = capsys.readouterr().out.splitlines()
+        header = next(i for i, line in enumerate(lines) if "activations peak" in line)
+        return [[float(v) for v in line.split()[1:]] for line in lines[header + 1:header + 3]]
+
+    cpu, cuda = table("cpu"), table("cuda")
+    for on_cpu, on_gpu in zip(cpu, cuda):
+        assert on_gpu[:5] == on_cpu[:5]  # parameters, gradients, optimizer and their peaks
+        assert on_gpu[5] < on_cpu[5]  # activations
