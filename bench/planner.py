@@ -53,7 +53,7 @@ import time
 from interleaf.clients import plan_command, plan_profile
 from interleaf.clients.launcher import LocalCluster
 from interleaf.coordinator.config import load_config
-from interleaf.coordinator.memory_model import predict
+from interleaf.coordinator.memory_model import predict, with_temporaries
 from interleaf.coordinator.planner.candidates import Layout, apply
 from interleaf.coordinator.planner.costs import layout_costs
 from interleaf.coordinator.planner.search import Cluster, programs_for, simulate_layout
@@ -187,7 +187,9 @@ def main() -> int:
             measured = min(medians)
             predicted = predicted_step(config, layout, profile, planning)
             job = apply(config, layout)
-            predicted_peak = max(p["peak_bytes"] for p in predict(job, programs_for(job), planning.device_type))
+            # the device's peak holds the loss's forward temporaries, the ledger's does not
+            predicted_peak = max(with_temporaries(p) if gpu else p["peak_bytes"]
+                                 for p in predict(job, programs_for(job), planning.device_type))
             measured_peak = min(peaks(r, args.device) for r in rounds[layout])
             runs.append({"layout": layout.describe(), "settings": settings(layout), "in_grid": layout in grid,
                          "planned": layout == plan, "default": layout == DEFAULT,

@@ -51,7 +51,7 @@ from interleaf.common.overlapped_reductions import overlapped_reductions
 from interleaf.common.model.compile_modes import device_type_of
 from interleaf.coordinator.admission import RUNTIME_RESERVE_BYTES
 from interleaf.coordinator.config import ConfigError, JobConfig, load_config
-from interleaf.coordinator.memory_model import predict
+from interleaf.coordinator.memory_model import predict, with_temporaries
 from interleaf.coordinator.partition import partition
 from interleaf.coordinator.planner.costs import (DeviceProfile, chunk_forward_flops, chunk_parameters, chunk_shape,
                                                   normalized)
@@ -500,7 +500,7 @@ def measure_shapes(client, config: JobConfig, profile: DeviceProfile, needs: lis
         overrides = _job_overrides(setup, pp, job)
         job_config = load_config("", overrides)  # shape_jobs makes only valid ones
         peaks = predict(job_config, programs_for(job_config), device_type_of([profile.device]))
-        need = max(p["peak_bytes"] for p in peaks) + RUNTIME_RESERVE_BYTES
+        need = max(with_temporaries(p) for p in peaks) + RUNTIME_RESERVE_BYTES
         if need > memory_bytes:
             log(f"not timed: {job.describe(pp)} (needs {need / 2**30:.2f} GiB of {memory_bytes / 2**30:.2f})")
             continue

@@ -45,7 +45,8 @@ them for the backward, the input's b*s*d*a (every token) and the head shard's
 b*s*(V/t)*f, with the final norm's output and the targets: for the 8x2048 tokens, V
 50304, d 2048 bf16 head, 3,296,722,944 + 67,108,864 + 147,456 bytes against the fused
 67,108,864 + 206,045,184.) The transient of one chunk's logits in the forward, bounded
-by fused_loss.CHUNK_BYTES, is not counted, as no forward temporary is.
+by loss_chunks.CHUNK_BYTES, is not on the ledger, as no forward temporary is; admission
+adds it to the peak (head_loss_temporaries_bytes).
 
 Blocks compiled by train.compile keep what inductor's partitioner chooses, counted by
 compiled_block_bytes (and compiled_selective_block_bytes): for gpt2 the same, for llama
@@ -58,6 +59,7 @@ from: `weight_grad_bytes`, documented there.
 
 from __future__ import annotations
 
+from interleaf.common.model.loss_chunks import chunk_tokens
 from interleaf.coordinator.config import PRECISION_BYTES as _BYTES
 
 _INT64 = 8
@@ -271,6 +273,32 @@ def chunk_activation_bytes(
     else:
         total += local * d * a  # out: the chunk's output, which no block keeps
     return total
+
+
+def head_loss_temporaries_bytes(model, rows: int, tp: int, precision: str, sequence_parallel: bool = False,
+                                compiled: bool = False) -> int:
+    """The most the head chunk's forward holds for a moment beyond what it keeps: the
+    fused loss's temporaries (stageserver/model/fused_loss.py), which no ledger counts,
+    at their peak, one chunk of c tokens into the loop (c: common/model/loss_chunks.py):
+      grad_W's sum in float32 where narrower (else that sum is the kept grad_W itself)
+                                              (V/t)*d*f, less the kept grad_W not yet made
+      the chunk's logits, softmax, gradient   eager: c*(V/t)*f, and its cast back c*(V/t)*a
+                                              where a < f; compiled: the logits and the
+                                              gradient in the compute dtype, 2*c*(V/t)*a
+      the chunk's share of grad_W             (V/t)*d*a
+      the gathered input (sequence parallel)  b*s*d*a
+    Worked example, the 1.11B GPT of docs/gpus.md (V 50304, d 2048, 8 x 2048 tokens,
+    bf16, c = 1280): eager 412,090,368 + 386,334,720 = 798,425,088 bytes; compiled
+    412,090,368 + 257,556,480 = 669,646,848."""
+    a, f = _dtype_bytes(precision)
+    local_vocab, d = model.padded_vocab(tp) // tp, model.d_model
+    tokens = rows * model.seq_len
+    c = min(chunk_tokens(local_vocab, f), tokens)
+    head = local_vocab * d
+    summed = head * f - head * a if f != a else 0
+    chunk = 2 * c * local_vocab * a if compiled else c * local_vocab * f + (c * local_vocab * a if a < f else 0)
+    gathered = tokens * d * a if sequence_parallel and tp > 1 else 0
+    return summed + chunk + head * a + gathered
 
 
 def chunk_input_bytes(model, has_embedding: bool, rows: int, precision: str, tp: int = 1,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from interleaf.coordinator.config import ConfigError, JobConfig
 from interleaf.coordinator.grid import RankGrid
-from interleaf.coordinator.memory_model import predict
+from interleaf.coordinator.memory_model import predict, with_temporaries
 from interleaf.protos.actions import Action
 
 RUNTIME_RESERVE_BYTES = 512 << 20
@@ -20,10 +20,10 @@ class AdmissionError(ConfigError):
 
 
 def needed_bytes(config: JobConfig, programs: list[list[Action]], device_type: str = "cpu") -> list[int]:
-    """Bytes each rank needs (by rank) on servers of `device_type`: its predicted peak
-    plus the runtime reserve."""
+    """Bytes each rank needs (by rank) on servers of `device_type`: its predicted peak,
+    the loss's forward temporaries on top, plus the runtime reserve."""
     p = config.parallel
-    per_stage = [prediction["peak_bytes"] + RUNTIME_RESERVE_BYTES
+    per_stage = [with_temporaries(prediction) + RUNTIME_RESERVE_BYTES
                  for prediction in predict(config, programs, device_type)]
     grid = RankGrid(p.dp, p.pp, p.tp)
     return [per_stage[grid.coord(rank).pp] for rank in range(grid.world_size)]
@@ -45,7 +45,7 @@ def check_fits(needs: list[int], offers: list[tuple[str, int]]) -> None:
     if fitting < len(needs):
         address, memory = max((o for o in offers if o[1] < need), key=lambda o: o[1])
         raise AdmissionError(
-            f"rank {rank} needs {need} bytes ({_gib(need)}: its predicted peak plus "
+            f"rank {rank} needs {need} bytes ({_gib(need)}: its predicted peak, with the loss's forward temporaries, plus "
             f"{_gib(RUNTIME_RESERVE_BYTES)} for the process) but server {address} offers {memory} "
             f"bytes ({_gib(memory)}), and only {fitting} of {len(offers)} servers offer that much "
             f"for {len(needs)} ranks; more parallelism, a ZeRO stage or a smaller model would need "

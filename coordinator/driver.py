@@ -21,7 +21,7 @@ from functools import partial
 
 import grpc
 
-from interleaf.common.model.compile_modes import compiles, device_type_of
+from interleaf.common.model.compile_modes import DEVICE_TYPES, compiles
 from interleaf.coordinator.job_logs import start_job_logs
 from interleaf.coordinator.jobs import JobRecord
 from interleaf.coordinator.admission import needed_bytes
@@ -34,7 +34,7 @@ from interleaf.coordinator.registry import DEAD_AFTER_S, HEARTBEAT_INTERVAL_S, R
 from interleaf.coordinator.traces import trace_plan, traced_in_block
 from interleaf.protos import interleaf_pb2 as pb
 from interleaf.protos import interleaf_pb2_grpc as rpc
-from interleaf.protos.actions import Kind
+from interleaf.protos.actions import Action, Kind
 from interleaf.common import wire
 
 log = logging.getLogger("interleaf.coordinator")
@@ -78,6 +78,13 @@ def _fan_out(fn, items):
         return [f.result() for f in futures]
 
 
+def _needs_by_device(config, programs: list[list[Action]]) -> dict[str, int]:
+    """The most bytes any rank of `config` needs on a server of each device type
+    (admission.needed_bytes): placement holds each idle server to its own type's, since
+    each server decides for itself whether it compiles its blocks."""
+    return {device_type: max(needed_bytes(config, programs, device_type)) for device_type in DEVICE_TYPES}
+
+
 class JobDriver(threading.Thread):
     def __init__(self, job: JobRecord, registry: Registry, store: tuple[str, int], steps_per_call: int = 8):
         super().__init__(name=f"driver-{job.job_id}", daemon=True)
@@ -98,7 +105,7 @@ class JobDriver(threading.Thread):
         self.resized = ""  # why self.config is not the submitted one (parallel.elastic)
         self.restarted: _Recovery | None = None  # set when resumed after a coordinator restart
         self._submitted_planned = None  # plan_programs(job.config), made once: each claim offers it
-        self._submitted_need = 0  # the most bytes a rank of it needs (admission), once known
+        self._submitted_need: dict[str, int] = {}  # the most bytes a rank of it needs by device type, once known
 
     def run(self) -> None:
         job = self.job
@@ -309,8 +316,7 @@ class JobDriver(threading.Thread):
             planned.append(programs or plan_programs(config))
             options.append(config)
             programs = planned[-1][0]
-            choices.append(partial(place_servers, config,
-                                   need_bytes=max(needed_bytes(config, programs, self._device_type()))))
+            choices.append(partial(place_servers, config, need_bytes=_needs_by_device(config, programs)))
 
         def choose(idle):
             for index, place in enumerate(choices):
@@ -367,7 +373,7 @@ class JobDriver(threading.Thread):
         if job.cancel_requested.is_set() or not grows_back(job.config, self.config, step):
             return None
         if not self._submitted_need:  # predicted once: a shrunk job asks at every boundary
-            self._submitted_need = max(needed_bytes(job.config, self._submitted_programs()[0], self._device_type()))
+            self._submitted_need = _needs_by_device(job.config, self._submitted_programs()[0])
         choose = partial(place_servers, job.config, need_bytes=self._submitted_need)
         slots = self.registry.claim(job.job_id, choose, timeout_s=0.0, own=True)
         if slots is None:
@@ -543,11 +549,6 @@ class JobDriver(threading.Thread):
         if step == self.first_step and self._compiles():
             deadline += recovery.compile_timeout_s
         return deadline
-
-    def _device_type(self) -> str:
-        """The device type the registered servers share ("cpu" where they differ), for
-        the memory model: whether train.compile="auto" compiles the blocks there."""
-        return device_type_of([s.device for s in self.registry.servers()])
 
     def _compiles(self) -> bool:
         """Whether any server of the current plan compiles its blocks (as it decides:

@@ -46,6 +46,7 @@ from interleaf.common.pipeline_message_modes import message_mode
 from interleaf.coordinator.activation_bytes import (
     chunk_activation_bytes,
     chunk_input_bytes,
+    head_loss_temporaries_bytes,
     weight_grad_bytes,
     weight_grads_read_input,
 )
@@ -141,7 +142,10 @@ class _ProgramWalk:
         self.ledger.reset_peaks()
         for action in program:
             self.handlers[action.kind](action)
-        return self.ledger.report()
+        heads = [c for c in self.chunks.values() if c.has_head]
+        temporaries = head_loss_temporaries_bytes(self.model, self.rows, self.tp, self.precision,
+                                                  self.sequence_parallel, self.compiled) if heads else 0
+        return {**self.ledger.report(), "loss_temporaries_bytes": temporaries}
 
     def _activations(self, c: int) -> tuple[int, int]:
         """(kept from the forward to the backward, held during the backward)."""
@@ -359,8 +363,17 @@ def partial_grad_elements(config: JobConfig, pipeline_rank: int, dp_rank: int = 
 def predict_rank(config: JobConfig, program: list[Action], pipeline_rank: int, compiled: bool = False) -> dict[str, int]:
     """The ledger figures of any rank at this pipeline rank (dp and tp replicas hold
     equal shards), for a step after the first; `compiled`: its servers run the blocks
-    through torch.compile (train.compile)."""
+    through torch.compile (train.compile). Besides them, `loss_temporaries_bytes`: what
+    the head chunk's forward holds for a moment beyond the ledger (0 on a rank without
+    the head), which with_temporaries adds to the peak."""
     return _ProgramWalk(config, pipeline_rank, compiled).run(program)
+
+
+def with_temporaries(prediction: dict[str, int]) -> int:
+    """A rank's predicted peak with the loss's forward temporaries on top: the most its
+    device holds (what admission adds its reserve to). An upper bound: the head chunk's
+    forward is at the step's peak or before it."""
+    return prediction["peak_bytes"] + prediction["loss_temporaries_bytes"]
 
 
 def predict(config: JobConfig, programs: list[list[Action]], device_type: str = "cpu") -> list[dict[str, int]]:

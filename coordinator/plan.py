@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from interleaf.common.buckets import bucket_cap_bytes
+from interleaf.common.model.compile_modes import device_type_of
 from interleaf.coordinator import partition as partitioning
 from interleaf.coordinator.config import ConfigError, JobConfig
 from interleaf.coordinator.grid import RankGrid, place
@@ -92,13 +94,20 @@ def plan_eval_programs(config: JobConfig) -> list[list[Action]]:
     return programs
 
 
-def place_servers(config: JobConfig, idle: list[ServerSlot], need_bytes: int = 0) -> list[ServerSlot] | None:
+def place_servers(config: JobConfig, idle: list[ServerSlot],
+                  need_bytes: int | Mapping[str, int] = 0) -> list[ServerSlot] | None:
     """The servers for each rank, TP groups kept on one host where possible, among
-    those offering at least `need_bytes` (the most any rank needs); None while there
-    are too few such idle servers."""
+    those offering at least `need_bytes` (the most any rank needs; or, by device type,
+    "cpu" and "cuda", what a server of its type needs: train.compile="auto" compiles
+    the blocks on GPUs only, which then keep less); None while there are too few such
+    idle servers."""
     p = config.parallel
     grid = RankGrid(p.dp, p.pp, p.tp)
-    idle = [s for s in idle if s.memory_bytes >= need_bytes]
+
+    def need(server: ServerSlot) -> int:
+        return need_bytes[device_type_of([server.device])] if isinstance(need_bytes, Mapping) else need_bytes
+
+    idle = [s for s in idle if s.memory_bytes >= need(s)]
     if len(idle) < grid.world_size:
         return None
     by_id = {s.server_id: s for s in idle}

@@ -338,3 +338,26 @@ def test_pipeline_messages_and_the_replicated_gradients_of_sequence_parallelism(
     assert partial_grad_elements(split, 0) == 4 * 6 * 32 + 16 * 32
     programs, _ = plan_programs(plain)
     assert sent_bytes_per_step(gathered, programs[0]) == sent_bytes_per_step(plain, programs[0]) // 2 == 4 * 2048
+
+
+def test_the_loss_temporaries_are_added_to_the_head_ranks_peak_for_admission():
+    """head_loss_temporaries_bytes' worked example (the 1.11B GPT of docs/gpus.md), and
+    admission's need: the peak, the head rank's loss temporaries on top, the reserve."""
+    from interleaf.common.model.config import ModelShape
+    from interleaf.coordinator.activation_bytes import head_loss_temporaries_bytes
+    from interleaf.coordinator.admission import RUNTIME_RESERVE_BYTES, needed_bytes
+    from interleaf.coordinator.memory_model import with_temporaries
+
+    gpt = ModelShape(n_layers=20, d_model=2048, n_heads=16, seq_len=2048, vocab_size=50304)
+    assert head_loss_temporaries_bytes(gpt, 8, 1, "bf16") == 412_090_368 + 386_334_720
+    assert head_loss_temporaries_bytes(gpt, 8, 1, "bf16", compiled=True) == 412_090_368 + 257_556_480
+    # float32: the sum is the kept gradient itself; a chunk's logits become its gradient in place
+    assert head_loss_temporaries_bytes(gpt, 8, 1, "fp32") == 1280 * 50304 * 4 + 50304 * 2048 * 4
+
+    config = load_config("", ["parallel.pp=2", "parallel.vpp=1", "parallel.schedule=1f1b"])
+    programs, _ = plan_programs(config)
+    predictions = predict(config, programs)
+    assert predictions[0]["loss_temporaries_bytes"] == 0  # no head on the first rank
+    assert predictions[1]["loss_temporaries_bytes"] == head_loss_temporaries_bytes(
+        config.model, config.train.global_batch // config.parallel.microbatches, 1, config.train.precision)
+    assert needed_bytes(config, programs) == [with_temporaries(p) + RUNTIME_RESERVE_BYTES for p in predictions]

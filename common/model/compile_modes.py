@@ -11,6 +11,8 @@ Functions, stageserver/model/weight_grads.py, which a compiled graph would repla
 from __future__ import annotations
 
 COMPILE = ("auto", "on", "off")
+DEVICE_TYPES = ("cpu", "cuda")
+"""What a server computes on, as far as compiling goes."""
 
 
 def compiles(setting: str, device_type: str, splits_backward: bool) -> bool:
@@ -28,5 +30,5 @@ def device_type_of(devices: list[str]) -> str:
     "cuda (NVIDIA H100 80GB HBM3)") share, for what
     train.compile="auto" does on them: "cuda" where every one is a GPU, else "cpu", on
     which nothing compiles by default and the memory model predicts the eager blocks'
-    larger bytes (so admission errs toward refusing, never toward running out)."""
+    larger bytes: for servers that differ, the larger prediction."""
     return "cuda" if devices and all(d.startswith("cuda") for d in devices) else "cpu"

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 from interleaf.coordinator.admission import RUNTIME_RESERVE_BYTES
 from interleaf.coordinator.config import JobConfig
-from interleaf.coordinator.memory_model import predict
+from interleaf.coordinator.memory_model import predict, with_temporaries
 from interleaf.coordinator.partition import partition
 from interleaf.coordinator.schedule import CostModel, SimResult, build_programs, simulate
 from interleaf.coordinator.schedule.placement import chunk_ranks
@@ -181,7 +181,7 @@ def search(config: JobConfig, cluster: Cluster, profile: DeviceProfile, top: int
         if key not in programs_cache:  # the programs depend on dp only through dp > 1
             programs_cache[key] = programs_for(cfg)
         programs = programs_cache[key]
-        peaks = [prediction["peak_bytes"] for prediction in predict(cfg, programs, cluster.device_type)]
+        peaks = [with_temporaries(prediction) for prediction in predict(cfg, programs, cluster.device_type)]
         if max(peaks) + RUNTIME_RESERVE_BYTES > cluster.memory_bytes:
             report.refused_by_memory += 1
             refused_sizes.append((max(peaks) + RUNTIME_RESERVE_BYTES, layout.describe()))

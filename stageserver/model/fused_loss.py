@@ -15,10 +15,10 @@ grad_x = grad W and its share of grad_W += grad^T x_c. Only grad_x [b*s, d] and 
 [V/t, d] are kept; the backward scales them by the loss's incoming gradient (the
 executor's 1/microbatches) and hands them to autograd.
 
-The chunk size: as many tokens as keep one chunk's softmax within CHUNK_BYTES (256 MiB)
-at float32 or wider - V/t fixes it, so it is the same on every tp rank (the chunks'
-collectives pair up) and on every step, and the arithmetic is deterministic. Worked
-example, vocabulary 50304 at t=1 in bf16: 2**28 // (50304 * 4) = 1334 tokens a chunk,
+The chunk size (common/model/loss_chunks.py): as many tokens as keep one chunk's softmax
+within CHUNK_BYTES (256 MiB) at float32 or wider - V/t fixes it, so it is the same on
+every tp rank (the chunks' collectives pair up) and on every step, and the arithmetic is
+deterministic. Worked example, vocabulary 50304 at t=1 in bf16: 2**28 // (50304 * 4) = 1334 tokens a chunk,
 rounded down to whole tiles of 128 rows, 1280, so 8 samples of 2048 tokens (16384) run
 as 12 chunks of 1280 and one of 1024. In flight per chunk: its bf16 logits (129 MB)
 while they are upcast, then only their float32 copy (258 MB), which becomes the masked
@@ -38,12 +38,14 @@ having been gathered in the forward as sequence_parallel.gathered_linears does.
 
 Compiled (train.compile, `compiled=True`): a chunk's softmax arithmetic - the upcast,
 the mask, the max, the exponentials and their sum, the gradient and its cast back - runs
-as three inductor kernels that each read the chunk's logits in the compute dtype (the
-row maxima; the target logits and sums of exponentials; the gradient, written in the
-compute dtype), with the tensor group's two collectives between them, where eager runs
-about ten operations over a float32 copy of the chunk. The same arithmetic in the same
-order, so the same loss and gradients to rounding; in bf16 no float32 [chunk x V/t]
-tensor exists at all.
+as three compiled functions that each read the chunk's logits in the compute dtype and
+write only per-token values (the row maxima; the target logits and sums of
+exponentials) or the gradient in the compute dtype, with the tensor group's two
+collectives between them, where eager runs about ten operations over a float32 copy of
+the chunk. The same arithmetic in the same order, so the same loss and gradients to
+rounding; in bf16 no float32 [chunk x V/t] tensor is written, so a chunk has in flight
+its bf16 logits and gradient (2 x 129 MB in the example) where eager has the float32
+copy and the bf16 gradient (258 + 129 MB).
 
 The head's parameter gradient is never deferred to a split backward's W (the chunk runs
 this under weight_grads.at_once): it is made in the forward and returned by the
@@ -59,6 +61,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from interleaf.common.model import loss_chunks
 from interleaf.stageserver.model import sequence_parallel as sp
 from interleaf.stageserver.model.param_ops import plain
 from interleaf.stageserver.model.tensor_parallel import vocab_parallel_logits
@@ -70,27 +73,16 @@ from interleaf.stageserver.model.vocab_parallel_loss import (
 )
 from interleaf.stageserver.transport import Transport
 
-CHUNK_BYTES = 256 * 2**20
-"""The most one chunk's float32 (float64) softmax may take: the bound on the loss's
-[tokens x V/t] temporaries (a chunk has about two of that size at once; beside them
-the forward holds the head's [V/t x d] gradient, summed in float32, and one chunk's
-share of it: see the module's worked example)."""
-ROWS_ALIGN = 128
-"""Chunks of whole 128-row tiles: the tensor cores' products run in tiles of 64 or 128
-rows, and a chunk that ends mid-tile wastes the rest of it, every chunk of the step."""
-
-
 def softmax_dtype(dtype: torch.dtype) -> torch.dtype:
     """What the softmax and loss are computed in: float32, or the compute dtype where wider."""
     return dtype if torch.finfo(dtype).bits >= 32 else torch.float32
 
 
 def chunk_tokens(local_vocab: int, dtype: torch.dtype) -> int:
-    """Tokens per chunk: the most whose softmax over `local_vocab` (V/t) columns fits
-    CHUNK_BYTES in softmax_dtype(dtype), rounded down to a multiple of ROWS_ALIGN where
-    that leaves any (a matrix unit's tiles are whole on the GPU), at least one."""
-    fitting = CHUNK_BYTES // (local_vocab * softmax_dtype(dtype).itemsize)
-    return max(1, fitting - fitting % ROWS_ALIGN if fitting >= ROWS_ALIGN else fitting)
+    """Tokens per chunk for a softmax over `local_vocab` (V/t) columns in
+    softmax_dtype(dtype): common/model/loss_chunks.py's rule, which the memory model
+    shares."""
+    return loss_chunks.chunk_tokens(local_vocab, softmax_dtype(dtype).itemsize)
 
 
 def _row_max(logits: torch.Tensor, start: int, vocab_size: int) -> torch.Tensor:
@@ -110,10 +102,13 @@ def _target_and_sum(logits: torch.Tensor, row_max: torch.Tensor, local_targets: 
 def _loss_gradient(logits: torch.Tensor, row_max: torch.Tensor, sum_exp: torch.Tensor, local_targets: torch.Tensor,
                    outside: torch.Tensor, scale: torch.Tensor, start: int, vocab_size: int) -> torch.Tensor:
     """(softmax - onehot) * scale in the logits' dtype: the eager path's minus_onehot_
-    and scaling, in the same order."""
+    and scaling, in the same order and roundings. The one-hot is a comparison with the
+    column index, not a scatter, so that it fuses with the rest into one kernel that
+    writes only the result (a scatter would need the float32 softmax written first)."""
     softmax = (upcast_masked(logits, start, vocab_size) - row_max.unsqueeze(1)).exp() / sum_exp.unsqueeze(1)
-    onehot = (outside.to(softmax.dtype) - 1.0).unsqueeze(1)
-    return (softmax.scatter_add(1, local_targets.unsqueeze(1), onehot) * scale).to(logits.dtype)
+    columns = torch.arange(logits.size(1), device=logits.device)
+    onehot = (columns == local_targets.unsqueeze(1)) & ~outside.unsqueeze(1)
+    return ((softmax - onehot.to(softmax.dtype)) * scale).to(logits.dtype)
 
 
 @functools.cache
@@ -160,7 +155,7 @@ def head_loss(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, tp: 
     # grad_W is summed over the chunks in float32 at least: each chunk's product is
     # rounded to the compute dtype once, as autograd's one product over all tokens is.
     grad_w = weight.new_zeros(weight.shape, dtype=softmax_dtype(weight.dtype)) if with_grads else None
-    scale = torch.tensor(1.0 / n, dtype=per_token.dtype, device=x.device) if with_grads else None
+    scale = torch.full((), 1.0 / n, dtype=per_token.dtype, device=x.device) if with_grads else None
     for lo in range(0, n, step):
         x_c, t_c = x[lo:lo + step], targets[lo:lo + step]
         if compiled:
