@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch._dynamo
 import torch.nn.functional as F
 from tests.gloo_world import run_world
 
@@ -58,6 +59,8 @@ CASES = [(shape, False) for shape in SHAPES] + [(shape, True) for shape in SHAPE
 @pytest.mark.parametrize("shape,compiled", CASES, ids=lambda c: "compiled" if c is True else "eager" if c is False else str(c))
 def test_matches_linear_then_cross_entropy(shape, compiled, dtype):
     b, s, d, rows, vocab, step = shape
+    if compiled:  # each case its own compiled kernels, never past dynamo's recompile limit (then eager)
+        torch._dynamo.reset()
     x, weight, targets, scale = _case(b, s, d, rows, vocab)
     want = _reference(x, weight, targets, scale, vocab, dtype)
     xs, ws = x.to(dtype).requires_grad_(), weight.to(dtype).requires_grad_()
@@ -74,6 +77,7 @@ def test_matches_linear_then_cross_entropy(shape, compiled, dtype):
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_no_grad_computes_the_loss_only(compiled):
+    torch._dynamo.reset()
     x, weight, targets, _ = _case(2, 6, 8, 24, 20)
     x.requires_grad_()
     with torch.no_grad():
@@ -166,8 +170,6 @@ def test_model_matches_the_unfused_head(arch, tied):
 def test_compiled_runs_the_softmax_arithmetic_as_three_graphs():
     """The row maxima, the target logits with the sums, and the gradient: three graphs
     without a break, the matrix products and collectives between them eager."""
-    import torch._dynamo
-
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     x, weight, targets, scale = _case(2, 8, 16, 40, 33)

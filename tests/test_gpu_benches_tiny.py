@@ -11,6 +11,8 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 TINY_SIDES = "plain,compile,fsdp2-compile,fsdp2-compile-fp8,interleaf,interleaf-fp8"
 """Every side but interleaf-compile, whose code interleaf-fp8 runs too (compiled blocks,
@@ -107,13 +109,19 @@ def test_profile_breakdown_sums_each_category_and_counts_idle_over_the_union():
     assert abs(times["idle"] - 0.020) < 1e-12  # a 100 us span, 80 us covered: 60-70 and 80-90 idle
 
 
-def test_memory_check_of_the_committed_run_names_the_sides_outside_ten_percent(tmp_path):
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_memory_check_of_the_committed_runs_predicts_every_side_within_ten_percent(tmp_path, arch):
+    """The GPU run's measured peaks (bench/results/gpu/train_*.json) against today's
+    predictions: eager, compiled and compiled float8 blocks each within 3% (compiled
+    Llama and float8 were 17% over when compiled blocks were predicted as eager ones),
+    every one a little under what the device held (forward temporaries of the blocks)."""
     out = tmp_path / "memory.json"
     done = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu" / "memory_check.py"), "--train-json",
-                           str(ROOT / "bench" / "results" / "gpu" / "train_gpt2.json"), "--out", str(out)],
+                           str(ROOT / "bench" / "results" / "gpu" / f"train_{arch}.json"), "--out", str(out)],
                           cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
                           timeout=120)
-    assert done.returncode == 1 and "from the prediction: gpt2 interleaf-fp8" in done.stderr, done.stderr[-3000:]
+    assert done.returncode == 0, done.stderr[-3000:]
     errors = {r["case"]: r["error"] for r in json.loads(out.read_text())}
-    assert abs(errors["gpt2 interleaf"]) < 0.05 and abs(errors["gpt2 interleaf-compile"]) < 0.05
-    assert errors["gpt2 interleaf-fp8"] < -0.10  # compiled float8 keeps less than the model predicts
+    assert set(errors) == ({"gpt2 interleaf", "gpt2 interleaf-compile", "gpt2 interleaf-fp8"} if arch == "gpt2"
+                           else {"llama interleaf-compile"})
+    assert all(0 < error < 0.03 for error in errors.values()), errors

@@ -89,8 +89,8 @@ class TrainConfig:
     compile: bool | str = "auto"
     """true: each transformer block of every chunk runs through `torch.compile` (inductor
     fuses its norms, activation functions and residual adds; torchtitan's per-block
-    compile), recompute, tensor-parallel collectives, ZeRO and every schedule without a
-    split backward unchanged; false: eager; "auto" (the default): true for servers on
+    compile), and so does the head loss's softmax arithmetic; recompute, tensor-parallel
+    collectives, ZeRO and every schedule without a split backward unchanged; false: eager; "auto" (the default): true for servers on
     CUDA, false on CPUs ("on" and "off" are taken for true and false). The zero-bubble schedules (zb-h1, zbv) split each backward in
     hand-written autograd Functions that compiled graphs replace, so they run eager (true
     is refused)."""

@@ -113,8 +113,10 @@ def _loss_gradient(logits: torch.Tensor, row_max: torch.Tensor, sum_exp: torch.T
 
 @functools.cache
 def _compiled(fn):
-    """`fn` through torch.compile, once per process (static shapes: a step has two chunk
-    lengths at most, the full one and the remainder)."""
+    """`fn` through torch.compile, once per process. Static shapes: a job's steps have
+    two chunk lengths at most, the full one and the remainder (evaluation may add its
+    own), each compiled once; past dynamo's recompile limit a function runs eager, as
+    the blocks do."""
     return torch.compile(fn, dynamic=False)
 
 
