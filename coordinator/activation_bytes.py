@@ -277,28 +277,39 @@ def chunk_activation_bytes(
 
 def head_loss_temporaries_bytes(model, rows: int, tp: int, precision: str, sequence_parallel: bool = False,
                                 compiled: bool = False) -> int:
-    """The most the head chunk's forward holds for a moment beyond what it keeps: the
-    fused loss's temporaries (stageserver/model/fused_loss.py), which no ledger counts,
-    at their peak, one chunk of c tokens into the loop (c: common/model/loss_chunks.py):
-      grad_W's sum in float32 where narrower (else that sum is the kept grad_W itself)
-                                              (V/t)*d*f, less the kept grad_W not yet made
-      the chunk's logits, softmax, gradient   eager: c*(V/t)*f, and its cast back c*(V/t)*a
-                                              where a < f; compiled: the logits and the
-                                              gradient in the compute dtype, 2*c*(V/t)*a
-      the chunk's share of grad_W             (V/t)*d*a
-      the gathered input (sequence parallel)  b*s*d*a
+    """The most the head chunk's forward holds for a moment beyond what it keeps (grad_x
+    and grad_W among that): the fused loss's temporaries (stageserver/model/
+    fused_loss.py), which no ledger counts, at their peak within one chunk of c tokens
+    of the loop (c: common/model/loss_chunks.py), with V' = V/t:
+      ln_f's output, the loss's input           b*s_local*d*a, for the whole loop
+      its gather (sequence parallel)            b*s*d*a, and as much again for the copy
+                                                that flattens it where rows > 1
+      the per-token losses                      b*s*f
+      grad_W's sum in float32 where narrower    V'*d*f, less the kept grad_W (V'*d*a),
+                                                made from it at the end (where not
+                                                narrower the sum is the kept grad_W)
+      one chunk, the larger of two moments      the logits and the softmax-to-gradient
+                                                tensor: eager c*V'*(a + f) (the float32
+                                                copy, where a < f; else the logits
+                                                themselves, c*V'*a), compiled 2*c*V'*a;
+                                                then the gradient and its product with
+                                                the chunk's input, c*V'*a + V'*d*a
     Worked example, the 1.11B GPT of docs/gpus.md (V 50304, d 2048, 8 x 2048 tokens,
-    bf16, c = 1280): eager 412,090,368 + 386,334,720 = 798,425,088 bytes; compiled
-    412,090,368 + 257,556,480 = 669,646,848."""
+    bf16, c = 1280): 67,108,864 + 65,536 + 206,045,184 + 386,334,720 = 659,554,304
+    bytes eager; compiled the chunk's larger moment is the product's, 334,823,424, so
+    608,043,008."""
     a, f = _dtype_bytes(precision)
     local_vocab, d = model.padded_vocab(tp) // tp, model.d_model
     tokens = rows * model.seq_len
+    local = _local_tokens(rows, model.seq_len, tp, sequence_parallel)
     c = min(chunk_tokens(local_vocab, f), tokens)
     head = local_vocab * d
+    gathered = tokens * d * a * (2 if rows > 1 else 1) if sequence_parallel and tp > 1 else 0
     summed = head * f - head * a if f != a else 0
-    chunk = 2 * c * local_vocab * a if compiled else c * local_vocab * f + (c * local_vocab * a if a < f else 0)
-    gathered = tokens * d * a if sequence_parallel and tp > 1 else 0
-    return summed + chunk + head * a + gathered
+    # beside the chunk's logits: the gradient (compiled), or the float32 copy (eager, a < f)
+    beside = c * local_vocab * a if compiled else c * local_vocab * f if a < f else 0
+    chunk = c * local_vocab * a + max(beside, head * a)
+    return local * d * a + gathered + tokens * f + summed + chunk
 
 
 def chunk_input_bytes(model, has_embedding: bool, rows: int, precision: str, tp: int = 1,

@@ -370,9 +370,9 @@ def predict_rank(config: JobConfig, program: list[Action], pipeline_rank: int, c
 
 
 def with_temporaries(prediction: dict[str, int]) -> int:
-    """A rank's predicted peak with the loss's forward temporaries on top: the most its
-    device holds (what admission adds its reserve to). An upper bound: the head chunk's
-    forward is at the step's peak or before it."""
+    """A rank's predicted peak with the loss's forward temporaries on top (what admission
+    adds its reserve to): the head chunk's forward is at the step's peak or before it.
+    The blocks' own forward temporaries are not counted, nor the allocator's rounding."""
     return prediction["peak_bytes"] + prediction["loss_temporaries_bytes"]
 
 

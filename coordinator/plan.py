@@ -105,7 +105,9 @@ def place_servers(config: JobConfig, idle: list[ServerSlot],
     grid = RankGrid(p.dp, p.pp, p.tp)
 
     def need(server: ServerSlot) -> int:
-        return need_bytes[device_type_of([server.device])] if isinstance(need_bytes, Mapping) else need_bytes
+        if not isinstance(need_bytes, Mapping):
+            return need_bytes
+        return need_bytes.get(device_type_of([server.device]), max(need_bytes.values()))
 
     idle = [s for s in idle if s.memory_bytes >= need(s)]
     if len(idle) < grid.world_size:

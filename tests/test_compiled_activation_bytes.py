@@ -133,3 +133,20 @@ def test_schedule_shows_the_prediction_for_gpu_servers(capsys):
     for on_cpu, on_gpu in zip(cpu, cuda):
         assert on_gpu[:5] == on_cpu[:5]  # parameters, gradients, optimizer and their peaks
         assert on_gpu[5] < on_cpu[5]  # activations
+
+
+def test_placement_holds_each_server_to_its_own_device_types_need():
+    """The driver's placement (plan.place_servers with a need per device type): a GPU
+    server, whose blocks compile, may hold a job a CPU server of the same memory may not."""
+    from interleaf.coordinator.config import load_config
+    from interleaf.coordinator.plan import ServerSlot, place_servers
+
+    config = load_config("", ["parallel.pp=2", "parallel.vpp=1", "parallel.schedule=1f1b"])
+    needs = {"cpu": 3000, "cuda": 2000}
+    gpus = [ServerSlot(f"g{i}", f"10.0.0.{i}:1", f"h{i}", 2500, "cuda:0") for i in range(2)]
+    cpus = [ServerSlot(f"c{i}", f"10.0.1.{i}:1", f"h{i}", 2500, "cpu") for i in range(2)]
+    assert sorted(place_servers(config, gpus, need_bytes=needs), key=gpus.index) == gpus
+    assert place_servers(config, cpus, need_bytes=needs) is None
+    assert place_servers(config, [gpus[0], cpus[0]], need_bytes=needs) is None  # one fits: too few
+    assert place_servers(config, gpus, need_bytes=2500) is not None  # one need for every server, as before
+    assert place_servers(config, gpus, need_bytes={"cpu": 3000}) is None  # a type left out: the largest need

@@ -256,16 +256,20 @@ def test_memory_table_prints_each_rank_in_mib():
     predictions = predict(config, programs)
     lines = memory_table(config, predictions).splitlines()
     assert lines[0] == ("predicted memory per rank, MiB (ZeRO stage 3, bf16, recompute none; "
-                        "state at the end of a step, peaks during it):")
+                        "state at the end of a step, peaks during it; the loss's forward temporaries on "
+                        "the peak: what admission adds its reserve to):")
     assert lines[1].split("  ")[0].strip() == "pipeline rank"
     keys = ["parameters_bytes", "gradients_bytes", "optimizer_bytes", "parameters_peak_bytes",
-            "gradients_peak_bytes", "activations_peak_bytes", "communication_peak_bytes", "peak_bytes"]
+            "gradients_peak_bytes", "activations_peak_bytes", "communication_peak_bytes", "peak_bytes",
+            "loss_temporaries_bytes"]
     assert len(lines) == 2 + len(predictions)
     for rank, (line, prediction) in enumerate(zip(lines[2:], predictions)):
         cells = line.split()
         assert cells[0] == str(rank)
-        assert cells[1:] == [f"{prediction[k] / (1 << 20):.2f}" for k in keys]
-        assert float(cells[-1]) > 0.5  # a figure the MiB rounding does not hide
+        assert cells[1:-1] == [f"{prediction[k] / (1 << 20):.2f}" for k in keys]
+        assert cells[-1] == f"{(prediction['peak_bytes'] + prediction['loss_temporaries_bytes']) / (1 << 20):.2f}"
+        assert float(cells[-3]) > 0.5  # the peak: a figure the MiB rounding does not hide
+    assert float(lines[-1].split()[-2]) > 0 == float(lines[2].split()[-2])  # the head's rank only
     # Right-aligned columns: every line of the table is as wide as the header.
     assert len({len(line) for line in lines[1:]}) == 1
 
@@ -349,10 +353,16 @@ def test_the_loss_temporaries_are_added_to_the_head_ranks_peak_for_admission():
     from interleaf.coordinator.memory_model import with_temporaries
 
     gpt = ModelShape(n_layers=20, d_model=2048, n_heads=16, seq_len=2048, vocab_size=50304)
-    assert head_loss_temporaries_bytes(gpt, 8, 1, "bf16") == 412_090_368 + 386_334_720
-    assert head_loss_temporaries_bytes(gpt, 8, 1, "bf16", compiled=True) == 412_090_368 + 257_556_480
-    # float32: the sum is the kept gradient itself; a chunk's logits become its gradient in place
-    assert head_loss_temporaries_bytes(gpt, 8, 1, "fp32") == 1280 * 50304 * 4 + 50304 * 2048 * 4
+    assert head_loss_temporaries_bytes(gpt, 8, 1, "bf16") == 659_554_304
+    assert head_loss_temporaries_bytes(gpt, 8, 1, "bf16", compiled=True) == 608_043_008
+    # float32: the sum is the kept gradient itself, a chunk's logits become its gradient
+    # in place, and the product with the chunk's input is the larger moment
+    assert head_loss_temporaries_bytes(gpt, 8, 1, "fp32") == 16384 * 2048 * 4 + 16384 * 4 + 1280 * 50304 * 4 \
+        + 50304 * 2048 * 4
+    # sequence parallel at tp=2: half the vocabulary, ln_f's output on half the tokens,
+    # their gather and its flattened copy
+    assert head_loss_temporaries_bytes(gpt, 8, 2, "bf16", sequence_parallel=True) \
+        - head_loss_temporaries_bytes(gpt, 8, 2, "bf16") == 2 * 16384 * 2048 * 2 - 8192 * 2048 * 2
 
     config = load_config("", ["parallel.pp=2", "parallel.vpp=1", "parallel.schedule=1f1b"])
     programs, _ = plan_programs(config)

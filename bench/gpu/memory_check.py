@@ -14,7 +14,8 @@ A case passes when the measured peak is within 10% of the prediction (the issue'
 bound); on a GPU the prediction holds the fused loss's forward temporaries, which the
 device holds and the ledger does not. `--train-json PATH` does the same, with no GPU, for every Interleaf side of a
 bench/gpu/train.py result: its recorded per-step device peaks against the prediction for
-its job's overrides (the eager, compiled and float8 sides of both architectures). `--device cpu --tiny`: a tiny GPT on the CPU, where no device peak exists, so
+its job's overrides (the eager, compiled and float8 sides of both architectures), and
+`--measured-json PATH` for this script's own earlier GPU result. `--device cpu --tiny`: a tiny GPT on the CPU, where no device peak exists, so
 the ledger peak is compared instead (equal to the prediction, as tests/test_memory.py
 holds it); it runs the same client, planning and prediction code in seconds.
 
@@ -103,16 +104,31 @@ def from_train_json(path: str) -> list[dict]:
     return rows
 
 
+def from_measured_json(path: str) -> list[dict]:
+    """An earlier GPU result's cases, their measured peaks against today's predictions."""
+    rows = []
+    for earlier in json.loads(pathlib.Path(path).read_text()):
+        predicted = predicted_peak(earlier["overrides"], "cuda")
+        rows.append({**earlier, "predicted_peak_bytes": predicted,
+                     "error": earlier["measured_peak_bytes"] / predicted - 1})
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     parser.add_argument("--tiny", action="store_true", help="a tiny GPT (with --device cpu: in seconds)")
     parser.add_argument("--cases", default="", help="comma-separated names (default: all of the mode's)")
     parser.add_argument("--train-json", help="no GPU: the Interleaf sides of this bench/gpu/train.py result")
+    parser.add_argument("--measured-json", help="no GPU: this script's earlier GPU result (its --out), its "
+                                                "measured peaks against today's predictions")
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "bench/results"), "gpu_memory.json"))
     args = parser.parse_args()
     if args.train_json:
         report(from_train_json(args.train_json), args.out)
+        return
+    if args.measured_json:
+        report(from_measured_json(args.measured_json), args.out)
         return
     cases = TINY_CASES if args.tiny else GPU_CASES
     names = [n for n in args.cases.split(",") if n] or list(cases)

@@ -1,6 +1,6 @@
 """How many tokens the fused head loss (stageserver/model/fused_loss.py) takes at a time:
 shared with the memory model, which counts one chunk's temporaries
-(coordinator/activation_bytes.py, head_loss_transient_bytes).
+(coordinator/activation_bytes.py, head_loss_temporaries_bytes).
 
 Worked example: vocabulary 50304 at t=1 in bf16 (its softmax in float32, 4 bytes):
 2**28 // (50304 * 4) = 1334 tokens, rounded down to whole tiles of 128 rows, 1280. In

@@ -60,7 +60,8 @@ class RankedPlan:
     step_s: float
     bubble: float
     peak_bytes: list[int]
-    """Per pipeline rank, the memory model's peak."""
+    """Per pipeline rank, the memory model's peak with the loss's forward temporaries
+    (memory_model.with_temporaries)."""
     costs: LayoutCosts
     lower_bound_s: float
 

@@ -23,10 +23,12 @@ rounded down to whole tiles of 128 rows, 1280, so 8 samples of 2048 tokens (1638
 as 12 chunks of 1280 and one of 1024. In flight per chunk: its bf16 logits (129 MB)
 while they are upcast, then only their float32 copy (258 MB), which becomes the masked
 logits, the softmax and the gradient in place, and with it the gradient cast back to
-bf16 (129 MB) and its product with the chunk's inputs, the chunk's share of grad_W in
-bf16 (206 MB); beside them, for the whole forward, grad_W's float32 sum (412 MB), cast
-to bf16 at the end (206 MB more). So the forward's peak is about 1 GB over what it
-keeps, where the unfused forward held all 16384 tokens' bf16 logits and their float32
+bf16 (129 MB); once that copy is freed, the gradient's product with the chunk's inputs,
+the chunk's share of grad_W in bf16 (206 MB). Beside them, for the whole forward,
+grad_W's float32 sum (412 MB), cast to bf16 at the end (206 MB more, the kept grad_W).
+So the forward holds 0.66 GB over what it keeps (with the final norm's output:
+coordinator/activation_bytes.py, head_loss_temporaries_bytes), where the unfused
+forward held all 16384 tokens' bf16 logits and their float32
 copy (4.9 GB); these temporaries are not on the memory ledger, like every forward's.
 Fused, the backward keeps grad_x (67 MB) and grad_W (206 MB), where unfused it kept the
 float32 softmax (3.3 GB) (coordinator/activation_bytes.py).
@@ -140,6 +142,23 @@ def _chunk_compiled(logits: torch.Tensor, targets: torch.Tensor, start: int, voc
                                                 vocab_size)
 
 
+def _chunk_eager(logits: torch.Tensor, targets: torch.Tensor, start: int, vocab_size: int, tp: Transport,
+                 scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """_chunk_compiled's results through eager operations: one [chunk x V/t] float32
+    (float64) tensor carries the logits through exp, the softmax and the gradient, in
+    place - upcast_masked's copy, or the matmul's own output where that is float32 or
+    wider and unpadded - and is freed on return, once cast back."""
+    dtype = logits.dtype
+    exp, target_logit, sum_exp, local_targets, outside = exp_and_sums(
+        upcast_masked(logits, start, vocab_size, own=True), targets, start, tp)
+    del logits  # the compute-dtype logits, where exp is a float32 copy of them
+    per_token = sum_exp.log() - target_logit
+    if scale is None:
+        return per_token, None
+    grad = minus_onehot_(exp.div_(sum_exp.unsqueeze(1)), local_targets, outside)
+    return per_token, grad.mul_(scale).to(dtype)  # the mean's gradient, cast back as the unfused backward does
+
+
 def head_loss(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, tp: Transport, vocab_size: int,
               step: int, with_grads: bool, compiled: bool = False
               ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
@@ -158,26 +177,15 @@ def head_loss(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, tp: 
     # rounded to the compute dtype once, as autograd's one product over all tokens is.
     grad_w = weight.new_zeros(weight.shape, dtype=softmax_dtype(weight.dtype)) if with_grads else None
     scale = torch.full((), 1.0 / n, dtype=per_token.dtype, device=x.device) if with_grads else None
+    chunk_loss = _chunk_compiled if compiled else _chunk_eager
     for lo in range(0, n, step):
-        x_c, t_c = x[lo:lo + step], targets[lo:lo + step]
-        if compiled:
-            per_token[lo:lo + step], grad = _chunk_compiled(F.linear(x_c, weight), t_c, start, vocab_size, tp, scale)
-            if grad_x is not None and grad_w is not None and grad is not None:
-                torch.mm(grad, weight, out=grad_x[lo:lo + step])
-                grad_w.add_(grad.t().mm(x_c))
-            continue
-        # One [chunk x V/t] float32 (float64) tensor carries the logits through exp,
-        # the softmax and the gradient, in place: upcast_masked's copy, or the matmul's
-        # own output where that is float32 or wider and unpadded.
-        exp, target_logit, sum_exp, local_targets, outside = exp_and_sums(
-            upcast_masked(F.linear(x_c, weight), start, vocab_size, own=True), t_c, start, tp)
-        per_token[lo:lo + step] = sum_exp.log() - target_logit
-        if grad_x is None or grad_w is None:
-            continue
-        grad = minus_onehot_(exp.div_(sum_exp.unsqueeze(1)), local_targets, outside)
-        grad = grad.mul_(1.0 / n).to(x.dtype)  # the mean's gradient, cast back as the unfused backward does
-        torch.mm(grad, weight, out=grad_x[lo:lo + step])
-        grad_w.add_(grad.t().mm(x_c))
+        x_c = x[lo:lo + step]
+        per_token[lo:lo + step], grad = chunk_loss(F.linear(x_c, weight), targets[lo:lo + step], start, vocab_size,
+                                                   tp, scale)
+        if grad_x is not None and grad_w is not None and grad is not None:
+            torch.mm(grad, weight, out=grad_x[lo:lo + step])
+            grad_w.add_(grad.t().mm(x_c))
+        del grad  # before the next chunk's logits exist (activation_bytes.head_loss_temporaries_bytes)
     return per_token.mean(), grad_x, None if grad_w is None else grad_w.to(weight.dtype)
 
 
