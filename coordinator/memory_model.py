@@ -51,6 +51,7 @@ from interleaf.coordinator.activation_bytes import (
     weight_grads_read_input,
 )
 from interleaf.coordinator.config import MASTER_BYTES, PRECISION_BYTES, JobConfig
+from interleaf.coordinator.config.parallel import SPLIT_BACKWARD
 from interleaf.coordinator.partition import Chunk, chunks_of, partition
 from interleaf.protos.actions import RECVS, SENDS, Action, Kind
 
@@ -380,6 +381,5 @@ def predict(config: JobConfig, programs: list[list[Action]], device_type: str = 
     """One prediction per pipeline rank (index = pipeline rank), for servers on
     `device_type` ("cpu", "cuda"), which decides whether train.compile="auto" compiles
     their blocks: compiled blocks keep less for their backward (activation_bytes.py)."""
-    splits = any(a.kind is Kind.BACKWARD_INPUT for program in programs for a in program)
-    compiled = compiles(str(config.train.compile), device_type, splits)
+    compiled = compiles(str(config.train.compile), device_type, config.parallel.schedule in SPLIT_BACKWARD)
     return [predict_rank(config, program, rank, compiled) for rank, program in enumerate(programs)]
