@@ -21,7 +21,7 @@ from functools import partial
 
 import grpc
 
-from interleaf.common.model.compile_modes import DEVICE_TYPES, compiles
+from interleaf.common.model.compile_modes import DEVICE_TYPES
 from interleaf.coordinator.job_logs import start_job_logs
 from interleaf.coordinator.jobs import JobRecord
 from interleaf.coordinator.admission import needed_bytes
@@ -34,7 +34,7 @@ from interleaf.coordinator.registry import DEAD_AFTER_S, HEARTBEAT_INTERVAL_S, R
 from interleaf.coordinator.traces import trace_plan, traced_in_block
 from interleaf.protos import interleaf_pb2 as pb
 from interleaf.protos import interleaf_pb2_grpc as rpc
-from interleaf.protos.actions import Action, Kind
+from interleaf.protos.actions import Action
 from interleaf.common import wire
 
 log = logging.getLogger("interleaf.coordinator")
@@ -555,9 +555,7 @@ class JobDriver(threading.Thread):
         common/model/compile_modes.py)."""
         if self.plan is None:
             return False
-        splits = any(a.kind is Kind.BACKWARD_INPUT for program in self.plan.programs for a in program)
-        setting = str(self.config.train.compile)  # on, off or auto once the config is built (config/train.py)
-        return any(compiles(setting, s.device.split(":")[0], splits) for s in self.plan.servers)
+        return any(self.config.compiles_on(s.device.split(":")[0]) for s in self.plan.servers)
 
     def _step_event(self, reports: list[pb.StepReport], wall_s: float) -> pb.StepEvent:
         config = self.job.config

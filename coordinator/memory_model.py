@@ -37,7 +37,6 @@ from __future__ import annotations
 from interleaf.common.buckets import BucketLayout, bucket_cap_bytes, chunk_buckets, clip_segments, starts_in_backward
 from interleaf.common.overlapped_reductions import overlapped_reductions
 from interleaf.common.memory import MemoryLedger
-from interleaf.common.model.compile_modes import compiles
 from interleaf.common.model.config import shape_of
 from interleaf.common.model.params import TIED
 from interleaf.common.model.recompute_modes import block_modes
@@ -51,7 +50,6 @@ from interleaf.coordinator.activation_bytes import (
     weight_grads_read_input,
 )
 from interleaf.coordinator.config import MASTER_BYTES, PRECISION_BYTES, JobConfig
-from interleaf.coordinator.config.parallel import SPLIT_BACKWARD
 from interleaf.coordinator.partition import Chunk, chunks_of, partition
 from interleaf.protos.actions import RECVS, SENDS, Action, Kind
 
@@ -381,5 +379,5 @@ def predict(config: JobConfig, programs: list[list[Action]], device_type: str = 
     """One prediction per pipeline rank (index = pipeline rank), for servers on
     `device_type` ("cpu", "cuda"), which decides whether train.compile="auto" compiles
     their blocks: compiled blocks keep less for their backward (activation_bytes.py)."""
-    compiled = compiles(str(config.train.compile), device_type, config.parallel.schedule in SPLIT_BACKWARD)
+    compiled = config.compiles_on(device_type)
     return [predict_rank(config, program, rank, compiled) for rank, program in enumerate(programs)]

@@ -18,6 +18,7 @@ from interleaf.coordinator.config.sections import (
 )
 from interleaf.coordinator.config.train import TrainConfig
 from interleaf.common import limits
+from interleaf.common.model.compile_modes import compiles
 
 
 @dataclass(frozen=True)
@@ -99,6 +100,13 @@ class JobConfig:
             )
         if self.eval.enabled:
             self._check_eval()
+
+    def compiles_on(self, device_type: str) -> bool:
+        """Whether a server on `device_type` ("cpu", "cuda") compiles this job's blocks:
+        train.compile as common/model/compile_modes.py reads it, where the schedule's
+        name says whether its backwards split into I and W. The one answer the memory
+        model and the driver's compile allowance share."""
+        return compiles(str(self.train.compile), device_type, self.parallel.schedule in SPLIT_BACKWARD)
 
     def _check_layers(self) -> None:
         p, n = self.parallel, self.model.n_layers
