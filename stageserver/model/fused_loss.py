@@ -69,6 +69,8 @@ from interleaf.stageserver.model.param_ops import plain
 from interleaf.stageserver.model.tensor_parallel import vocab_parallel_logits
 from interleaf.stageserver.model.vocab_parallel_loss import (
     exp_and_sums,
+    global_row_max,
+    local_target_ids,
     minus_onehot_,
     upcast_masked,
     vocab_parallel_cross_entropy,
@@ -126,12 +128,8 @@ def _chunk_compiled(logits: torch.Tensor, targets: torch.Tensor, start: int, voc
                     scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(per-token loss, gradient of the logits times `scale`, or None without a scale)
     of one chunk of logits [n, V/t] in the compute dtype, through the compiled kernels."""
-    n, local_vocab = logits.shape
-    maxima = logits.new_empty(tp.size * n, dtype=softmax_dtype(logits.dtype))
-    tp.all_gather(maxima, _compiled(_row_max)(logits, start, vocab_size))
-    row_max = maxima.view(tp.size, n).max(dim=0).values  # the unsharded row's, as exp_and_sums takes it
-    outside = (targets < start) | (targets >= start + local_vocab)
-    local_targets = (targets - start).masked_fill(outside, 0)
+    row_max = global_row_max(_compiled(_row_max)(logits, start, vocab_size), tp)
+    local_targets, outside = local_target_ids(targets, start, logits.size(1))
     sums = _compiled(_target_and_sum)(logits, row_max, local_targets, outside, start, vocab_size)
     tp.all_reduce(sums)
     target_logit, sum_exp = sums

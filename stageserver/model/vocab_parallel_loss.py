@@ -29,22 +29,34 @@ def upcast_masked(logits: torch.Tensor, start: int, vocab_size: int, own: bool =
     return logits
 
 
+def global_row_max(local_max: torch.Tensor, tp: Transport) -> torch.Tensor:
+    """[n]: each row's largest logit over the whole vocabulary, from this rank's maxima
+    over its slice. The Transport sums but has no MAX, so every rank's per-token maxima
+    (n floats each) are gathered and the max taken locally: every rank then shifts by
+    exactly the unsharded row maximum, so exp() cannot overflow and the math is the
+    plain op's."""
+    n = local_max.size(0)
+    maxima = local_max.new_empty(tp.size * n)
+    tp.all_gather(maxima, local_max)
+    return maxima.view(tp.size, n).max(dim=0).values
+
+
+def local_target_ids(targets: torch.Tensor, start: int, local_vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(each target's column in this rank's slice, 0 where it lies outside; which lie
+    outside) for targets [n] (global ids) and the slice of ids start, ...,
+    start + local_vocab - 1."""
+    outside = (targets < start) | (targets >= start + local_vocab)
+    return (targets - start).masked_fill(outside, 0), outside
+
+
 def exp_and_sums(logits: torch.Tensor, targets: torch.Tensor, start: int, tp: Transport) -> tuple[torch.Tensor, ...]:
     """From upcast, masked logits [n, V/t] (overwritten: the caller's own copy) and the
     targets [n] (global ids): (exp(logits - row max), the target logit, the softmax
     denominator, the targets local to this slice, which targets lie outside it), the
     max and both sums over the whole vocabulary, i.e. all tp ranks. Only per-token
     scalars cross the network, never logits."""
-    n, local_vocab = logits.shape
-    # The Transport sums but has no MAX, so gather every rank's per-token maxima
-    # (n floats each) and take the max locally. Every rank then shifts by exactly the
-    # unsharded row maximum, so exp() cannot overflow and the math is the plain op's.
-    maxima = logits.new_empty(tp.size * n)
-    tp.all_gather(maxima, logits.max(dim=-1).values)
-    shifted = logits.sub_(maxima.view(tp.size, n).max(dim=0).values.unsqueeze(1))
-
-    outside = (targets < start) | (targets >= start + local_vocab)
-    local_targets = (targets - start).masked_fill(outside, 0)
+    shifted = logits.sub_(global_row_max(logits.max(dim=-1).values, tp).unsqueeze(1))
+    local_targets, outside = local_target_ids(targets, start, logits.size(1))
     predicted = shifted.gather(1, local_targets.unsqueeze(1)).squeeze(1)
     exp = shifted.exp_()
     # One all-reduce for both per-token sums: the target logit (only its owner
