@@ -125,3 +125,23 @@ def test_memory_check_of_the_committed_runs_predicts_every_side_within_ten_perce
     assert set(errors) == ({"gpt2 interleaf", "gpt2 interleaf-compile", "gpt2 interleaf-fp8"} if arch == "gpt2"
                            else {"llama interleaf-compile"})
     assert all(0 < error < 0.03 for error in errors.values()), errors
+
+
+def test_the_gpu_session_script_runs_every_phase(tmp_path):
+    """bench/gpu/session.sh, the prepared GPU session (each phase one device call), runs
+    its every command in its tiny mode and brings back what the device tool can: at most
+    8 files, each phase's results among them."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OUT": str(tmp_path)}
+    done = subprocess.run(["bash", str(ROOT / "bench" / "gpu" / "session.sh"), "all", "--tiny"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=900)
+    log = (tmp_path / "session.log").read_text()
+    assert done.returncode == 0, f"session.sh exited {done.returncode}:\n{log[-5000:]}\n{done.stderr[-2000:]}"
+    files = sorted(p.name for p in tmp_path.iterdir())
+    assert files == ["memory_2.7b.json", "memory_train.json", "planner.json", "session.log", "train_gpt2.json",
+                     "train_llama.json"], files
+    assert set(json.loads((tmp_path / "memory_train.json").read_text())) == {"gpt2", "llama"}
+    for arch in ("gpt2", "llama"):
+        result = json.loads((tmp_path / f"train_{arch}.json").read_text())
+        assert result["arch"] == arch and not result["failed"], result["failed"]
+        assert set(result["interleaf_over_best_peer"]) == {"bf16", "fp8"}
+    assert log.count("rc=0") == 6 and "rc=1" not in log

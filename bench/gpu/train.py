@@ -199,7 +199,23 @@ def main() -> None:
     print(f"{device_name}: measured bf16 matmul peak {peak / 1e12:.3f} TFLOP/s")
     print(f"{args.arch}: {w.model}")
     order = sides + (["plain"] if "plain" in sides and len(sides) > 1 else [])  # plain again last: drift
+    if args.profile_dir:
+        os.makedirs(args.profile_dir, exist_ok=True)  # the stage server writes its traces there
     runs, rows, failed = {}, [], {}
+
+    def write_result() -> dict:
+        """The result so far, written after every side: a run cut short (a GPU lease's
+        time limit) keeps the sides it finished."""
+        parameters = next((r["parameters"] for r in runs.values() if "parameters" in r), None)
+        result = {"device": device_name, "torch": torch.__version__, "arch": args.arch, "model": str(w.model),
+                  "parameters": parameters, "matrix_parameters": matrix_parameters(w.model),
+                  "dtype": str(w.dtype), "compile_backend": w.compile_backend,
+                  "measured_bf16_peak_flops": peak, "steps": w.steps, "warmup": warmup, "sides": rows,
+                  "runs": runs, "failed": failed, "interleaf_over_best_peer": best_ratios(rows)}
+        pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        pathlib.Path(args.out).write_text(json.dumps(result, indent=2, default=str) + "\n")
+        return result
+
     for i, side in enumerate(order):
         label = f"{side} (after)" if side in runs or side in failed else side
         try:
@@ -207,23 +223,18 @@ def main() -> None:
         except Exception as err:  # noqa: BLE001 - one side's failure is reported; the others still run
             failed[label] = f"{type(err).__name__}: {err}"
             print(f"  {label}: FAILED {failed[label][:2000]}", flush=True)
+            write_result()
             continue
         # Losses are held to the first side's of the same precision (plain's, when it runs).
         first = next((runs[o] for o in runs if precision(o) == precision(side) and o != label), None)
         rows.append(figures(label, runs[label], w, warmup, peak, first))
         print(f"  {label}: {rows[-1]['median_step_seconds']:.3f} s/step, losses "
               f"{[round(x, 4) for x in runs[label]['losses']]}", flush=True)
-    ratios = best_ratios(rows)
-    parameters = next((r["parameters"] for r in runs.values() if "parameters" in r), None)
-    if parameters:
-        print(f"{args.arch}: {parameters / 1e9:.3f}B parameters")
-    result = {"device": device_name, "torch": torch.__version__, "arch": args.arch, "model": str(w.model),
-              "parameters": parameters, "matrix_parameters": matrix_parameters(w.model),
-              "dtype": str(w.dtype), "compile_backend": w.compile_backend,
-              "measured_bf16_peak_flops": peak, "steps": w.steps, "warmup": warmup, "sides": rows,
-              "runs": runs, "failed": failed, "interleaf_over_best_peer": ratios}
-    pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    pathlib.Path(args.out).write_text(json.dumps(result, indent=2, default=str) + "\n")
+        write_result()
+    result = write_result()
+    ratios = result["interleaf_over_best_peer"]
+    if result["parameters"]:
+        print(f"{args.arch}: {result['parameters'] / 1e9:.3f}B parameters")
     print(f"{'side':<20}{'step s':>8}{'tokens/s':>11}{'MFU (measured)':>16}{'MFU (989 TFLOP/s)':>19}"
           f"{'peak GiB':>10}{'loss diff max':>15}")
     for r in rows:

@@ -1,0 +1,129 @@
+#!/usr/bin/env bash
+# A GPU session's measurements, prepared so that each phase is one `device run` call:
+# GPU time comes in short leases (minutes), and a lease spent typing commands, installing
+# or fetching results by hand is lost to the measurements.
+#
+#     bash bench/gpu/fetch_wheels.sh                     # here, once: what the GPU image lacks
+#     bash bench/gpu/session.sh speed                    # on the GPU (carry bench/gpu/wheels)
+#     bash bench/gpu/session.sh planner                  # a second call, if time is left
+#     bash bench/gpu/session.sh all --tiny               # anywhere: the same commands, tiny, on the CPU
+#
+# Phases, most important first, each within 9.5 minutes (`run` with timeout_s=600; a
+# step has its own time limit, and one that fails or runs out of time leaves the others
+# to run; train.py writes its JSON after every side, so a cut run keeps what it finished):
+#   speed    bench/gpu/train.py, the 1.11B GPT then the 1.10B Llama, Interleaf's compiled
+#            bf16 and float8 sides against the strongest peer of each precision (per-block
+#            compile, torchtitan's FSDP2+compile recipe and its float8 one), the profile of
+#            each Interleaf side's last step, reduced here to its kernel categories
+#            (profile_breakdown.py); then memory_check.py on both results (no GPU needed:
+#            the sides recorded their device peaks).
+#   planner  bench/planner.py on one GPU server (its predictions against measured steps,
+#            and the planned job's device peak against the memory model), then the 2.7B
+#            memory case (admission's refusal on an 80 GB H100, or not).
+#
+# Results go to $OUT (the device tool's folder; default bench/results/gpu/session), at
+# most 8 files, as the device tool brings back: session.log, train_gpt2.json,
+# train_llama.json, memory_train.json, profile.png, profile_breakdown.json in `speed`;
+# planner.json and memory_2.7b.json in `planner`. The raw profiler traces stay on the
+# machine (tens of MB); their kernel categories come back.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+
+phase=${1:?usage: session.sh speed|planner|all [--tiny]}
+tiny=${2:-}
+OUT=${OUT:-bench/results/gpu/session}
+mkdir -p "$OUT"
+log="$OUT/session.log"
+failed=()
+traces=$(mktemp -d)
+trap 'rm -rf "$traces"' EXIT
+
+if [[ "$tiny" == "--tiny" ]]; then
+    device=(--device cpu --tiny)
+    limit() { echo 300; }
+else
+    device=()
+    limit() { echo "$1"; }
+    if [[ -d bench/gpu/wheels ]]; then  # the image's python3 with the carried wheels first
+        python3 -m pip install --quiet --no-index --no-deps --target /tmp/interleaf-site bench/gpu/wheels/*.whl \
+            >>"$log" 2>&1 || echo "installing bench/gpu/wheels failed" | tee -a "$log"
+        export PYTHONPATH=/tmp/interleaf-site
+    fi
+fi
+export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD"
+
+step() {  # step NAME SECONDS COMMAND...: runs COMMAND within SECONDS, logs its rc and time
+    local name=$1 seconds=$2; shift 2
+    local start=$SECONDS
+    echo "== $name: $*" | tee -a "$log"
+    timeout --kill-after=20 "$seconds" "$@" 2>&1 | tee -a "$log" | tail -n 25
+    local rc=${PIPESTATUS[0]}
+    echo "== $name: rc=$rc in $((SECONDS - start)) s" | tee -a "$log"
+    (( rc == 0 )) || failed+=("$name")
+}
+
+speed() {
+    # bf16 and float8, each Interleaf side against the strongest peers of its precision
+    # (docs/gpus.md#speed): per-block compile and torchtitan's recipes.
+    local sides=compile,fsdp2-compile,interleaf-compile,fsdp2-compile-fp8,interleaf-fp8
+    step train-gpt2 "$(limit 300)" python3 bench/gpu/train.py --arch gpt2 --sides "$sides" --steps 8 --warmup 3 \
+        --profile-dir "$traces/gpt2" --out "$OUT/train_gpt2.json" "${device[@]}"
+    step train-llama "$(limit 240)" python3 bench/gpu/train.py --arch llama --sides "$sides" --steps 8 --warmup 3 \
+        --out "$OUT/train_llama.json" "${device[@]}"
+    local profiled=()
+    for side in interleaf-compile interleaf-fp8; do
+        [[ -f "$traces/gpt2/profile_$side.json.gz" ]] && profiled+=("$side=$traces/gpt2/profile_$side.json.gz")
+    done
+    if [[ "$tiny" == "--tiny" ]]; then
+        echo "== profile: skipped, tiny (CPU traces hold no GPU kernels)" | tee -a "$log"
+    elif (( ${#profiled[@]} )); then
+        step profile 120 python3 bench/gpu/profile_breakdown.py "${profiled[@]}" --png "$OUT/profile.png" \
+            --json "$OUT/profile_breakdown.json"
+    fi
+    for arch in gpt2 llama; do
+        # Tiny sides ran on the CPU, where no device peak exists: the check then reads the
+        # committed GPU run's results, so that its code still runs.
+        local result="$OUT/train_$arch.json"
+        [[ "$tiny" == "--tiny" ]] && result="bench/results/gpu/train_$arch.json"
+        [[ -f "$result" ]] && step "memory-$arch" 120 python3 bench/gpu/memory_check.py \
+            --train-json "$result" --out "$OUT/memory_train_$arch.json"
+    done
+    # One file back for both (the device tool brings back at most 8).
+    python3 - "$OUT" <<'EOF'
+import json, pathlib, sys
+out = pathlib.Path(sys.argv[1])
+parts = {arch: out / f"memory_train_{arch}.json" for arch in ("gpt2", "llama")}
+merged = {arch: json.loads(path.read_text()) for arch, path in parts.items() if path.exists()}
+if merged:
+    (out / "memory_train.json").write_text(json.dumps(merged, indent=1))
+for path in parts.values():
+    path.unlink(missing_ok=True)
+EOF
+}
+
+planner() {
+    if [[ "$tiny" == "--tiny" ]]; then
+        step planner 300 python3 bench/planner.py --tiny --out "$OUT/planner.json"
+        step memory-2.7b 300 python3 bench/gpu/memory_check.py --out "$OUT/memory_2.7b.json" "${device[@]}"
+    else
+        step planner 330 python3 bench/planner.py --device cuda --servers 1 --steps 6 --warmup 2 \
+            --out "$OUT/planner.json"
+        step memory-2.7b 150 python3 bench/gpu/memory_check.py --cases gpt2-2.7b-full --out "$OUT/memory_2.7b.json"
+    fi
+}
+
+{ echo "session.sh $phase $tiny: $(date -u +%FT%TZ), tree $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || echo "no GPU"; } \
+    | tee -a "$log"
+case $phase in
+    speed) speed ;;
+    planner) planner ;;
+    all) speed; planner ;;
+    *) echo "unknown phase $phase: speed, planner or all" >&2; exit 2 ;;
+esac
+ls -l "$OUT" | tee -a "$log"
+# A non-zero exit when any step failed, so a caller (and the test of --tiny) sees it.
+if (( ${#failed[@]} )); then
+    echo "failed: ${failed[*]}" | tee -a "$log"
+    exit 1
+fi
