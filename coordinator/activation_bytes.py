@@ -166,22 +166,37 @@ def compiled_block_bytes(model, rows: int, tp: int, precision: str, sequence_par
 
 
 def compiled_selective_block_bytes(model, rows: int, tp: int, precision: str, sequence_parallel: bool = False) -> int:
-    """What one compiled block keeps under selective recompute, on one tp rank. The
-    policy (stageserver/model/recompute.py) sees the compiled graph's calls, not its
-    operations: attention is an operation it saves, but the matrix products inside the
-    graph are inductor's own calls into their kernels, which it does not. So the
-    backward reruns those products, and a block keeps selective_block_bytes less the
-    products the policy would have saved: its input, the attention output and
-    logsumexp, and what its Tape records, which is the same as eager - with tp > 1 the
-    two row-parallel outputs, and under sequence parallelism the column-parallel products
+    """What one compiled block keeps under selective recompute, on one tp rank.
+
+    tp = 1: the block and its checkpoint are compiled together
+    (stageserver/model/recompute.py, SelectiveCheckpointed), so inductor's partitioner
+    sees the policy: it saves the matrix products' outputs and attention's, and
+    recomputes the rest in the compiled backward - but only what that backward reads.
+    The last product's output (GPT-2's second MLP projection, Llama's down projection)
+    goes into the residual sum alone, which no gradient reads, so it is not kept, where
+    the eager policy keeps every product's output:
+      selective_block_bytes - b*s*d*a
+
+    tp > 1, and float8 blocks: the compiled block runs inside an eager checkpoint (the
+    collectives break its graph, which a checkpointed region may not; a float8 block
+    compiled with its checkpoint would compute other float8 operands than compiled
+    alone: stageserver/model/compiled.py), whose policy sees the graph's calls,
+    not its operations: attention is an operation it saves, but the matrix products
+    inside the graph are inductor's own calls into their kernels, which it does not. So
+    the backward reruns those products, and a block keeps selective_block_bytes less
+    the products the policy would have saved: its input, the attention output and
+    logsumexp, and what its Tape records, which is the same as eager - the two
+    row-parallel outputs, and under sequence parallelism the column-parallel products
     too (then all of selective_block_bytes):
       b*s_local*d*a + b*s*d*a/t + b*(h/t)*s*f    the input, attention output, logsumexp
-      + 2*b*s_local*d*a                          proj and down, after g (tp > 1)
+      + 2*b*s_local*d*a                          proj and down, after g
       + the column-parallel outputs              (sequence parallel)"""
-    if sequence_parallel and tp > 1:
-        return selective_block_bytes(model, rows, tp, precision, sequence_parallel)
     a, f = _dtype_bytes(precision)
     s, d = model.seq_len, model.d_model
+    if tp == 1 and precision != "fp8":
+        return selective_block_bytes(model, rows, tp, precision) - rows * s * d * a
+    if sequence_parallel and tp > 1:
+        return selective_block_bytes(model, rows, tp, precision, sequence_parallel)
     local = _local_tokens(rows, s, tp, sequence_parallel)
     tape = 2 * local * d * a if tp > 1 else 0
     return local * d * a + rows * s * d // tp * a + rows * (model.n_heads // tp) * s * f + tape

@@ -228,7 +228,8 @@ def test_measuring_changes_nothing(precision):
 
 
 def _measure_selective(tp, token_file: str, case: tuple, recompute_layers: int,
-                       sequence_parallel: bool = False, compiled: bool = False) -> tuple[int, bool]:
+                       sequence_parallel: bool = False, compiled: bool = False,
+                       fp8_recipe: str | None = None) -> tuple[int, bool]:
     """(bytes the meter reports for a chunk whose blocks run under selective recompute,
     whether its output and every gradient equal the plain chunk's bit for bit). The
     chunk holds layers 1.. so that recompute_layers=2 recomputes its first block whole."""
@@ -242,7 +243,8 @@ def _measure_selective(tp, token_file: str, case: tuple, recompute_layers: int,
     results = []
     for recompute in (BlockRecompute(), BlockRecompute("selective", recompute_layers)):
         chunk = _built(ModelChunk(config, range(1, 1 + layers), emb, head, tp, seed=5,
-                                  sequence_parallel=sequence_parallel, recompute=recompute).to(dtype), compiled)
+                                  sequence_parallel=sequence_parallel, recompute=recompute).to(dtype), compiled,
+                       fp8_recipe)
         x = ids if emb else hidden.clone().requires_grad_()
         out, kept = ActivationMeter(parameter_storages(chunk)).forward(chunk, x, targets if head else None)
         out.backward(None if head else torch.ones_like(out))

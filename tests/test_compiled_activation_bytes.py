@@ -14,9 +14,28 @@ vocabularies, the recompute modes.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
+import torch
 from tests.gloo_world import run_world
-from tests.test_activation_bytes import _measure, _measure_selective, _predict, _predict_selective, token_file
+from tests.test_activation_bytes import (
+    ALL_SHAPES,
+    _measure,
+    _measure_selective,
+    _predict,
+    _predict_selective,
+    token_file,
+)
+from interleaf.common.model.recompute_modes import block_modes
+from interleaf.coordinator.activation_bytes import (
+    chunk_activation_bytes,
+    compiled_selective_block_bytes,
+    selective_block_bytes,
+)
+from interleaf.stageserver.model import ModelChunk
+from interleaf.stageserver.model.compiled import compile_blocks
+from interleaf.stageserver.model.recompute import BlockRecompute
 from interleaf.stageserver.transport import SoloTransport
 
 __all__ = ["token_file"]  # the fixture, shared
@@ -75,6 +94,66 @@ def test_compiled_selective_prediction_equals_measurement(token_file):
             kept, equal = _measure_selective(SoloTransport(), token_file, case, recompute_layers, compiled=True)
             assert equal, f"{case}: selective recompute changed an output or a gradient"
             assert kept == _predict_selective(case, 1, recompute_layers, compiled=True), (case, recompute_layers)
+
+
+def _backward_products(chunk, x) -> tuple[int, torch.Tensor]:
+    """(matrix products - aten::mm, addmm, bmm - the chunk's backward runs, by the
+    profiler; the forward's output)."""
+    from torch.profiler import profile
+    out = chunk(x)
+    with profile() as prof:
+        out.backward(torch.ones_like(out))
+    return sum(1 for event in prof.events() if event.name in ("aten::mm", "aten::addmm", "aten::bmm")), out
+
+
+@pytest.mark.parametrize("arch", ["llama-mha", "gpt2-s16"])
+def test_compiled_selective_reruns_no_matrix_product_at_tp1(arch):
+    """At tp = 1 the block and its checkpoint compile together (SelectiveCheckpointed), so
+    the backward runs exactly the plain compiled chunk's products - none rerun, where the
+    compiled block inside an eager checkpoint reran every one. Its output and the no-grad
+    forward's equal the plain compiled chunk's bit for bit; its gradients to bf16
+    rounding (two units in the last place of each tensor's largest element): the
+    backward recomputes the norms and activations inside kernels that inductor fuses
+    otherwise than the forward's. It keeps b*s*d*a less per block than eager selective
+    recompute."""
+    rows, config = ALL_SHAPES[arch]
+    config = dataclasses.replace(config, n_layers=3)
+    hidden = torch.randn(rows, config.seq_len, config.d_model, generator=torch.Generator().manual_seed(1))
+    results = {}
+    for recompute in ("none", "selective"):
+        chunk = ModelChunk(config, range(1, 3), False, False, SoloTransport(), seed=5,
+                           recompute=BlockRecompute(recompute)).to(torch.bfloat16)
+        torch._dynamo.reset()
+        compile_blocks(chunk)
+        assert sorted(chunk.recompute.compiled_selective) == ([1, 2] if recompute == "selective" else [])
+        x = hidden.to(torch.bfloat16).requires_grad_()
+        products, out = _backward_products(chunk, x)
+        with torch.no_grad():
+            no_grad = chunk(hidden.to(torch.bfloat16))
+        assert torch.equal(no_grad, out.detach())
+        results[recompute] = products, [no_grad, x.grad, *(p.grad for p in chunk.parameters())]
+    (plain_products, plain), (products, selective) = results["none"], results["selective"]
+    assert products == plain_products > 0
+    assert torch.equal(plain[0], selective[0])  # the no-grad forward
+    for a, b in zip(plain[1:], selective[1:], strict=True):
+        assert (a.float() - b.float()).abs().max() <= 2**-6 * a.float().abs().max(), "beyond bf16 rounding"
+    bsda = rows * config.seq_len * config.d_model * 2
+    assert compiled_selective_block_bytes(config, rows, 1, "bf16") == selective_block_bytes(config, rows, 1, "bf16") - bsda
+
+
+@pytest.mark.parametrize("case,recipe", [(("bf16", False, False, 2, "llama-mha"), "rowwise"),
+                                         (("bf16", False, True, 1, "gpt2-s16"), "tensorwise")],
+                         ids=["llama-rowwise", "gpt2-tensorwise-head"])
+def test_compiled_float8_selective_keeps_the_eager_checkpoint(case, recipe, token_file):
+    """Float8 blocks stay compiled inside the eager checkpoint (compiled.py says why):
+    the prediction equals the measurement and every gradient the plain compiled float8
+    chunk's."""
+    kept, equal = _measure_selective(SoloTransport(), token_file, case, 0, compiled=True, fp8_recipe=recipe)
+    assert equal, f"{case}: selective recompute changed an output or a gradient"
+    _, emb, head, layers, name = case
+    rows, config = ALL_SHAPES[name]
+    modes = block_modes(range(1, 1 + layers), "selective", 0)
+    assert kept == chunk_activation_bytes(config, layers, emb, head, rows, 1, "fp8", False, modes, True, recipe)
 
 
 def _measure_selective_compiled(rank: int, tp, token_file: str, cases: list, sequence_parallel: bool) -> list:

@@ -89,8 +89,8 @@ LAYOUTS = {
     "zbv-selective-dp2-pp1": ["parallel.dp=2", "parallel.pp=1", "parallel.vpp=2", "parallel.schedule=zbv",
                               "parallel.zero=1", "train.recompute=selective"],
     # Compiled blocks (train.compile, inductor on the CPU): a llama block keeps less than
-    # eager, and under selective recompute its input, attention output and Tape; float8
-    # (emulated) compiled keeps less again.
+    # eager, and under selective recompute at tp=2 its input, attention output and Tape;
+    # float8 (emulated) compiled keeps less again.
     "llama-compiled-bf16-dp2-pp2-v2": ["model.arch=llama", "model.n_kv_heads=2", "model.vocab_size=300",
                                        "parallel.dp=2", "parallel.pp=2", "parallel.vpp=2", "train.precision=bf16",
                                        "train.compile=true"],
@@ -98,6 +98,11 @@ LAYOUTS = {
                                          "parallel.tp=2", "parallel.pp=2", "parallel.vpp=1",
                                          "parallel.schedule=1f1b", "train.recompute=selective",
                                          "train.compile=true"],
+    # Compiled together with their checkpoints at tp=1 (recompute.SelectiveCheckpointed):
+    # the products' outputs but the last one's, attention's, the input.
+    "compiled-selective-bf16-dp2-pp2": ["parallel.dp=2", "parallel.pp=2", "parallel.vpp=1",
+                                        "parallel.schedule=1f1b", "train.precision=bf16", "train.compile=true",
+                                        "train.recompute=selective"],
     "compiled-fp8-k2-dp2-pp2": ["parallel.dp=2", "parallel.pp=2", "parallel.vpp=1", "parallel.schedule=1f1b",
                                 "train.precision=fp8", "train.fp8_emulate=true", "train.compile=true",
                                 "train.recompute=selective", "train.recompute_layers=2"],

@@ -8,17 +8,25 @@ pipeline messages stay eager - all but the loss's softmax arithmetic, which fuse
 runs through three small compiled functions between its matrix products. Inside the graph the split-aware operations are plain
 torch ones (param_ops.py); the tensor-parallel collectives, which go through groups
 torch's compiler does not see, break the graph and run eager between its pieces.
-Recompute wraps the compiled block as it wraps an eager one (recompute.py): full
-reruns it, selective keeps what the policy keeps of it - which is less than of an eager
-block, since the policy sees the graph's call into attention but not the matrix
-products inside it, which the backward then reruns. A compiled block keeps for its
-backward what inductor's partitioner chooses, which the memory model counts
-(coordinator/activation_bytes.py, compiled_block_bytes).
+Full recompute wraps the compiled block as it wraps an eager one (recompute.py) and
+reruns it. Selective recompute at tp = 1 compiles the block together with its checkpoint
+(recompute.SelectiveCheckpointed, torchtitan's order), so that inductor's partitioner
+sees the policy: the backward reruns the norms and activations inside the compiled
+graph, never a matrix product. With tp > 1, and for float8 blocks, the compiled block
+runs inside an eager checkpoint, whose policy sees the graph's call into attention but
+not the matrix products inside it, which the backward then reruns: it keeps less, and
+costs a forward more. A compiled block keeps for its backward what inductor's
+partitioner chooses, which the memory model counts (coordinator/activation_bytes.py,
+compiled_block_bytes, compiled_selective_block_bytes).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING
+
+from interleaf.stageserver.model.fp8 import multiplies_in_float8
+from interleaf.stageserver.model.recompute import SelectiveCheckpointed
 
 if TYPE_CHECKING:
     from interleaf.stageserver.model.chunk import ModelChunk
@@ -27,8 +35,21 @@ if TYPE_CHECKING:
 def compile_blocks(chunk: ModelChunk) -> None:
     """Compiles each of the chunk's blocks (chunk.h, a ModuleDict) in place, on its first
     call, and, where the chunk has the head, its loss's per-chunk softmax arithmetic
-    (fused_loss.py: the matrix products and the collectives stay outside the graphs)."""
-    blocks = chunk.get_submodule("h")
-    for block in blocks.children():
-        block.compile()
+    (fused_loss.py: the matrix products and the collectives stay outside the graphs).
+    A block under selective recompute at tp = 1 is compiled together with its checkpoint
+    instead (recompute.SelectiveCheckpointed), so that the policy reaches the graph; not
+    a float8 one, whose casts inductor then fuses otherwise than in the plain compiled
+    block, so that its products' float8 operands, and with them its outputs, would
+    differ from it (by about 0.3% in the forward on the CPU's emulation) where every
+    other recompute mode equals it bit for bit."""
+    recompute = chunk.recompute
+    whole = {}
+    for index, block in chunk.get_submodule("h").items():
+        if chunk.tp.size == 1 and recompute.mode(int(index)) == "selective" and not multiplies_in_float8(block):
+            whole[int(index)] = SelectiveCheckpointed(block)
+            whole[int(index)].compile()
+        else:
+            block.compile()
+    if whole:
+        chunk.recompute = dataclasses.replace(recompute, compiled_selective=whole)
     chunk.compiled_loss = True

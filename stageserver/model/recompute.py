@@ -35,8 +35,8 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import weakref
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
 
 import torch
 from torch.utils._pytree import tree_leaves
@@ -61,6 +61,33 @@ and the fused attention kernels (their output and softmax statistics)."""
 
 def _policy(ctx, func, *args, **kwargs) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if func in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def selective_contexts():
+    """The policy's checkpoint contexts, a fresh pair per forward (a plain function:
+    torch.compile traces checkpoint's context_fn only when it is one, not a lambda)."""
+    return create_selective_checkpoint_contexts(_policy)
+
+
+class SelectiveCheckpointed(torch.nn.Module):
+    """A block under selective checkpointing, to be compiled whole (torchtitan's order:
+    the checkpoint wrapper first, then torch.compile of the wrapper): dynamo traces the
+    checkpoint as a region of the block's graph with each operation tagged by the
+    policy, so inductor's partitioner saves the matrix products and attention and
+    recomputes the rest inside the compiled backward. A compiled block called inside an
+    eager checkpoint (BlockRecompute's path) would show the policy only the graph's
+    call, which it does not save: the backward would rerun the products too.
+
+    Only where the block has no tensor-parallel collectives (tp = 1): they go through
+    groups dynamo does not trace, and a graph break cannot fall inside a checkpointed
+    region. Not a submodule of the chunk: the block's parameters keep their names."""
+
+    def __init__(self, block: torch.nn.Module):
+        super().__init__()
+        self.block = block
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return checkpoint(self.block, x, use_reentrant=False, context_fn=selective_contexts)
 
 
 class Kept:
@@ -106,9 +133,18 @@ class BlockRecompute:
 
     recompute: str = "none"
     recompute_layers: int = 0
+    compiled_selective: Mapping[int, Callable[[torch.Tensor], torch.Tensor]] = field(default_factory=dict)
+    """Block index -> its SelectiveCheckpointed, compiled (compiled.py, at tp = 1): run in
+    place of the block wherever its mode is selective."""
+
+    def mode(self, index: int) -> str:
+        """none, selective or full for block `index` (block_modes)."""
+        return block_modes(range(index, index + 1), self.recompute, self.recompute_layers)[0]
 
     def __call__(self, index: int, block: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-        mode = block_modes(range(index, index + 1), self.recompute, self.recompute_layers)[0]
+        if index in self.compiled_selective:  # keeps what inductor's partitioner saves (autograd's hooks see it)
+            return self.compiled_selective[index](x)
+        mode = self.mode(index)
         if mode == "none" or not torch.is_grad_enabled():  # no graph, nothing to keep
             return block(x)
         kept = _listening.get()
