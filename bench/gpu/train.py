@@ -201,7 +201,9 @@ def main() -> None:
     order = sides + (["plain"] if "plain" in sides and len(sides) > 1 else [])  # plain again last: drift
     if args.profile_dir:
         os.makedirs(args.profile_dir, exist_ok=True)  # the stage server writes its traces there
-    runs, rows, failed = {}, [], {}
+    runs: dict[str, dict] = {}
+    rows: list[dict] = []
+    failed: dict[str, str] = {}
 
     def write_result() -> dict:
         """The result so far, written after every side: a run cut short (a GPU lease's
