@@ -137,11 +137,26 @@ def test_the_gpu_session_script_runs_every_phase(tmp_path):
     log = (tmp_path / "session.log").read_text()
     assert done.returncode == 0, f"session.sh exited {done.returncode}:\n{log[-5000:]}\n{done.stderr[-2000:]}"
     files = sorted(p.name for p in tmp_path.iterdir())
-    assert files == ["memory_2.7b.json", "memory_train.json", "planner.json", "session.log", "train_gpt2.json",
-                     "train_llama.json"], files
+    assert files == ["memory_2.7b.json", "memory_train.json", "planner.json", "report.md", "session.log",
+                     "train_gpt2.json", "train_llama.json"], files
+    report = (tmp_path / "report.md").read_text()
+    assert all(f"### {name}" in report for name in ("train_gpt2.json", "train_llama.json", "planner.json"))
     assert set(json.loads((tmp_path / "memory_train.json").read_text())) == {"gpt2", "llama"}
     for arch in ("gpt2", "llama"):
         result = json.loads((tmp_path / f"train_{arch}.json").read_text())
         assert result["arch"] == arch and not result["failed"], result["failed"]
         assert set(result["interleaf_over_best_peer"]) == {"bf16", "fp8"}
     assert log.count("rc=0") == 6 and "rc=1" not in log
+
+
+def test_report_prints_the_committed_run_as_the_docs_tables():
+    """bench/gpu/report.py on the committed H200 run: the row docs/gpus.md's speed table
+    holds for it, and the memory check's."""
+    sys.path.insert(0, str(ROOT / "bench" / "gpu"))
+    from report import memory_table, train_table
+    lines = train_table(json.loads((ROOT / "bench/results/gpu/train_gpt2.json").read_text()))
+    assert "| interleaf-compile | 0.933 s | 70,210 | 68.9% | 54.4% | 38.0 GiB | 5.8e-04 |" in lines
+    assert lines[-1] == "- best of all: interleaf-fp8 / fsdp2-compile-fp8 tokens/s = **1.057**"
+    cases = json.loads((ROOT / "bench/results/gpu/memory_2.7b_repredicted.json").read_text())
+    assert memory_table(cases if isinstance(cases, list) else [cases])[-1] == \
+        "| gpt2-2.7b-full | 80.7 GiB | 81.1 GiB | torch.cuda.max_memory_allocated | +0.5% |"

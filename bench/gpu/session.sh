@@ -22,9 +22,10 @@
 #            memory case (admission's refusal on an 80 GB H100, or not).
 #
 # Results go to $OUT (the device tool's folder; default bench/results/gpu/session), at
-# most 8 files, as the device tool brings back: session.log, train_gpt2.json,
-# train_llama.json, memory_train.json, profile.png, profile_breakdown.json in `speed`;
-# planner.json and memory_2.7b.json in `planner`. The raw profiler traces stay on the
+# most 8 files, as the device tool brings back: session.log, report.md (every result as
+# Markdown tables, bench/gpu/report.py), train_gpt2.json, train_llama.json,
+# memory_train.json, profile.png, profile_breakdown.json in `speed`; planner.json and
+# memory_2.7b.json in `planner`. The raw profiler traces stay on the
 # machine (tens of MB); their kernel categories come back.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -121,6 +122,9 @@ case $phase in
     all) speed; planner ;;
     *) echo "unknown phase $phase: speed, planner or all" >&2; exit 2 ;;
 esac
+# The results as docs/gpus.md's Markdown tables, in the log and beside it.
+python3 bench/gpu/report.py "$OUT" > "$OUT/report.md" 2>>"$log" || failed+=(report)
+cat "$OUT/report.md"
 ls -l "$OUT" | tee -a "$log"
 # A non-zero exit when any step failed, so a caller (and the test of --tiny) sees it.
 if (( ${#failed[@]} )); then

@@ -1,0 +1,99 @@
+"""A GPU session's results as the Markdown tables docs/gpus.md and docs/benchmarks.md
+print: one table per train.py result, the memory check's, the planner's summary, each
+headed by where and on what tree it was measured. bench/gpu/session.sh runs it at the
+end of each phase, so the tables are in the session's log and need no GPU time to write.
+
+    python bench/gpu/report.py DIR      # DIR: session.sh's $OUT (train_*.json, memory_*.json, planner.json)
+
+Worked example: a train.py row {"side": "interleaf-compile", "median_step_seconds":
+0.933, "tokens_per_second": 70210, "mfu_measured_peak": 0.689, "mfu_datasheet_peak":
+0.544, "max_memory_allocated_bytes": 40.8e9, "loss_relative_difference_max": 5.8e-4}
+prints `| interleaf-compile | 0.933 s | 70,210 | 68.9% | 54.4% | 38.0 GiB | 5.8e-04 |`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+
+GIB = 2**30
+
+
+def _percent(value: float | None) -> str:
+    return "-" if value is None else f"{100 * value:.1f}%"
+
+
+def _gib(value: float | None) -> str:
+    return "-" if value is None else f"{value / GIB:.1f} GiB"
+
+
+def train_table(result: dict) -> list[str]:
+    """train.py's result: its provenance, one row per side, each precision's ratio."""
+    peak = result["measured_bf16_peak_flops"] / 1e12
+    lines = [f"{result['arch']}, {result['device']}, torch {result['torch']}, {result['steps']} steps "
+             f"(first {result['warmup']} left out), measured bf16 matrix rate {peak:.0f} TFLOP/s",
+             "",
+             f"| side | step | tokens/s | MFU ({peak:.0f}) | MFU (989) | peak memory | losses vs the first of its "
+             f"precision, max |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for row in result["sides"]:
+        diff = row["loss_relative_difference_max"]
+        lines.append(f"| {row['side']} | {row['median_step_seconds']:.3f} s | {row['tokens_per_second']:,.0f} | "
+                     f"{_percent(row['mfu_measured_peak'])} | {_percent(row['mfu_datasheet_peak'])} | "
+                     f"{_gib(row['max_memory_allocated_bytes'])} | {'-' if diff is None else f'{diff:.1e}'} |")
+    lines.append("")
+    ratios = result["interleaf_over_best_peer"] or {}
+    if "ratio" in ratios:  # a result from before each precision was ranked against its own peers
+        ratios = {"best of all": ratios}
+    for precision, ratio in ratios.items():
+        lines.append(f"- {precision}: {ratio['interleaf_side']} / {ratio['peer_side']} tokens/s = "
+                     f"**{ratio['ratio']:.3f}**")
+    for side, error in result.get("failed", {}).items():
+        lines.append(f"- {side}: FAILED {error[:300]}")
+    return lines
+
+
+def memory_table(cases: list[dict]) -> list[str]:
+    """memory_check.py's cases: predicted against measured peak."""
+    lines = ["| case | predicted | measured | what was measured | error |", "| --- | --- | --- | --- | --- |"]
+    for case in cases:
+        lines.append(f"| {case['case']} | {_gib(case['predicted_peak_bytes'])} | "
+                     f"{_gib(case['measured_peak_bytes'])} | {case['measured']} | {100 * case['error']:+.1f}% |")
+    return lines
+
+
+def planner_lines(result: dict) -> list[str]:
+    """bench/planner.py's summary: the targets it holds."""
+    s = result["summary"]
+    return [f"- Spearman {s['spearman']:.3f} (target >= 0.8), median |error| {100 * s['median_abs_error']:.1f}% "
+            f"(<= 15%), worst {100 * s['worst_abs_error']:.1f}%",
+            f"- planned {s['planned']}: {s['planned_vs_grid_best']:.3f}x the grid's best step ({s['grid_best']}), "
+            f"{s['planned_vs_default']:.3f}x the default's",
+            f"- the planned job's peak against the memory model: {100 * s['planned_peak_error']:+.1f}%"]
+
+
+def report(folder: pathlib.Path) -> list[str]:
+    lines: list[str] = []
+    for path in sorted(folder.glob("train_*.json")):
+        lines += [f"### {path.name}", "", *train_table(json.loads(path.read_text())), ""]
+    for path in sorted(folder.glob("memory_*.json")):
+        loaded = json.loads(path.read_text())
+        parts = loaded if isinstance(loaded, dict) else {path.stem: loaded}  # memory_train.json: per arch
+        for name, cases in parts.items():
+            lines += [f"### {path.name}: {name}", "", *memory_table(cases if isinstance(cases, list) else [cases]),
+                      ""]
+    planner = folder / "planner.json"
+    if planner.exists():
+        lines += ["### planner.json", "", *planner_lines(json.loads(planner.read_text())), ""]
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("folder", type=pathlib.Path)
+    print("\n".join(report(parser.parse_args().folder)))
+
+
+if __name__ == "__main__":
+    main()
