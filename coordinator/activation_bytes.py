@@ -49,8 +49,9 @@ by loss_chunks.CHUNK_BYTES, is not on the ledger, as no forward temporary is; ad
 adds it to the peak (head_loss_temporaries_bytes).
 
 Blocks compiled by train.compile keep what inductor's partitioner chooses, counted by
-compiled_block_bytes (and compiled_selective_block_bytes): for gpt2 the same, for llama
-and for float8 blocks less; the embedding, final norm and head stay eager.
+compiled_block_bytes: for gpt2 the same as eager, for llama and for float8 blocks less;
+under selective recompute compiled_selective_block_bytes, less than eager for every
+architecture; the embedding, final norm and head stay eager.
 
 A split backward (zero-bubble schedules) frees these at its input-gradient half I and
 keeps until its weight-gradient half W only what the parameter gradients are computed

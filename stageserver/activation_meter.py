@@ -23,11 +23,13 @@ leaking the whole graph of a step abandoned before its backward. Note that under
 saved-tensor hooks autograd no longer detects in-place writes to saved tensors.
 
 Selective recompute (`train.recompute=selective`, stageserver/model/recompute.py): inside
-a checkpointed block autograd saves nothing (torch's checkpoint hooks take the place of
-the pack hook here); what the block keeps is its input, the outputs its policy saves and
-those of its forward collectives, recorded for the rerun to replay
+an eagerly checkpointed block autograd saves nothing (torch's checkpoint hooks take the
+place of the pack hook here); what the block keeps is its input, the outputs its policy
+saves and those of its forward collectives, recorded for the rerun to replay
 (model/collective_replay.py), which recompute.kept_tensors reports and are counted with
-the rest.
+the rest. A compiled block checkpointed inside its graph (tp=1,
+recompute.SelectiveCheckpointed) is one autograd Function whose saved tensors come
+through the pack hook, as any compiled block's.
 
 Recompute (`train.recompute=full`): the forward runs under no_grad and the executor keeps
 only x, so that is all `forward_no_grad` counts; for the chunk with the head the targets

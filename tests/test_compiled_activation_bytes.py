@@ -85,10 +85,11 @@ def test_compiled_prediction_equals_measurement_tp2(token_file, sequence_paralle
 
 
 def test_compiled_selective_prediction_equals_measurement(token_file):
-    # Selective recompute over a compiled block keeps its input and attention's output
-    # (the products inside the graph are rerun); recompute_layers=2 reruns the first
-    # block whole and keeps the second as compiled, with gradients equal to the plain
-    # compiled chunk's.
+    # Selective recompute of a compiled block at tp=1 compiles it with its checkpoint
+    # (the products' outputs kept, but the last one's); recompute_layers=2 reruns the
+    # first block whole and keeps the second as compiled. Gradients equal the plain
+    # compiled chunk's bit for bit in these cases (bf16 GPT-2's agree to rounding:
+    # test_compiled_selective_reruns_no_matrix_product_at_tp1).
     for case in [("bf16", False, False, 2, "llama-mha"), ("fp32", True, True, 1, "gpt2-s13")]:
         for recompute_layers in (0, 2):
             kept, equal = _measure_selective(SoloTransport(), token_file, case, recompute_layers, compiled=True)
@@ -112,10 +113,10 @@ def test_compiled_selective_reruns_no_matrix_product_at_tp1(arch):
     the backward runs exactly the plain compiled chunk's products - none rerun, where the
     compiled block inside an eager checkpoint reran every one. Its output and the no-grad
     forward's equal the plain compiled chunk's bit for bit; its gradients to bf16
-    rounding (two units in the last place of each tensor's largest element): the
-    backward recomputes the norms and activations inside kernels that inductor fuses
-    otherwise than the forward's. It keeps b*s*d*a less per block than eager selective
-    recompute."""
+    rounding (two units in the last place of each tensor's largest element; Llama's
+    are bit for bit, GPT-2's bf16 ones are not): the backward recomputes the norms and
+    activations inside kernels that inductor fuses otherwise than the forward's. It keeps
+    b*s*d*a less per block than eager selective recompute."""
     rows, config = ALL_SHAPES[arch]
     config = dataclasses.replace(config, n_layers=3)
     hidden = torch.randn(rows, config.seq_len, config.d_model, generator=torch.Generator().manual_seed(1))

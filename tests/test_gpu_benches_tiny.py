@@ -137,7 +137,7 @@ def test_the_gpu_session_script_runs_every_phase(tmp_path):
     log = (tmp_path / "session.log").read_text()
     assert done.returncode == 0, f"session.sh exited {done.returncode}:\n{log[-5000:]}\n{done.stderr[-2000:]}"
     files = sorted(p.name for p in tmp_path.iterdir())
-    assert files == ["memory_2.7b.json", "memory_train.json", "planner.json", "report.md", "session.log",
+    assert files == ["memory_cases.json", "memory_train.json", "planner.json", "report.md", "session.log",
                      "train_gpt2.json", "train_llama.json"], files
     report = (tmp_path / "report.md").read_text()
     assert all(f"### {name}" in report for name in ("train_gpt2.json", "train_llama.json", "planner.json"))

@@ -5,7 +5,8 @@ torch.cuda.max_memory_allocated over each step, and the server's own ledger peak
 Cases (bf16, one stage server, pp=1, 4 microbatches of 8 samples of 2048 tokens):
 - gpt2-1.1b: bench/gpu/train.py's model (20 layers, d_model 2048), eager and compiled
   (train.compile: the model predicts what inductor's graphs keep, coordinator/
-  activation_bytes.py's compiled_block_bytes);
+  activation_bytes.py's compiled_block_bytes), and compiled under selective recompute
+  (each block compiled with its checkpoint: compiled_selective_block_bytes);
 - gpt2-2.7b-full: 32 layers, d_model 2560, 32 heads, full recompute, the case admission
   refused on an 80 GB H100 (83.3 GiB predicted against 79.2 GiB). Run where the GPU
   holds the prediction (an H200), it says whether the refusal was right.
@@ -54,6 +55,8 @@ COMMON = ["parallel.dp=1", "parallel.tp=1", "parallel.pp=1", "parallel.vpp=1", "
 GPU_CASES = {
     "gpt2-1.1b": _model(20, 2048, 16, 2048, 50304) + COMMON + ["train.compile=off"],
     "gpt2-1.1b-compiled": _model(20, 2048, 16, 2048, 50304) + COMMON + ["train.compile=on"],
+    "gpt2-1.1b-compiled-selective": _model(20, 2048, 16, 2048, 50304) + COMMON + ["train.compile=on",
+                                                                                  "train.recompute=selective"],
     "gpt2-2.7b-full": _model(32, 2560, 32, 2048, 50304) + COMMON + ["train.compile=off", "train.recompute=full"],
 }
 TINY_CASES = {

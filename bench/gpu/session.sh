@@ -18,14 +18,15 @@
 #            (profile_breakdown.py); then memory_check.py on both results (no GPU needed:
 #            the sides recorded their device peaks).
 #   planner  bench/planner.py on one GPU server (its predictions against measured steps,
-#            and the planned job's device peak against the memory model), then the 2.7B
-#            memory case (admission's refusal on an 80 GB H100, or not).
+#            and the planned job's device peak against the memory model), then the memory
+#            cases: compiled selective recompute, and the 2.7B one (admission's refusal on
+#            an 80 GB H100, or not).
 #
 # Results go to $OUT (the device tool's folder; default bench/results/gpu/session), at
 # most 8 files, as the device tool brings back: session.log, report.md (every result as
 # Markdown tables, bench/gpu/report.py), train_gpt2.json, train_llama.json,
 # memory_train.json, profile.png, profile_breakdown.json in `speed`; planner.json and
-# memory_2.7b.json in `planner`. The raw profiler traces stay on the
+# memory_cases.json in `planner`. The raw profiler traces stay on the
 # machine (tens of MB); their kernel categories come back.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -53,8 +54,21 @@ else
 fi
 export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD"
 
-step() {  # step NAME SECONDS COMMAND...: runs COMMAND within SECONDS, logs its rc and time
+PHASE_SECONDS=${PHASE_SECONDS:-560}  # a phase's steps end by then: the device tool's 600 s, less a margin
+deadline=0
+begin_phase() { deadline=$((SECONDS + PHASE_SECONDS)); }
+
+step() {  # step NAME SECONDS COMMAND...: runs COMMAND within SECONDS (and the phase's
+          # deadline; "rest": all of what is left but RESERVE seconds), logs its rc and time
     local name=$1 seconds=$2; shift 2
+    local left=$((deadline - SECONDS - 20))  # timeout's --kill-after
+    [[ "$seconds" == rest ]] && seconds=$((left - RESERVE))
+    (( seconds > left )) && seconds=$left
+    if (( seconds < 20 )); then
+        echo "== $name: skipped, $((deadline - SECONDS)) s left of the phase" | tee -a "$log"
+        failed+=("$name")
+        return
+    fi
     local start=$SECONDS
     echo "== $name: $*" | tee -a "$log"
     timeout --kill-after=20 "$seconds" "$@" 2>&1 | tee -a "$log" | tail -n 25
@@ -63,14 +77,17 @@ step() {  # step NAME SECONDS COMMAND...: runs COMMAND within SECONDS, logs its 
     (( rc == 0 )) || failed+=("$name")
 }
 
+RESERVE=0
+
 speed() {
+    begin_phase
     # bf16 and float8, each Interleaf side against the strongest peers of its precision
     # (docs/gpus.md#speed): per-block compile and torchtitan's recipes.
     local sides=compile,fsdp2-compile,interleaf-compile,fsdp2-compile-fp8,interleaf-fp8
     step train-gpt2 "$(limit 300)" python3 bench/gpu/train.py --arch gpt2 --sides "$sides" --steps 8 --warmup 3 \
-        --profile-dir "$traces/gpt2" --out "$OUT/train_gpt2.json" "${device[@]}"
-    step train-llama "$(limit 240)" python3 bench/gpu/train.py --arch llama --sides "$sides" --steps 8 --warmup 3 \
-        --out "$OUT/train_llama.json" "${device[@]}"
+        --profile-dir "$traces/gpt2" --out "$OUT/train_gpt2.json" ${device[@]+"${device[@]}"}
+    RESERVE=45 step train-llama rest python3 bench/gpu/train.py --arch llama --sides "$sides" --steps 8 --warmup 3 \
+        --out "$OUT/train_llama.json" ${device[@]+"${device[@]}"}
     local profiled=()
     for side in interleaf-compile interleaf-fp8; do
         [[ -f "$traces/gpt2/profile_$side.json.gz" ]] && profiled+=("$side=$traces/gpt2/profile_$side.json.gz")
@@ -90,7 +107,7 @@ speed() {
             --train-json "$result" --out "$OUT/memory_train_$arch.json"
     done
     # One file back for both (the device tool brings back at most 8).
-    python3 - "$OUT" <<'EOF'
+    python3 - "$OUT" <<'EOF' || failed+=(memory-merge)
 import json, pathlib, sys
 out = pathlib.Path(sys.argv[1])
 parts = {arch: out / f"memory_train_{arch}.json" for arch in ("gpt2", "llama")}
@@ -103,13 +120,17 @@ EOF
 }
 
 planner() {
+    begin_phase
     if [[ "$tiny" == "--tiny" ]]; then
         step planner 300 python3 bench/planner.py --tiny --out "$OUT/planner.json"
-        step memory-2.7b 300 python3 bench/gpu/memory_check.py --out "$OUT/memory_2.7b.json" "${device[@]}"
+        step memory-cases 300 python3 bench/gpu/memory_check.py --out "$OUT/memory_cases.json" "${device[@]}"
     else
         step planner 330 python3 bench/planner.py --device cuda --servers 1 --steps 6 --warmup 2 \
             --out "$OUT/planner.json"
-        step memory-2.7b 150 python3 bench/gpu/memory_check.py --cases gpt2-2.7b-full --out "$OUT/memory_2.7b.json"
+        # Compiled selective recompute (its blocks compiled with their checkpoints), then
+        # the 2.7B case admission refused on an 80 GB H100.
+        step memory-cases rest python3 bench/gpu/memory_check.py --cases gpt2-1.1b-compiled-selective,gpt2-2.7b-full \
+            --out "$OUT/memory_cases.json"
     fi
 }
 

@@ -42,8 +42,8 @@ def compile_blocks(chunk: ModelChunk) -> None:
     instead (recompute.SelectiveCheckpointed), so that the policy reaches the graph; not
     a float8 one, whose casts inductor then fuses otherwise than in the plain compiled
     block, so that its products' float8 operands, and with them its outputs, would
-    differ from it (by about 0.3% in the forward on the CPU's emulation) where every
-    other recompute mode equals it bit for bit."""
+    differ from it (by about 0.3% in the forward on the CPU's emulation), where the
+    bf16 blocks' forward equals it bit for bit and their gradients to rounding."""
     recompute = chunk.recompute
     whole: dict[int, SelectiveCheckpointed] = {}
     blocks = chunk.get_submodule("h")

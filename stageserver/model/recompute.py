@@ -25,6 +25,11 @@ sequence parallelism the column-parallel products too; coordinator/activation_by
 rerun whole (recompute_layers) keeps only its input and issues its forward collectives
 again in the rerun, as full recompute does.
 
+Compiled blocks (train.compile, compiled.py) at tp=1 run selective recompute inside their
+graph instead: SelectiveCheckpointed, compiled whole, so that inductor's partitioner
+applies the same policy (tensor-parallel blocks, whose collectives break the graph, and
+float8 ones keep the compiled block inside this eager checkpoint).
+
 recompute_layers = K: which blocks rerun whole is block_modes's choice
 (common/model/recompute_modes.py, worked example there), shared with the coordinator's
 memory model.
@@ -133,7 +138,8 @@ class BlockRecompute:
 
     recompute: str = "none"
     recompute_layers: int = 0
-    compiled_selective: Mapping[int, Callable[[torch.Tensor], torch.Tensor]] = field(default_factory=dict)
+    compiled_selective: Mapping[int, Callable[[torch.Tensor], torch.Tensor]] = field(
+        default_factory=dict, compare=False, hash=False, repr=False)
     """Block index -> its SelectiveCheckpointed, compiled (compiled.py, at tp = 1): run in
     place of the block wherever its mode is selective."""
 
@@ -142,7 +148,10 @@ class BlockRecompute:
         return block_modes(range(index, index + 1), self.recompute, self.recompute_layers)[0]
 
     def __call__(self, index: int, block: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-        if index in self.compiled_selective:  # keeps what inductor's partitioner saves (autograd's hooks see it)
+        if index in self.compiled_selective:
+            # The block compiled with its checkpoint (it wraps `block`), with grad or
+            # without: it keeps what inductor's partitioner saves, which autograd's
+            # saved-tensor hooks see, so nothing is added to Kept.
             return self.compiled_selective[index](x)
         mode = self.mode(index)
         if mode == "none" or not torch.is_grad_enabled():  # no graph, nothing to keep
