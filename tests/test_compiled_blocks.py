@@ -88,6 +88,8 @@ def test_a_compiled_model_computes_the_eager_loss_and_gradients(arch, dtype, rec
 COMPILED_JOBS = {
     # interleaved, tensor-parallel collectives inside the blocks, selective recompute
     "tp2-pp2-v2-selective": layout(tp=2, pp=2, vpp=2) + ["train.recompute=selective"],
+    # tp=1: each block compiled with its selective checkpoint (recompute.SelectiveCheckpointed)
+    "dp2-pp2-v2-selective": layout(dp=2, pp=2, vpp=2) + ["train.recompute=selective"],
     # ZeRO-3's gathers and releases around compiled blocks, full recompute
     "zero3-dp2-pp2-full": layout(dp=2, pp=2, vpp=2) + ["parallel.zero=3", "train.recompute=full"],
 }
