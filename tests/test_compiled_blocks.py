@@ -16,6 +16,9 @@ import torch._dynamo
 from interleaf.common.model.compile_modes import compiles
 from interleaf.common.model.config import ModelShape
 from interleaf.coordinator.config import ConfigError, load_config
+from interleaf.coordinator.config.parallel import SCHEDULES, SPLIT_BACKWARD
+from interleaf.coordinator.plan import plan_programs
+from interleaf.protos.actions import Kind
 from interleaf.stageserver.model.chunk import full_model
 from interleaf.stageserver.model.compiled import compile_blocks
 from interleaf.stageserver.model.recompute import BlockRecompute
@@ -36,6 +39,22 @@ def test_auto_compiles_on_cuda_only_and_never_a_split_backward():
     assert not compiles("off", "cuda", splits_backward=False)
     with pytest.raises(ValueError, match="train.compile='yes' must be one of auto, on, off"):
         compiles("yes", "cuda", splits_backward=False)
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_the_coordinator_and_the_servers_agree_on_which_blocks_compile(schedule):
+    """The coordinator decides by the schedule's name (JobConfig.compiles_on: the memory
+    model, admission, the compile allowance), a server by the program it is handed
+    (stageserver/job.py: any I action). The names in SPLIT_BACKWARD must be exactly the
+    schedules whose programs split their backwards, on every rank."""
+    pp, vpp = (2, 2) if schedule in ("interleaved-1f1b", "zbv") else (2, 1)
+    config = load_config("", [f"parallel.schedule={schedule}", f"parallel.pp={pp}", f"parallel.vpp={vpp}",
+                              "parallel.microbatches=4", "train.compile=auto"])
+    programs, _ = plan_programs(config)
+    for program in programs:
+        splits = any(a.kind is Kind.BACKWARD_INPUT for a in program)
+        assert splits == (schedule in SPLIT_BACKWARD), schedule
+        assert config.compiles_on("cuda") == compiles("auto", "cuda", splits)
 
 
 def test_config_takes_true_false_or_auto_and_refuses_true_with_a_zero_bubble_schedule():
