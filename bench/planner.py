@@ -34,6 +34,7 @@ max_memory_allocated) beside the memory model's prediction for the busiest rank.
 
     python bench/planner.py [--arch gpt2|llama] [--steps 8] [--warmup 2] [--tiny] [--out PATH]
     python bench/planner.py --device cuda --servers 1 --out results/gpu/planner.json   # one GPU
+    ... --rounds 1 --playoff-rounds 1   # fewer rounds, where steps vary little between runs (a GPU)
 
 --device cuda --servers 1: one stage server on the GPU, a 12-layer d_model 1024 GPT of
 1024-token samples in bf16, and the layouts one server runs (GPU_GRID: microbatch counts
@@ -126,6 +127,9 @@ def options(parser) -> None:
     parser.add_argument("--tiny", action="store_true", help="a seconds-long check that it runs")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the stage servers compute")
     parser.add_argument("--servers", type=int, default=SERVERS, help="stage servers (1 on a one-GPU machine)")
+    parser.add_argument("--rounds", type=int, default=ROUNDS, help=f"rounds of the whole grid (default {ROUNDS})")
+    parser.add_argument("--playoff-rounds", type=int, default=PLAYOFF_ROUNDS,
+                        help=f"more rounds of the plan, the grid's best and the default (default {PLAYOFF_ROUNDS})")
 
 
 def peaks(result: dict, device: str) -> int:
@@ -167,7 +171,7 @@ def main() -> int:
         plan = report.plans[0].layout
         layouts = grid + ([] if plan in grid else [plan])
         rounds: dict[Layout, list[dict]] = {layout: [] for layout in layouts}
-        for order in range(ROUNDS):  # forward, then backward: drift on the machine hits both ends alike
+        for order in range(max(1, args.rounds)):  # forward, then backward: drift on the machine hits both ends alike
             for layout in (layouts if order % 2 == 0 else layouts[::-1]):
                 rounds[layout].append(run_job(client, base + settings(layout)))
         def median_steps(layout: Layout) -> list[float]:
@@ -178,7 +182,7 @@ def main() -> int:
         leader = min(grid, key=lambda layout: min(median_steps(layout)))
         finalists = list(dict.fromkeys([plan, leader] + ([DEFAULT] if DEFAULT in layouts else [])))
         main_rounds = {layout: len(rounds[layout]) for layout in layouts}
-        for order in range(1 if args.tiny else PLAYOFF_ROUNDS):
+        for order in range(1 if args.tiny else max(0, args.playoff_rounds)):
             for layout in (finalists if order % 2 == 0 else finalists[::-1]):
                 rounds[layout].append(run_job(client, base + settings(layout)))
         for layout in layouts:
@@ -226,7 +230,7 @@ def main() -> int:
     }
     write_json(args.out, {"benchmark": "planner", "machine_before": before, "machine_after": machine(),
                           "servers": args.servers, "device": args.device, "model": model, "global_batch": GLOBAL_BATCH, "steps": steps,
-                          "warmup": warmup, "profile": profile.to_json(), "runs": runs, "summary": summary})
+                          "warmup": warmup, "rounds": args.rounds, "playoff_rounds": args.playoff_rounds, "profile": profile.to_json(), "runs": runs, "summary": summary})
     rows = [[r["layout"] + (" (planned)" if r["planned"] else "") + (" (default)" if r["default"] else ""),
              f"{r['measured_step_s']:.4f}", f"{r['predicted_step_s']:.4f}", f"{r['error']:+.1%}",
              f"{r['measured_peak_bytes'] / 2**20:.1f}", f"{r['predicted_peak_bytes'] / 2**20:.1f}"]

@@ -125,8 +125,10 @@ planner() {
         step planner 300 python3 bench/planner.py --tiny --out "$OUT/planner.json"
         step memory-cases 300 python3 bench/gpu/memory_check.py --out "$OUT/memory_cases.json" "${device[@]}"
     else
-        step planner 330 python3 bench/planner.py --device cuda --servers 1 --steps 6 --warmup 2 \
-            --out "$OUT/planner.json"
+        # One round of the grid and one playoff: a GPU's steps vary little between runs,
+        # and the lease is short.
+        step planner 330 python3 bench/planner.py --device cuda --servers 1 --steps 6 --warmup 2 --rounds 1 \
+            --playoff-rounds 1 --out "$OUT/planner.json"
         # Compiled selective recompute (its blocks compiled with their checkpoints), then
         # the 2.7B case admission refused on an 80 GB H100.
         step memory-cases rest python3 bench/gpu/memory_check.py --cases gpt2-1.1b-compiled-selective,gpt2-2.7b-full \
