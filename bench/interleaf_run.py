@@ -3,6 +3,9 @@ end through the public client, reduced to its per-step and per-block figures."""
 
 from __future__ import annotations
 
+import signal
+import sys
+
 from interleaf.clients.client import Client
 
 JOB_TIMEOUT_S = 600.0
@@ -10,6 +13,14 @@ JOB_TIMEOUT_S = 600.0
 MEMORY_FIELDS = ("parameters_bytes", "gradients_bytes", "optimizer_bytes", "parameters_peak_bytes",
                  "gradients_peak_bytes", "activations_peak_bytes", "communication_peak_bytes",
                  "peak_bytes", "rss_peak_bytes", "device_peak_bytes")
+
+
+def exit_cleanly_on_sigterm() -> None:
+    """SIGTERM (a `timeout` around a bench: bench/gpu/session.sh) exits through Python's
+    unwinding, so that `with LocalCluster(...)` stops its coordinator and servers before
+    the next command starts, rather than leaving them to notice their parent's death
+    while they still hold the GPU's memory."""
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
 
 
 def run_job(client: Client, overrides: list[str]) -> dict:

@@ -60,7 +60,7 @@ from interleaf.coordinator.planner.costs import layout_costs
 from interleaf.coordinator.planner.search import Cluster, programs_for, simulate_layout
 
 # Siblings in bench/ (the script's own directory is first on sys.path).
-from interleaf_run import run_job
+from interleaf_run import exit_cleanly_on_sigterm, run_job
 from measure import LOSS_TOLERANCE, arguments, machine, max_relative_difference, steady, table, write_json
 from workload import MODELS
 
@@ -140,6 +140,7 @@ def peaks(result: dict, device: str) -> int:
 
 
 def main() -> int:
+    exit_cleanly_on_sigterm()
     args = arguments(__doc__.splitlines()[0], "planner", options)
     gpu = args.device == "cuda"
     model = TINY_MODEL if args.tiny else GPU_MODEL if gpu else MODELS[args.arch]
@@ -171,20 +172,35 @@ def main() -> int:
         plan = report.plans[0].layout
         layouts = grid + ([] if plan in grid else [plan])
         rounds: dict[Layout, list[dict]] = {layout: [] for layout in layouts}
-        for order in range(max(1, args.rounds)):  # forward, then backward: drift on the machine hits both ends alike
-            for layout in (layouts if order % 2 == 0 else layouts[::-1]):
-                rounds[layout].append(run_job(client, base + settings(layout)))
+        grid_rounds = max(1, args.rounds)
+        playoff_rounds = 1 if args.tiny else max(0, args.playoff_rounds)
+
         def median_steps(layout: Layout) -> list[float]:
             return [statistics.median(steady(r["step_seconds"], warmup)) for r in rounds[layout]]
+
+        def measure(layout: Layout) -> None:
+            """One run of `layout`; the runs so far written at once, with their
+            predictions, so that a bench cut short (a GPU lease) keeps them."""
+            rounds[layout].append(run_job(client, base + settings(layout)))
+            write_json(args.out, {"benchmark": "planner", "partial": True, "servers": args.servers,
+                                  "device": args.device, "model": model, "plan": plan.describe(),
+                                  "profile": profile.to_json(),
+                                  "runs": [{"layout": done.describe(), "round_medians_s": median_steps(done),
+                                            "predicted_step_s": predicted_step(config, done, profile, planning)}
+                                           for done in layouts if rounds[done]]})
+
+        for order in range(grid_rounds):  # forward, then backward: drift on the machine hits both ends alike
+            for layout in (layouts if order % 2 == 0 else layouts[::-1]):
+                measure(layout)
 
         # The comparison the targets make, between the plan, the grid's best and the
         # default, gets PLAYOFF_ROUNDS more rounds of those three alone, alternating.
         leader = min(grid, key=lambda layout: min(median_steps(layout)))
         finalists = list(dict.fromkeys([plan, leader] + ([DEFAULT] if DEFAULT in layouts else [])))
         main_rounds = {layout: len(rounds[layout]) for layout in layouts}
-        for order in range(1 if args.tiny else max(0, args.playoff_rounds)):
+        for order in range(playoff_rounds):
             for layout in (finalists if order % 2 == 0 else finalists[::-1]):
-                rounds[layout].append(run_job(client, base + settings(layout)))
+                measure(layout)
         for layout in layouts:
             everything = median_steps(layout)
             medians = everything[:main_rounds[layout]]
@@ -230,7 +246,7 @@ def main() -> int:
     }
     write_json(args.out, {"benchmark": "planner", "machine_before": before, "machine_after": machine(),
                           "servers": args.servers, "device": args.device, "model": model, "global_batch": GLOBAL_BATCH, "steps": steps,
-                          "warmup": warmup, "rounds": args.rounds, "playoff_rounds": args.playoff_rounds, "profile": profile.to_json(), "runs": runs, "summary": summary})
+                          "warmup": warmup, "rounds": grid_rounds, "playoff_rounds": playoff_rounds, "profile": profile.to_json(), "runs": runs, "summary": summary})
     rows = [[r["layout"] + (" (planned)" if r["planned"] else "") + (" (default)" if r["default"] else ""),
              f"{r['measured_step_s']:.4f}", f"{r['predicted_step_s']:.4f}", f"{r['error']:+.1%}",
              f"{r['measured_peak_bytes'] / 2**20:.1f}", f"{r['predicted_peak_bytes'] / 2**20:.1f}"]

@@ -173,6 +173,13 @@ def parse(text: str) -> Action:
     return action
 
 
+def splits_backward(program: list[Action]) -> bool:
+    """Whether a program splits its backwards into I and W (the zero-bubble schedules):
+    what a stage server reads to decide whether its blocks may compile
+    (common/model/compile_modes.py)."""
+    return any(a.kind is Kind.BACKWARD_INPUT for a in program)
+
+
 def format_program(actions: list[Action]) -> str:
     return " ".join(str(a) for a in actions)
 

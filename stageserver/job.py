@@ -21,7 +21,7 @@ from interleaf.common.model.compile_modes import COMPILE, compiles
 from interleaf.common.model.config import ModelShape
 from interleaf.common.model.recompute_modes import MODES as RECOMPUTE
 from interleaf.protos import interleaf_pb2 as pb
-from interleaf.protos.actions import Kind, parse
+from interleaf.protos.actions import parse, splits_backward
 from interleaf.stageserver import safetensors, state_io
 from interleaf.stageserver.background_writes import BackgroundWrites
 from interleaf.stageserver.data import Sampler, resolve_source
@@ -109,7 +109,7 @@ class StageJob:
             recompute_layers=t.recompute_layers,
             fp8_recipe=t.fp8_recipe or "tensorwise",
             compile=compiles(t.compile or "auto", device.type,
-                             splits_backward=any(a.kind is Kind.BACKWARD_INPUT for a in self.program)),
+                             splits_backward=splits_backward(self.program)),
         )
         if self.train.compile:
             log.info("job %s: rank %d compiles its blocks (train.compile=%s)", request.job_id, self.rank,

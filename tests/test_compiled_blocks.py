@@ -18,7 +18,7 @@ from interleaf.common.model.config import ModelShape
 from interleaf.coordinator.config import ConfigError, load_config
 from interleaf.coordinator.config.parallel import SCHEDULES, SPLIT_BACKWARD
 from interleaf.coordinator.plan import plan_programs
-from interleaf.protos.actions import Kind
+from interleaf.protos.actions import splits_backward
 from interleaf.stageserver.model.chunk import full_model
 from interleaf.stageserver.model.compiled import compile_blocks
 from interleaf.stageserver.model.recompute import BlockRecompute
@@ -52,7 +52,7 @@ def test_the_coordinator_and_the_servers_agree_on_which_blocks_compile(schedule)
                               "parallel.microbatches=4", "train.compile=auto"])
     programs, _ = plan_programs(config)
     for program in programs:
-        splits = any(a.kind is Kind.BACKWARD_INPUT for a in program)
+        splits = splits_backward(program)  # the server's reading (stageserver/job.py)
         assert splits == (schedule in SPLIT_BACKWARD), schedule
         assert config.compiles_on("cuda") == compiles("auto", "cuda", splits)
 
@@ -107,8 +107,9 @@ def test_a_compiled_model_computes_the_eager_loss_and_gradients(arch, dtype, rec
 COMPILED_JOBS = {
     # interleaved, tensor-parallel collectives inside the blocks, selective recompute
     "tp2-pp2-v2-selective": layout(tp=2, pp=2, vpp=2) + ["train.recompute=selective"],
-    # tp=1: each block compiled with its selective checkpoint (recompute.SelectiveCheckpointed)
-    "dp2-pp2-v2-selective": layout(dp=2, pp=2, vpp=2) + ["train.recompute=selective"],
+    # tp=1: each block compiled with its selective checkpoint (recompute.SelectiveCheckpointed),
+    # its parameters gathered and released around it by ZeRO-3
+    "zero3-dp2-pp2-v2-selective": layout(dp=2, pp=2, vpp=2) + ["parallel.zero=3", "train.recompute=selective"],
     # ZeRO-3's gathers and releases around compiled blocks, full recompute
     "zero3-dp2-pp2-full": layout(dp=2, pp=2, vpp=2) + ["parallel.zero=3", "train.recompute=full"],
 }

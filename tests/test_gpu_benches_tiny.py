@@ -8,8 +8,10 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -160,3 +162,65 @@ def test_report_prints_the_committed_run_as_the_docs_tables():
     cases = json.loads((ROOT / "bench/results/gpu/memory_2.7b_repredicted.json").read_text())
     assert memory_table(cases if isinstance(cases, list) else [cases])[-1] == \
         "| gpt2-2.7b-full | 80.7 GiB | 81.1 GiB | torch.cuda.max_memory_allocated | +0.5% |"
+
+
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is `pid`, from /proc (a cluster's coordinator and
+    servers run in sessions of their own, so not in its process group)."""
+    found = []
+    for status in pathlib.Path("/proc").glob("[0-9]*/status"):
+        try:
+            fields = dict(line.split(":\t", 1) for line in status.read_text().splitlines() if ":\t" in line)
+        except OSError:  # gone meanwhile
+            continue
+        if fields.get("PPid", "").strip() == str(pid):
+            found.append(int(status.parent.name))
+    return found
+
+
+def _running(pid: int) -> bool:
+    try:
+        state = (pathlib.Path(f"/proc/{pid}/status").read_text().split("State:\t", 1)[1])[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"
+
+
+def test_a_bench_ended_by_sigterm_stops_its_cluster_before_it_exits(tmp_path):
+    """session.sh ends a step that runs out of time with `timeout`'s SIGTERM: the bench
+    exits through its `with LocalCluster(...)`, so that its coordinator and servers are
+    gone when it is (not EXIT_BOUND_S later, by their parent-death watch), and the next
+    step finds the GPU's memory free."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    bench = subprocess.Popen([sys.executable, str(ROOT / "bench" / "gpu" / "memory_check.py"), "--device", "cpu",
+                              "--tiny", "--out", str(tmp_path / "memory.json")],
+                             cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        children: list[int] = []
+        deadline = time.monotonic() + 60
+        while len(children) < 2 and time.monotonic() < deadline and bench.poll() is None:
+            children = _children(bench.pid)
+            time.sleep(0.1)
+        assert len(children) >= 2, "the bench started no cluster"  # a coordinator and a stage server
+        time.sleep(1.0)
+        bench.send_signal(signal.SIGTERM)
+        assert bench.wait(timeout=30) == 128 + signal.SIGTERM
+        assert [pid for pid in children if _running(pid)] == [], "the cluster outlived the bench"
+    finally:
+        if bench.poll() is None:
+            bench.kill()
+
+
+def test_a_refused_memory_case_is_recorded_and_fails_the_check(tmp_path):
+    """memory_check.py records a case admission refused (the 2.7B GPT on an 80 GB GPU)
+    with its reason, beside the measured ones, and exits non-zero; report.py shows it."""
+    sys.path.insert(0, str(ROOT / "bench" / "gpu"))
+    import memory_check
+    from report import memory_table
+    measured = json.loads((ROOT / "bench/results/gpu/memory_train_gpt2.json").read_text())[0]
+    refused = {"case": "gpt2-2.7b-full", "failed": "RuntimeError: needs 87.1 GiB, the server offers 79.2 GiB"}
+    out = tmp_path / "memory.json"
+    with pytest.raises(SystemExit, match="failed or refused: gpt2-2.7b-full"):
+        memory_check.report([measured, refused], str(out))
+    assert json.loads(out.read_text()) == [measured, refused]
+    assert memory_table([refused])[-1].startswith("| gpt2-2.7b-full | - | - | FAILED: RuntimeError: needs 87.1 GiB")

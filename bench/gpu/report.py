@@ -58,6 +58,9 @@ def memory_table(cases: list[dict]) -> list[str]:
     """memory_check.py's cases: predicted against measured peak."""
     lines = ["| case | predicted | measured | what was measured | error |", "| --- | --- | --- | --- | --- |"]
     for case in cases:
+        if "failed" in case:  # refused by admission, say (memory_check.py records why)
+            lines.append(f"| {case['case']} | - | - | FAILED: {case['failed'][:200]} | - |")
+            continue
         lines.append(f"| {case['case']} | {_gib(case['predicted_peak_bytes'])} | "
                      f"{_gib(case['measured_peak_bytes'])} | {case['measured']} | {100 * case['error']:+.1f}% |")
     return lines
@@ -65,12 +68,22 @@ def memory_table(cases: list[dict]) -> list[str]:
 
 def planner_lines(result: dict) -> list[str]:
     """bench/planner.py's summary: the targets it holds."""
+    if result.get("partial"):  # cut short: the runs it finished, with their predictions
+        return [f"- cut short after {len(result['runs'])} layout(s); planned {result['plan']}", "",
+                "| layout | measured step(s) | predicted |", "| --- | --- | --- |",
+                *(f"| {r['layout']} | {', '.join(f'{m:.4f} s' for m in r['round_medians_s'])} | "
+                  f"{r['predicted_step_s']:.4f} s |" for r in result["runs"])]
     s = result["summary"]
-    return [f"- Spearman {s['spearman']:.3f} (target >= 0.8), median |error| {100 * s['median_abs_error']:.1f}% "
+    # No default layout runs on one server (it is pp=2); no device peak on a CPU.
+    default = ("; the default layout did not run" if s["planned_vs_default"] is None
+               else f", {s['planned_vs_default']:.3f}x the default's")
+    peak = "-" if s["planned_peak_error"] is None else f"{100 * s['planned_peak_error']:+.1f}%"
+    return [f"- {result['device']}, {result['servers']} server(s), {result.get('rounds', 3)} round(s) of the grid: "
+            f"Spearman {s['spearman']:.3f} (target >= 0.8), median |error| {100 * s['median_abs_error']:.1f}% "
             f"(<= 15%), worst {100 * s['worst_abs_error']:.1f}%",
-            f"- planned {s['planned']}: {s['planned_vs_grid_best']:.3f}x the grid's best step ({s['grid_best']}), "
-            f"{s['planned_vs_default']:.3f}x the default's",
-            f"- the planned job's peak against the memory model: {100 * s['planned_peak_error']:+.1f}%"]
+            f"- planned {s['planned']}: {s['planned_vs_grid_best']:.3f}x the grid's best step ({s['grid_best']})"
+            f"{default}",
+            f"- the planned job's peak against the memory model: {peak}"]
 
 
 def report(folder: pathlib.Path) -> list[str]:

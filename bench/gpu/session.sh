@@ -55,23 +55,26 @@ fi
 export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD"
 
 PHASE_SECONDS=${PHASE_SECONDS:-560}  # a phase's steps end by then: the device tool's 600 s, less a margin
+KILL_AFTER=15  # after a step's SIGTERM: the bench stops its cluster (interleaf_run.exit_cleanly_on_sigterm)
 deadline=0
-begin_phase() { deadline=$((SECONDS + PHASE_SECONDS)); }
+phases=0
+# The first phase counts from the script's start (the wheels' install included), a later one from its own.
+begin_phase() { deadline=$(( (phases++ ? SECONDS : 0) + PHASE_SECONDS )); }
 
 step() {  # step NAME SECONDS COMMAND...: runs COMMAND within SECONDS (and the phase's
           # deadline; "rest": all of what is left but RESERVE seconds), logs its rc and time
     local name=$1 seconds=$2; shift 2
-    local left=$((deadline - SECONDS - 20))  # timeout's --kill-after
+    local left=$((deadline - SECONDS - KILL_AFTER))
     [[ "$seconds" == rest ]] && seconds=$((left - RESERVE))
     (( seconds > left )) && seconds=$left
-    if (( seconds < 20 )); then
+    if (( seconds < 10 )); then
         echo "== $name: skipped, $((deadline - SECONDS)) s left of the phase" | tee -a "$log"
         failed+=("$name")
         return
     fi
     local start=$SECONDS
     echo "== $name: $*" | tee -a "$log"
-    timeout --kill-after=20 "$seconds" "$@" 2>&1 | tee -a "$log" | tail -n 25
+    timeout --kill-after="$KILL_AFTER" "$seconds" "$@" 2>&1 | tee -a "$log" | tail -n 25
     local rc=${PIPESTATUS[0]}
     echo "== $name: rc=$rc in $((SECONDS - start)) s" | tee -a "$log"
     (( rc == 0 )) || failed+=("$name")
@@ -86,24 +89,15 @@ speed() {
     local sides=compile,fsdp2-compile,interleaf-compile,fsdp2-compile-fp8,interleaf-fp8
     step train-gpt2 "$(limit 300)" python3 bench/gpu/train.py --arch gpt2 --sides "$sides" --steps 8 --warmup 3 \
         --profile-dir "$traces/gpt2" --out "$OUT/train_gpt2.json" ${device[@]+"${device[@]}"}
-    RESERVE=45 step train-llama rest python3 bench/gpu/train.py --arch llama --sides "$sides" --steps 8 --warmup 3 \
+    # The rest of the phase but what the three cheap steps after it need.
+    RESERVE=80 step train-llama rest python3 bench/gpu/train.py --arch llama --sides "$sides" --steps 8 --warmup 3 \
         --out "$OUT/train_llama.json" ${device[@]+"${device[@]}"}
-    local profiled=()
-    for side in interleaf-compile interleaf-fp8; do
-        [[ -f "$traces/gpt2/profile_$side.json.gz" ]] && profiled+=("$side=$traces/gpt2/profile_$side.json.gz")
-    done
-    if [[ "$tiny" == "--tiny" ]]; then
-        echo "== profile: skipped, tiny (CPU traces hold no GPU kernels)" | tee -a "$log"
-    elif (( ${#profiled[@]} )); then
-        step profile 120 python3 bench/gpu/profile_breakdown.py "${profiled[@]}" --png "$OUT/profile.png" \
-            --json "$OUT/profile_breakdown.json"
-    fi
     for arch in gpt2 llama; do
         # Tiny sides ran on the CPU, where no device peak exists: the check then reads the
         # committed GPU run's results, so that its code still runs.
         local result="$OUT/train_$arch.json"
         [[ "$tiny" == "--tiny" ]] && result="bench/results/gpu/train_$arch.json"
-        [[ -f "$result" ]] && step "memory-$arch" 120 python3 bench/gpu/memory_check.py \
+        [[ -f "$result" ]] && step "memory-$arch" 20 python3 bench/gpu/memory_check.py \
             --train-json "$result" --out "$OUT/memory_train_$arch.json"
     done
     # One file back for both (the device tool brings back at most 8).
@@ -117,6 +111,16 @@ if merged:
 for path in parts.values():
     path.unlink(missing_ok=True)
 EOF
+    local profiled=()
+    for side in interleaf-compile interleaf-fp8; do
+        [[ -f "$traces/gpt2/profile_$side.json.gz" ]] && profiled+=("$side=$traces/gpt2/profile_$side.json.gz")
+    done
+    if [[ "$tiny" == "--tiny" ]]; then
+        echo "== profile: skipped, tiny (CPU traces hold no GPU kernels)" | tee -a "$log"
+    elif (( ${#profiled[@]} )); then
+        step profile 60 python3 bench/gpu/profile_breakdown.py "${profiled[@]}" --png "$OUT/profile.png" \
+            --json "$OUT/profile_breakdown.json"
+    fi
 }
 
 planner() {

@@ -64,7 +64,7 @@ from peak import bf16_matmul_peak  # noqa: E402
 from interleaf.clients.launcher import LocalCluster  # noqa: E402
 from interleaf.common.model.config import ModelShape  # noqa: E402
 from interleaf.coordinator.flops import flops_per_token, matrix_parameters  # noqa: E402
-from interleaf_run import run_job  # noqa: E402
+from interleaf_run import exit_cleanly_on_sigterm, run_job  # noqa: E402
 
 ARCHS = {
     "gpt2": ModelShape(n_layers=20, d_model=2048, n_heads=16, seq_len=2048, vocab_size=50304),
@@ -172,6 +172,7 @@ def best_ratios(rows: list[dict]) -> dict[str, dict]:
 
 
 def main() -> None:
+    exit_cleanly_on_sigterm()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", choices=tuple(ARCHS), default="gpt2")
     parser.add_argument("--sides", default=",".join(SIDES), help=f"comma-separated, of {', '.join(SIDES)}")
