@@ -161,7 +161,7 @@ class BlockRecompute:
             kept.inputs.append(weakref.ref(x))
         if mode == "full":
             return checkpoint(block, x, use_reentrant=False)
-        contexts = create_selective_checkpoint_contexts(_policy)
+        contexts = selective_contexts()
         tape = Tape()  # the block's forward collectives, which the rerun replays
         if kept is not None:
             kept.caches.append(contexts[0].storage)
