@@ -175,6 +175,14 @@ def main() -> int:
         grid_rounds = max(1, args.rounds)
         playoff_rounds = 1 if args.tiny else max(0, args.playoff_rounds)
 
+        predictions: dict[Layout, float] = {}
+
+        def prediction(layout: Layout) -> float:
+            """The simulator's step for `layout`, once per layout (the partial writes ask again)."""
+            if layout not in predictions:
+                predictions[layout] = predicted_step(config, layout, profile, planning)
+            return predictions[layout]
+
         def median_steps(layout: Layout) -> list[float]:
             return [statistics.median(steady(r["step_seconds"], warmup)) for r in rounds[layout]]
 
@@ -186,7 +194,7 @@ def main() -> int:
                                   "device": args.device, "model": model, "plan": plan.describe(),
                                   "profile": profile.to_json(),
                                   "runs": [{"layout": done.describe(), "round_medians_s": median_steps(done),
-                                            "predicted_step_s": predicted_step(config, done, profile, planning)}
+                                            "predicted_step_s": prediction(done)}
                                            for done in layouts if rounds[done]]})
 
         for order in range(grid_rounds):  # forward, then backward: drift on the machine hits both ends alike
@@ -205,7 +213,7 @@ def main() -> int:
             everything = median_steps(layout)
             medians = everything[:main_rounds[layout]]
             measured = min(medians)
-            predicted = predicted_step(config, layout, profile, planning)
+            predicted = prediction(layout)
             job = apply(config, layout)
             # the device's peak holds the loss's forward temporaries, the ledger's does not
             predicted_peak = max(with_temporaries(p) if gpu else p["peak_bytes"]

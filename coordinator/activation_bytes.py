@@ -177,11 +177,11 @@ def compiled_selective_block_bytes(model, rows: int, tp: int, precision: str, se
     goes into the residual sum alone, which no gradient reads, so it is not kept, where
     the eager policy keeps every product's output:
       selective_block_bytes - b*s*d*a
+    Float8 blocks keep the same: the products' bf16 outputs, their float8 operands
+    recast in the backward from the bf16 tensors kept anyway.
 
-    tp > 1, and float8 blocks: the compiled block runs inside an eager checkpoint (the
-    collectives break its graph, which a checkpointed region may not; a float8 block
-    compiled with its checkpoint would compute other float8 operands than compiled
-    alone: stageserver/model/compiled.py), whose policy sees the graph's calls,
+    tp > 1: the compiled block runs inside an eager checkpoint (the collectives break
+    its graph, which a checkpointed region may not), whose policy sees the graph's calls,
     not its operations: attention is an operation it saves, but the matrix products
     inside the graph are inductor's own calls into their kernels, which it does not. So
     the backward reruns those products, and a block keeps selective_block_bytes less
@@ -194,13 +194,12 @@ def compiled_selective_block_bytes(model, rows: int, tp: int, precision: str, se
       + the column-parallel outputs              (sequence parallel)"""
     a, f = _dtype_bytes(precision)
     s, d = model.seq_len, model.d_model
-    if tp == 1 and precision != "fp8":
+    if tp == 1:
         return selective_block_bytes(model, rows, tp, precision) - rows * s * d * a
-    if sequence_parallel and tp > 1:
+    if sequence_parallel:
         return selective_block_bytes(model, rows, tp, precision, sequence_parallel)
-    local = _local_tokens(rows, s, tp, sequence_parallel)
-    tape = 2 * local * d * a if tp > 1 else 0
-    return local * d * a + rows * s * d // tp * a + rows * (model.n_heads // tp) * s * f + tape
+    tape = 2 * rows * s * d * a  # proj and down, after g
+    return rows * s * d * a + rows * s * d // tp * a + rows * (model.n_heads // tp) * s * f + tape
 
 
 def selective_block_bytes(model, rows: int, tp: int, precision: str, sequence_parallel: bool = False) -> int:

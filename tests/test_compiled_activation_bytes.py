@@ -35,10 +35,16 @@ from interleaf.coordinator.activation_bytes import (
 )
 from interleaf.stageserver.model import ModelChunk
 from interleaf.stageserver.model.compiled import compile_blocks
+from interleaf.stageserver.model.fp8 import convert_blocks_to_fp8
 from interleaf.stageserver.model.recompute import BlockRecompute
 from interleaf.stageserver.transport import SoloTransport
 
 __all__ = ["token_file"]  # the fixture, shared
+
+FLOAT8_ROUNDING = 0.05
+"""How far (relative to its norm) a float8 chunk's output or gradient may move when only
+the fusion of its casts changes (a quarter of tests/test_fp8.py's bound against bf16;
+seen: at most 0.024): test_compiled_selective_reruns_no_matrix_product_at_tp1."""
 
 COMPILED = [
     ("bf16", True, True, 2, "llama-gqa2-padded"),  # embedding and head, two blocks
@@ -97,6 +103,11 @@ def test_compiled_selective_prediction_equals_measurement(token_file):
             assert kept == _predict_selective(case, 1, recompute_layers, compiled=True), (case, recompute_layers)
 
 
+def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    """|a - b| / |a|, Frobenius norms."""
+    return ((a.float() - b.float()).norm() / a.float().norm()).item()
+
+
 def _backward_products(chunk, x) -> tuple[int, torch.Tensor]:
     """(matrix products - aten::mm, addmm, bmm - the chunk's backward runs, by the
     profiler; the forward's output)."""
@@ -107,8 +118,10 @@ def _backward_products(chunk, x) -> tuple[int, torch.Tensor]:
     return sum(1 for event in prof.events() if event.name in ("aten::mm", "aten::addmm", "aten::bmm")), out
 
 
-@pytest.mark.parametrize("arch", ["llama-mha", "gpt2-s16"])
-def test_compiled_selective_reruns_no_matrix_product_at_tp1(arch):
+@pytest.mark.parametrize("arch,recipe", [("llama-mha", None), ("gpt2-s16", None), ("llama-mha", "rowwise"),
+                                         ("gpt2-s16", "tensorwise")],
+                         ids=["llama", "gpt2", "llama-fp8-rowwise", "gpt2-fp8-tensorwise"])
+def test_compiled_selective_reruns_no_matrix_product_at_tp1(arch, recipe):
     """At tp = 1 the block and its checkpoint compile together (SelectiveCheckpointed), so
     the backward runs exactly the plain compiled chunk's products - none rerun, where the
     compiled block inside an eager checkpoint reran every one. Its output and the no-grad
@@ -116,7 +129,15 @@ def test_compiled_selective_reruns_no_matrix_product_at_tp1(arch):
     rounding (two units in the last place of each tensor's largest element; Llama's
     are bit for bit, GPT-2's bf16 ones are not): the backward recomputes the norms and
     activations inside kernels that inductor fuses otherwise than the forward's. It keeps
-    b*s*d*a less per block than eager selective recompute."""
+    b*s*d*a less per block than eager selective recompute.
+
+    Float8 blocks (train.precision=fp8, emulated): the same products, none rerun; their
+    outputs and gradients differ from the plain compiled chunk's by float8 rounding, as
+    the plain compiled chunk's differ from the eager one's - inductor fuses the casts
+    and scales otherwise, and one e4m3 operand rounded the other way moves a product by
+    up to an eighth of that operand's term - so they are held to FLOAT8_ROUNDING. So
+    is a float8 chunk's no-grad forward against its forward with grad, compiled as a
+    graph of its own (plain compiled chunks' too)."""
     rows, config = ALL_SHAPES[arch]
     config = dataclasses.replace(config, n_layers=3)
     hidden = torch.randn(rows, config.seq_len, config.d_model, generator=torch.Generator().manual_seed(1))
@@ -124,6 +145,8 @@ def test_compiled_selective_reruns_no_matrix_product_at_tp1(arch):
     for recompute in ("none", "selective"):
         chunk = ModelChunk(config, range(1, 3), False, False, SoloTransport(), seed=5,
                            recompute=BlockRecompute(recompute)).to(torch.bfloat16)
+        if recipe:
+            convert_blocks_to_fp8(chunk, recipe, torch.device("cpu"))
         torch._dynamo.reset()
         compile_blocks(chunk)
         assert sorted(chunk.recompute.compiled_selective) == ([1, 2] if recompute == "selective" else [])
@@ -131,10 +154,19 @@ def test_compiled_selective_reruns_no_matrix_product_at_tp1(arch):
         products, out = _backward_products(chunk, x)
         with torch.no_grad():
             no_grad = chunk(hidden.to(torch.bfloat16))
-        assert torch.equal(no_grad, out.detach())
+        if recipe:
+            # the no-grad graph is compiled on its own, its casts fused otherwise (float8
+            # rounding again) when the checkpoint's region shapes the training graph
+            assert _relative(out.detach(), no_grad) <= FLOAT8_ROUNDING
+        else:
+            assert torch.equal(no_grad, out.detach())
         results[recompute] = products, [no_grad, x.grad, *(p.grad for p in chunk.parameters())]
     (plain_products, plain), (products, selective) = results["none"], results["selective"]
     assert products == plain_products > 0
+    if recipe:
+        differences = [_relative(a, b) for a, b in zip(plain, selective, strict=True)]
+        assert max(differences) <= FLOAT8_ROUNDING, differences
+        return
     assert torch.equal(plain[0], selective[0])  # the no-grad forward
     for a, b in zip(plain[1:], selective[1:], strict=True):
         assert (a.float() - b.float()).abs().max() <= 2**-6 * a.float().abs().max(), "beyond bf16 rounding"
@@ -142,19 +174,22 @@ def test_compiled_selective_reruns_no_matrix_product_at_tp1(arch):
     assert compiled_selective_block_bytes(config, rows, 1, "bf16") == selective_block_bytes(config, rows, 1, "bf16") - bsda
 
 
-@pytest.mark.parametrize("case,recipe", [(("bf16", False, False, 2, "llama-mha"), "rowwise"),
+@pytest.mark.parametrize("case,recipe", [(("bf16", True, False, 2, "llama-gqa2-padded"), "rowwise"),
                                          (("bf16", False, True, 1, "gpt2-s16"), "tensorwise")],
-                         ids=["llama-rowwise", "gpt2-tensorwise-head"])
-def test_compiled_float8_selective_keeps_the_eager_checkpoint(case, recipe, token_file):
-    """Float8 blocks stay compiled inside the eager checkpoint (compiled.py says why):
-    the prediction equals the measurement and every gradient the plain compiled float8
-    chunk's."""
-    kept, equal = _measure_selective(SoloTransport(), token_file, case, 0, compiled=True, fp8_recipe=recipe)
-    assert equal, f"{case}: selective recompute changed an output or a gradient"
+                         ids=["llama-rowwise-embedding", "gpt2-tensorwise-head"])
+def test_compiled_float8_selective_prediction_equals_measurement(case, recipe, token_file):
+    """Float8 blocks compile with their checkpoints as bf16 ones do and keep what they
+    keep (the products' bf16 outputs; the casts are recomputed): the prediction equals
+    the measurement, with recompute_layers=2 rerunning the first block whole. Their
+    gradients track the plain compiled chunk's: test_compiled_selective_reruns_no_matrix_product_at_tp1."""
     _, emb, head, layers, name = case
     rows, config = ALL_SHAPES[name]
-    modes = block_modes(range(1, 1 + layers), "selective", 0)
-    assert kept == chunk_activation_bytes(config, layers, emb, head, rows, 1, "fp8", False, modes, True, recipe)
+    for recompute_layers in (0, 2):
+        kept, _ = _measure_selective(SoloTransport(), token_file, case, recompute_layers, compiled=True,
+                                     fp8_recipe=recipe)
+        modes = block_modes(range(1, 1 + layers), "selective", recompute_layers)
+        assert kept == chunk_activation_bytes(config, layers, emb, head, rows, 1, "fp8", False, modes, True,
+                                              recipe), recompute_layers
 
 
 def _measure_selective_compiled(rank: int, tp, token_file: str, cases: list, sequence_parallel: bool) -> list:

@@ -23,6 +23,7 @@ from interleaf.coordinator.config import ConfigError, load_config
 from interleaf.stageserver.model.chunk import full_model
 from interleaf.stageserver.model.compiled import compile_blocks
 from interleaf.stageserver.model.fp8 import Float8Matmul, convert_blocks_to_fp8
+from interleaf.stageserver.model.recompute import BlockRecompute
 from interleaf.stageserver.model.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from tests.conftest import TINY, layout_free, reference, run_job
 from tests.test_equivalence import layout
@@ -58,6 +59,7 @@ def _loss_and_grad(model: nn.Module):
 @pytest.mark.parametrize("arch,recipe,compiled", [
     ("gpt2", "tensorwise", False), ("gpt2", "rowwise", False), ("llama", "tensorwise", False),
     ("llama", "rowwise", False), ("gpt2", "tensorwise", True),  # inductor traces torchao's float8 casts
+    ("llama", "rowwise", "selective"),  # compiled with their selective checkpoints
 ])
 def test_fp8_blocks_track_bf16(arch, recipe, compiled):
     shape = ModelShape(n_layers=2, d_model=64, n_heads=4, seq_len=32, vocab_size=256, arch=arch,
@@ -65,8 +67,11 @@ def test_fp8_blocks_track_bf16(arch, recipe, compiled):
     bf16 = full_model(shape, seed=1).to(torch.bfloat16)
     fp8 = full_model(shape, seed=1).to(torch.bfloat16)
     convert_blocks_to_fp8(fp8, recipe, torch.device("cpu"))
+    if compiled == "selective":
+        fp8.recompute = BlockRecompute("selective")
     if compiled:
         compile_blocks(fp8)
+        assert len(fp8.recompute.compiled_selective) == (shape.n_layers if compiled == "selective" else 0)
     converted = [m for m in fp8.h.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]
     per_block = 7 if arch == "llama" else 4  # q, k, v, proj, gate, up, down; or qkv, proj, up, down
     assert len(converted) == per_block * shape.n_layers and all(m.float8 is not None for m in converted)

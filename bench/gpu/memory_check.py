@@ -6,7 +6,8 @@ Cases (bf16, one stage server, pp=1, 4 microbatches of 8 samples of 2048 tokens)
 - gpt2-1.1b: bench/gpu/train.py's model (20 layers, d_model 2048), eager and compiled
   (train.compile: the model predicts what inductor's graphs keep, coordinator/
   activation_bytes.py's compiled_block_bytes), and compiled under selective recompute
-  (each block compiled with its checkpoint: compiled_selective_block_bytes);
+  (each block compiled with its checkpoint: compiled_selective_block_bytes), in bf16 and
+  with float8 products (train.precision=fp8, tensorwise);
 - gpt2-2.7b-full: 32 layers, d_model 2560, 32 heads, full recompute, the case admission
   refused on an 80 GB H100 (83.3 GiB predicted against 79.2 GiB). Run where the GPU
   holds the prediction (an H200), it says whether the refusal was right.
@@ -15,8 +16,8 @@ A case passes when the measured peak is within 10% of the prediction (the issue'
 bound); one that fails or is refused (admission: the 2.7B GPT on an 80 GB GPU) is
 recorded with its reason, the other cases still run, and the file is written after every
 case; on a GPU the prediction holds the fused loss's forward temporaries, which the
-device holds and the ledger does not. `--train-json PATH` does the same, with no GPU, for every Interleaf side of a
-bench/gpu/train.py result: its recorded per-step device peaks against the prediction for
+device holds and the ledger does not. `--train-json PATH...` does the same, with no GPU, for every Interleaf side of
+bench/gpu/train.py results (one table for all of them): its recorded per-step device peaks against the prediction for
 its job's overrides (the eager, compiled and float8 sides of both architectures), and
 `--measured-json PATH` for this script's own earlier GPU result. `--device cpu --tiny`: a tiny GPT on the CPU, where no device peak exists, so
 the ledger peak is compared instead (equal to the prediction, as tests/test_memory.py
@@ -59,6 +60,8 @@ GPU_CASES = {
     "gpt2-1.1b-compiled": _model(20, 2048, 16, 2048, 50304) + COMMON + ["train.compile=on"],
     "gpt2-1.1b-compiled-selective": _model(20, 2048, 16, 2048, 50304) + COMMON + ["train.compile=on",
                                                                                   "train.recompute=selective"],
+    "gpt2-1.1b-fp8-compiled-selective": _model(20, 2048, 16, 2048, 50304) + COMMON + [
+        "train.compile=on", "train.recompute=selective", "train.precision=fp8"],
     "gpt2-2.7b-full": _model(32, 2560, 32, 2048, 50304) + COMMON + ["train.compile=off", "train.recompute=full"],
 }
 TINY_CASES = {
@@ -94,7 +97,8 @@ def check(client, name: str, overrides: list[str], gpu: bool) -> dict:
 
 
 def from_train_json(path: str) -> list[dict]:
-    """Each Interleaf side of a bench/gpu/train.py result against the prediction for it."""
+    """Each Interleaf side of a bench/gpu/train.py result against the prediction for it,
+    named by its architecture and side ("llama interleaf-fp8")."""
     import train  # bench/gpu/train.py: the jobs its sides submitted
 
     result = json.loads(pathlib.Path(path).read_text())
@@ -128,13 +132,14 @@ def main() -> None:
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     parser.add_argument("--tiny", action="store_true", help="a tiny GPT (with --device cpu: in seconds)")
     parser.add_argument("--cases", default="", help="comma-separated names (default: all of the mode's)")
-    parser.add_argument("--train-json", help="no GPU: the Interleaf sides of this bench/gpu/train.py result")
+    parser.add_argument("--train-json", nargs="+", metavar="PATH",
+                        help="no GPU: the Interleaf sides of these bench/gpu/train.py results")
     parser.add_argument("--measured-json", help="no GPU: this script's earlier GPU result (its --out), its "
                                                 "measured peaks against today's predictions")
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "bench/results"), "gpu_memory.json"))
     args = parser.parse_args()
     if args.train_json:
-        report(from_train_json(args.train_json), args.out)
+        report([row for path in args.train_json for row in from_train_json(path)], args.out)
         return
     if args.measured_json:
         report(from_measured_json(args.measured_json), args.out)

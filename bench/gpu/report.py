@@ -91,11 +91,7 @@ def report(folder: pathlib.Path) -> list[str]:
     for path in sorted(folder.glob("train_*.json")):
         lines += [f"### {path.name}", "", *train_table(json.loads(path.read_text())), ""]
     for path in sorted(folder.glob("memory_*.json")):
-        loaded = json.loads(path.read_text())
-        parts = loaded if isinstance(loaded, dict) else {path.stem: loaded}  # memory_train.json: per arch
-        for name, cases in parts.items():
-            lines += [f"### {path.name}: {name}", "", *memory_table(cases if isinstance(cases, list) else [cases]),
-                      ""]
+        lines += [f"### {path.name}", "", *memory_table(json.loads(path.read_text())), ""]
     planner = folder / "planner.json"
     if planner.exists():
         lines += ["### planner.json", "", *planner_lines(json.loads(planner.read_text())), ""]

@@ -6,6 +6,7 @@
 #     bash bench/gpu/fetch_wheels.sh                     # here, once: what the GPU image lacks
 #     bash bench/gpu/session.sh speed                    # on the GPU (carry bench/gpu/wheels)
 #     bash bench/gpu/session.sh planner                  # a second call, if time is left
+#     PHASE_SECONDS=240 bash bench/gpu/session.sh planner  # ... cut to what the lease has left (status)
 #     bash bench/gpu/session.sh all --tiny               # anywhere: the same commands, tiny, on the CPU
 #
 # Phases, most important first, each within 9.5 minutes (`run` with timeout_s=600; a
@@ -89,28 +90,21 @@ speed() {
     local sides=compile,fsdp2-compile,interleaf-compile,fsdp2-compile-fp8,interleaf-fp8
     step train-gpt2 "$(limit 300)" python3 bench/gpu/train.py --arch gpt2 --sides "$sides" --steps 8 --warmup 3 \
         --profile-dir "$traces/gpt2" --out "$OUT/train_gpt2.json" ${device[@]+"${device[@]}"}
-    # The rest of the phase but what the three cheap steps after it need.
-    RESERVE=80 step train-llama rest python3 bench/gpu/train.py --arch llama --sides "$sides" --steps 8 --warmup 3 \
+    # The rest of the phase but what the two cheap steps after it need.
+    RESERVE=100 step train-llama rest python3 bench/gpu/train.py --arch llama --sides "$sides" --steps 8 --warmup 3 \
         --out "$OUT/train_llama.json" ${device[@]+"${device[@]}"}
+    # Tiny sides ran on the CPU, where no device peak exists: the check then reads the
+    # committed GPU run's results, so that its code still runs.
+    local results=()
     for arch in gpt2 llama; do
-        # Tiny sides ran on the CPU, where no device peak exists: the check then reads the
-        # committed GPU run's results, so that its code still runs.
-        local result="$OUT/train_$arch.json"
-        [[ "$tiny" == "--tiny" ]] && result="bench/results/gpu/train_$arch.json"
-        [[ -f "$result" ]] && step "memory-$arch" 20 python3 bench/gpu/memory_check.py \
-            --train-json "$result" --out "$OUT/memory_train_$arch.json"
+        if [[ "$tiny" == "--tiny" ]]; then
+            results+=("bench/results/gpu/train_$arch.json")
+        elif [[ -f "$OUT/train_$arch.json" ]]; then
+            results+=("$OUT/train_$arch.json")
+        fi
     done
-    # One file back for both (the device tool brings back at most 8).
-    python3 - "$OUT" <<'EOF' || failed+=(memory-merge)
-import json, pathlib, sys
-out = pathlib.Path(sys.argv[1])
-parts = {arch: out / f"memory_train_{arch}.json" for arch in ("gpt2", "llama")}
-merged = {arch: json.loads(path.read_text()) for arch, path in parts.items() if path.exists()}
-if merged:
-    (out / "memory_train.json").write_text(json.dumps(merged, indent=1))
-for path in parts.values():
-    path.unlink(missing_ok=True)
-EOF
+    (( ${#results[@]} )) && step memory 40 python3 bench/gpu/memory_check.py --train-json "${results[@]}" \
+        --out "$OUT/memory_train.json"
     local profiled=()
     for side in interleaf-compile interleaf-fp8; do
         [[ -f "$traces/gpt2/profile_$side.json.gz" ]] && profiled+=("$side=$traces/gpt2/profile_$side.json.gz")
@@ -133,9 +127,10 @@ planner() {
         # and the lease is short.
         step planner 330 python3 bench/planner.py --device cuda --servers 1 --steps 6 --warmup 2 --rounds 1 \
             --playoff-rounds 1 --out "$OUT/planner.json"
-        # Compiled selective recompute (its blocks compiled with their checkpoints), then
-        # the 2.7B case admission refused on an 80 GB H100.
-        step memory-cases rest python3 bench/gpu/memory_check.py --cases gpt2-1.1b-compiled-selective,gpt2-2.7b-full \
+        # Compiled selective recompute (its blocks compiled with their checkpoints) in bf16
+        # and float8, then the 2.7B case admission refused on an 80 GB H100.
+        step memory-cases rest python3 bench/gpu/memory_check.py \
+            --cases gpt2-1.1b-compiled-selective,gpt2-1.1b-fp8-compiled-selective,gpt2-2.7b-full \
             --out "$OUT/memory_cases.json"
     fi
 }

@@ -11,11 +11,11 @@ torch's compiler does not see, break the graph and run eager between its pieces.
 Full recompute wraps the compiled block as it wraps an eager one (recompute.py) and
 reruns it. Selective recompute at tp = 1 compiles the block together with its checkpoint
 (recompute.SelectiveCheckpointed, torchtitan's order), so that inductor's partitioner
-sees the policy: the backward reruns the norms and activations inside the compiled
-graph, never a matrix product. With tp > 1, and for float8 blocks, the compiled block
-runs inside an eager checkpoint, whose policy sees the graph's call into attention but
-not the matrix products inside it, which the backward then reruns: it keeps less, and
-costs a forward more. A compiled block keeps for its backward what inductor's
+sees the policy: the backward reruns the norms, activations and float8 casts inside the
+compiled graph, never a matrix product. With tp > 1 the compiled block runs inside an
+eager checkpoint, whose policy sees the graph's call into attention but not the matrix
+products inside it, which the backward then reruns: it keeps less, and costs a forward
+more. A compiled block keeps for its backward what inductor's
 partitioner chooses, which the memory model counts (coordinator/activation_bytes.py,
 compiled_block_bytes, compiled_selective_block_bytes).
 """
@@ -27,7 +27,6 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
-from interleaf.stageserver.model.fp8 import multiplies_in_float8
 from interleaf.stageserver.model.recompute import SelectiveCheckpointed
 
 if TYPE_CHECKING:
@@ -39,17 +38,17 @@ def compile_blocks(chunk: ModelChunk) -> None:
     call, and, where the chunk has the head, its loss's per-chunk softmax arithmetic
     (fused_loss.py: the matrix products and the collectives stay outside the graphs).
     A block under selective recompute at tp = 1 is compiled together with its checkpoint
-    instead (recompute.SelectiveCheckpointed), so that the policy reaches the graph; not
-    a float8 one, whose casts inductor then fuses otherwise than in the plain compiled
-    block, so that its products' float8 operands, and with them its outputs, would
-    differ from it (by about 0.3% in the forward on the CPU's emulation), where the
-    bf16 blocks' forward equals it bit for bit and their gradients to rounding."""
+    instead (recompute.SelectiveCheckpointed), so that the policy reaches the graph. Its
+    forward equals the plain compiled block's bit for bit and its gradients to rounding;
+    a float8 block's products differ from the plain compiled one's by float8 rounding
+    (inductor fuses the casts and scales otherwise, as the plain compiled block's differ
+    from eager's), tests/test_compiled_activation_bytes.py."""
     recompute = chunk.recompute
     whole: dict[int, SelectiveCheckpointed] = {}
     blocks = chunk.get_submodule("h")
     assert isinstance(blocks, nn.ModuleDict)
     for index, block in blocks.items():
-        if chunk.tp.size == 1 and recompute.mode(int(index)) == "selective" and not multiplies_in_float8(block):
+        if chunk.tp.size == 1 and recompute.mode(int(index)) == "selective":
             whole[int(index)] = SelectiveCheckpointed(block)
             whole[int(index)].compile()
         else:

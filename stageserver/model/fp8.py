@@ -74,11 +74,6 @@ def check_ready(device: torch.device) -> None:
                 f"({torch.cuda.get_device_name(device)}) is {'.'.join(map(str, capability))}")
 
 
-def multiplies_in_float8(module: nn.Module) -> bool:
-    """Whether any linear inside `module` was converted by convert_blocks_to_fp8."""
-    return any(getattr(m, "float8", None) is not None for m in module.modules())
-
-
 def convert_blocks_to_fp8(chunk: nn.Module, recipe: str, device: torch.device) -> None:
     """Every tensor-parallel linear of the chunk's blocks (chunk.h) multiplies in float8
     (emulated on a CPU); the embedding and the head are left as they are."""

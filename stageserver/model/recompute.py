@@ -27,8 +27,8 @@ again in the rerun, as full recompute does.
 
 Compiled blocks (train.compile, compiled.py) at tp=1 run selective recompute inside their
 graph instead: SelectiveCheckpointed, compiled whole, so that inductor's partitioner
-applies the same policy (tensor-parallel blocks, whose collectives break the graph, and
-float8 ones keep the compiled block inside this eager checkpoint).
+applies the same policy (tensor-parallel blocks, whose collectives break the graph,
+keep the compiled block inside this eager checkpoint).
 
 recompute_layers = K: which blocks rerun whole is block_modes's choice
 (common/model/recompute_modes.py, worked example there), shared with the coordinator's
