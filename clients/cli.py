@@ -93,9 +93,9 @@ def _load(args, remote: bool = False, planning: bool = False):
     this machine does not see leaves the config to it (None): the path is the cluster's.
     A layout about to be planned (`planning`: `interleaf plan`; or parallel.plan=auto)
     need not be valid as given: the config is then read with it set aside
-    (candidates.UNPLANNED_LAYOUT), the planner choosing it anew."""
+    (candidates.load_unplanned), the planner choosing it anew."""
     from interleaf.coordinator.config import ConfigError, InitNotFound, load_config
-    from interleaf.coordinator.planner.candidates import UNPLANNED_LAYOUT
+    from interleaf.coordinator.planner.candidates import load_unplanned
 
     if getattr(args, "resume", None):  # --resume DIR is checkpoint.resume, made absolute
         args.set.append(f"checkpoint.resume={os.path.abspath(args.resume)}")
@@ -108,7 +108,7 @@ def _load(args, remote: bool = False, planning: bool = False):
         raise UsageError(str(err)) from None
     except ConfigError as err:
         try:
-            unplanned = load_config(text, args.set + UNPLANNED_LAYOUT)
+            unplanned = load_unplanned(text, args.set)
         except ConfigError as beyond:  # wrong beyond its layout: that is what to mend
             raise UsageError(str(beyond if planning else err)) from None
         if planning or unplanned.parallel.plan == "auto":
@@ -141,6 +141,8 @@ def cmd_run(args) -> int:
         raise UsageError("parallel.plan=auto: the layout given is set aside (it breaks the rules), so it cannot say "
                          "how many local servers to plan for: give --local N")
     servers = args.local if args.local is not None else world
+    if args.local is not None and args.local < 1:
+        raise UsageError(f"--local {args.local} must be at least 1")
     if not remote and servers != world and not planned:
         raise UsageError(f"--local {servers} must equal parallel.dp*parallel.tp*parallel.pp={world}")
     given = [f for f in ("token_file", "tls_cert", "tls_key", "tls_ca") if getattr(args, f)]
@@ -149,7 +151,9 @@ def cmd_run(args) -> int:
                          "over loopback, guarded by a random token of its own")
     client = _client(args) if remote else None  # a bad --token-file or --tls-* stops it here
     if not remote:
+        assert servers is not None  # --local's, or the config's world
         _check_vocab_locally(config)
+        _check_devices_locally(config, servers, args.device)
         if not planned:  # a planned layout is admitted by the planner
             _admit_locally(config, servers, args.device)
     _check_run_logs(args)
@@ -159,7 +163,7 @@ def cmd_run(args) -> int:
     try:
         with _StopSignals(note) as signals:
             if remote:
-                planned_run = _plan(client, config, args) if planned else None
+                planned_run = _plan(client, config, args, text=text) if planned else None
                 job = client.submit(text, args.set + (planned_run.overrides if planned_run else []))
                 print(f"submitted {job.job_id}", file=sys.stderr)
                 logs = _run_logs(args, job.job_id, planned_run.config if planned_run else config, client)
@@ -172,7 +176,7 @@ def cmd_run(args) -> int:
             try:
                 cluster.start()  # stops what it started should it fail or be stopped
                 client = cluster.client()
-                planned_run = _plan(client, config, args, servers) if planned else None
+                planned_run = _plan(client, config, args, servers, text=text) if planned else None
                 job = client.submit(text, args.set + (planned_run.overrides if planned_run else []))
                 logs = _run_logs(args, job.job_id, planned_run.config if planned_run else config, client)
                 status = follow(client, job.job_id, config.train.steps, metrics, logs)
@@ -189,7 +193,7 @@ def cmd_run(args) -> int:
         logs.close()
 
 
-def _plan(client, config, args, local_servers: int | None = None):
+def _plan(client, config, args, local_servers: int | None = None, text: str = ""):
     """parallel.plan=auto: the layout chosen for `local_servers` local servers, or for
     the coordinator's idle ones (plan_command.PlannedRun)."""
     from interleaf.clients import plan_command as planning
@@ -199,9 +203,16 @@ def _plan(client, config, args, local_servers: int | None = None):
             cluster, device = planning.local_cluster(local_servers, args.device)
         else:
             cluster, device = planning.remote_cluster(client.servers())
-        return planning.plan_for_run(client, config, cluster, device, _stderr)
+        planned = planning.plan_for_run(client, config, cluster, device, _stderr)
     except planning.PlanError as err:
         raise UsageError(f"parallel.plan=auto: {err}") from None
+    _say_replaced(planning.replaced_settings(text, args.set, planned.plan))
+    return planned
+
+
+def _say_replaced(replaced: list[str]) -> None:
+    if replaced:
+        _stderr("the plan chooses the layout afresh; of the settings given it replaced: " + ", ".join(replaced))
 
 
 def _unplannable(args) -> None:
@@ -231,17 +242,31 @@ def cmd_plan(args) -> int:
                 args.profile, _stderr)
         else:
             client = _client(args)
-            cluster, device = planning.remote_cluster(client.servers())
+            cluster, device = planning.remote_cluster(_servers_or_hint(client, args))
             if args.server_memory:
                 cluster = dataclasses.replace(cluster, memory_bytes=args.server_memory)
             report, profile = planning.plan_on(client, config, cluster, device, args.top, args.profile, _stderr)
     except planning.PlanError as err:
         raise UsageError(str(err)) from None
+    _say_replaced(planning.replaced_settings(text, args.set, report.plans[0].as_json()))
     if args.json:
         planning.print_json(report)
     else:
         print(planning.report_text(report, cluster, profile, config))
     return 0
+
+
+def _servers_or_hint(client, args):
+    """The coordinator's servers; where none answers, the error says how to plan without one."""
+    import grpc
+
+    try:
+        return client.servers()
+    except grpc.RpcError as err:
+        if err.code() != grpc.StatusCode.UNAVAILABLE:
+            raise
+        raise UsageError(f"no coordinator answers at {args.coordinator} ({err.details()}): start one, name it with "
+                         "--coordinator, or plan for a described cluster with --servers N") from None
 
 
 def _check_run_logs(args) -> None:
@@ -289,14 +314,10 @@ def _check_vocab_locally(config) -> None:
         raise UsageError(str(err)) from None
 
 
-def _admit_locally(config, servers: int, device: str) -> None:
-    """The coordinator's admission check, made before any local process starts: each
-    local server would offer its GPU's memory, or its share of this machine's."""
-    from interleaf.clients.launcher import local_devices, memory_per_local_server
-    from interleaf.common.model.compile_modes import device_type_of
-    from interleaf.coordinator.admission import AdmissionError, check_fits, needed_bytes
-    from interleaf.coordinator.plan import plan_programs
-
+def _check_devices_locally(config, servers: int, device: str) -> None:
+    """The coordinator's checks of the servers' devices (float8 tensor cores, CUDA for a
+    memory snapshot), made before any local process starts or any layout is planned."""
+    from interleaf.clients.launcher import local_devices
     from interleaf.coordinator.config import ConfigError
     from interleaf.coordinator.plan import check_fp8, check_memory_snapshot
 
@@ -309,6 +330,17 @@ def _admit_locally(config, servers: int, device: str) -> None:
         check_fp8(config, devices)
     except ConfigError as err:
         raise UsageError(str(err)) from None
+
+
+def _admit_locally(config, servers: int, device: str) -> None:
+    """The coordinator's admission check, made before any local process starts: each
+    local server would offer its GPU's memory, or its share of this machine's."""
+    from interleaf.clients.launcher import local_devices, memory_per_local_server
+    from interleaf.common.model.compile_modes import device_type_of
+    from interleaf.coordinator.admission import AdmissionError, check_fits, needed_bytes
+    from interleaf.coordinator.plan import plan_programs
+
+    devices = local_devices(device, servers)  # _check_devices_locally has held them
     programs, _ = plan_programs(config)
     share = memory_per_local_server(devices)
     try:
@@ -786,6 +818,9 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C where no command stops on its own (each stops what it started first)
+        print("interrupted", file=sys.stderr)
+        return 130
     except Exception as err:
         import grpc
 

@@ -92,8 +92,11 @@ def obtain_profile(config: JobConfig, device: str, *, measure_on: Callable | Non
     if measure_on is None:
         raise PlanError(f"no device profile of this model on {device} is cached, and nothing to measure it on")
     log(f"measuring the device profile of this model on {device}")
-    with measure_on() as (client, idle):
-        profile = plan_profile.measure(client, config, device, idle, log=log)
+    try:
+        with measure_on() as (client, idle):
+            profile = plan_profile.measure(client, config, device, idle, log=log)
+    except plan_profile.ProfileJobFailed as err:
+        raise PlanError(f"measuring the device profile: {err}") from None
     path = plan_profile.store(profile, setup)
     log(f"device profile written to {path}")
     return profile
@@ -160,7 +163,18 @@ def search_timed(config: JobConfig, cluster: Cluster, profile: DeviceProfile, to
 
 
 def run_search(config: JobConfig, cluster: Cluster, profile: DeviceProfile, top: int) -> SearchReport:
+    """The search; where memory refused every layout, again with more microbatches (each
+    smaller, so that fewer activations are in flight) than pay off in the bubble."""
     report = search(config, cluster, profile, top=top)
+    if not report.plans and report.refused_by_memory:
+        report = search(config, cluster, profile, top=top, every_microbatch_count=True)
+    if not report.candidates:
+        m = config.model
+        raise PlanError(f"no layout uses all {cluster.servers} servers: dp·tp·pp = {cluster.servers} needs dp "
+                        f"to divide train.global_batch={config.train.global_batch}, tp to divide the servers of one "
+                        f"host ({cluster.servers_per_host}), model.n_heads={m.n_heads}, the key/value heads "
+                        f"({m.n_kv_heads}) and the MLP's width ({m.ffn_hidden}), and pp to be at most "
+                        f"model.n_layers={m.n_layers}")
     if not report.plans:
         leanest = "; ".join(f"{layout} needs {need / 2**30:.2f} GiB" for need, layout in report.smallest_refused)
         raise PlanError(f"no layout of {cluster.servers} servers fits {cluster.memory_bytes / 2**30:.2f} GiB each"
@@ -179,7 +193,8 @@ def report_text(report: SearchReport, cluster: Cluster, profile: DeviceProfile, 
              f"config's rules, {report.refused_by_memory} would not fit, {report.simulated} simulated, "
              f"{report.dominated} matched by a fitting one with less recompute or with sequence parallelism, "
              f"{report.bounded_out} could not beat the top by their compute alone"
-             + (" (stopped at the time budget)" if report.stopped_by_time else ""),
+             + (f", {report.unvisited} not weighed: the search stopped at its time budget, so a faster layout "
+                f"may be among them" if report.stopped_by_time else ""),
              "", f"{'#':>2}  {'layout':<48} {'step s':>9} {'tokens/s':>10} {'bubble':>7} {'peak GiB':>9}"]
     for i, plan in enumerate(report.plans, 1):
         lines.append(f"{i:>2}  {plan.layout.describe():<48} {plan.step_s:>9.4f} {tokens / plan.step_s:>10,.0f} "
@@ -205,6 +220,39 @@ def set_arguments(plan: dict) -> list[str]:
                 text = str(value)
             out += ["--set", f"{section}.{key}={text}"]
     return out
+
+
+def _setting_text(value) -> str:
+    """A setting's value as set_arguments writes it, from TOML or from --set's text."""
+    if isinstance(value, bool):
+        value = "true" if value else "false"
+    elif isinstance(value, (list, tuple)):
+        value = ",".join(map(str, value))
+    return str(value).strip().lower().replace(" ", "").strip("[]")
+
+
+def replaced_settings(text: str, sets: list[str], plan: dict) -> list[str]:
+    """The layout settings the user gave (in the config's text or as --set) that `plan`
+    (as_json's) sets otherwise, as "parallel.schedule zbv -> 1f1b": planning chooses every
+    one of them afresh, and says so rather than drop them unseen."""
+    import tomllib
+
+    chosen = {f"{section}.{key}": value for section in ("parallel", "train") for key, value in plan[section].items()}
+    given: dict[str, object] = {}
+    try:
+        table = tomllib.loads(text)
+    except tomllib.TOMLDecodeError:  # the config was read already: it parsed there
+        table = {}
+    for name in chosen:
+        section, key = name.split(".")
+        if key in table.get(section, {}):
+            given[name] = table[section][key]
+    for item in sets:
+        name, _, value = item.partition("=")
+        if name.strip() in chosen:
+            given[name.strip()] = value
+    return [f"{name} {_setting_text(value) or '[]'} -> {_setting_text(chosen[name]) or '[]'}"
+            for name, value in given.items() if _setting_text(value) != _setting_text(chosen[name])]
 
 
 def overrides(plan: dict) -> list[str]:
@@ -238,21 +286,35 @@ def plan_described(config: JobConfig, servers: int, memory_bytes: int | None, se
     """Plans for `servers` servers that need not exist; costs measured on this machine's
     device (two local servers) unless cached or given."""
     from interleaf.clients.launcher import local_devices, memory_per_local_server
+    from interleaf.coordinator.config import ConfigError
+    from interleaf.coordinator.plan import check_fp8, check_memory_snapshot
 
+    if profile_path and memory_bytes:  # costs and memory both given: nothing here is run or read
+        profile = obtain_profile(config, "", profile_path=profile_path, log=log, measure_on=None)
+        cluster = Cluster(servers, memory_bytes, servers_per_host=servers_per_host or min(servers, 8),
+                          device_type=device_type_of([profile.device]))
+        return run_search(config, cluster, profile, top), cluster, profile
     try:  # two servers to profile on, or one on a machine with one GPU
         try:
             devices = local_devices(device, min(2, servers))
         except ValueError:
             devices = local_devices(device, 1)
     except ValueError as err:
-        raise PlanError(f"--device {device}: {err}") from None
+        raise PlanError(f"--device {device}: {err}"
+                        + ("; with --profile, --server-memory plans without any here" if profile_path else "")) from None
     local_memory = memory_per_local_server(devices)
-    cluster = Cluster(servers, memory_bytes or local_memory, servers_per_host=servers_per_host or min(servers, 8),
-                      device_type=device_type_of(devices))
-    local = None if profile_path else ProfileServers(lambda: local_servers(len(devices), device), len(devices),
-                                                     local_memory)
+    local = None
+    if not profile_path:  # the profile and shape jobs run on these devices: the coordinator's checks of them
+        try:
+            check_memory_snapshot(config, devices)
+            check_fp8(config, devices)
+        except ConfigError as err:
+            raise PlanError(f"the profile jobs run on this machine's {devices[0]}: {err}") from None
+        local = ProfileServers(lambda: local_servers(len(devices), device), len(devices), local_memory)
     profile = obtain_profile(config, device_kind(devices[0]), profile_path=profile_path, log=log,
                              measure_on=local.open if local else None)
+    cluster = Cluster(servers, memory_bytes or local_memory, servers_per_host=servers_per_host or min(servers, 8),
+                      device_type=device_type_of([profile.device]) if profile_path else device_type_of(devices))
     report, profile = search_timed(config, cluster, profile, top, local, log)
     return report, cluster, profile
 
@@ -271,6 +333,8 @@ def plan_on(client, config: JobConfig, cluster: Cluster, device: str, top: int, 
 class PlannedRun:
     overrides: list[str]
     """The chosen layout as SECTION.KEY=VALUE, parallel.plan spent."""
+    plan: dict
+    """The chosen plan as `interleaf plan --json` gives it (RankedPlan.as_json)."""
     config: JobConfig
     """The job's config under that layout."""
     refine: Callable[[str], None]
@@ -287,7 +351,7 @@ def plan_for_run(client, config: JobConfig, cluster: Cluster, device: str, log) 
     for line in explain(best):
         log(f"  {line}")
     log(f"  {describe_profile(profile)}")
-    return PlannedRun(overrides(best.as_json()), best.config,
+    return PlannedRun(overrides(best.as_json()), best.as_json(), best.config,
                       lambda job_id: refine_from_job(client, job_id, best.config, profile, cluster))
 
 

@@ -39,6 +39,7 @@ device and software reads it back at once.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -133,8 +134,10 @@ def _with_model(config: JobConfig, model: dict) -> JobConfig:
 
 def _layer_flops(config: JobConfig, rows: int) -> float:
     one = partition(config.model.n_layers, config.model.n_layers, 1, "1f1b")[1 if config.model.n_layers > 1 else 0]
+    # one server, one microbatch, no evaluation (whose rows rules tie to the microbatch's)
     single = dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, pp=1, vpp=1, dp=1, tp=1,
-                                                                       schedule="1f1b", microbatches=1, plan=""))
+                                                                       schedule="1f1b", microbatches=1, plan=""),
+                                 eval=dataclasses.replace(config.eval, every=0))
     return chunk_forward_flops(single, dataclasses.replace(one, has_head=False), rows)
 
 
@@ -397,15 +400,25 @@ def _run_profile_job(client, setup: dict, pp: int, job: ProfileJob, device: str,
     return _run_traced(client, overrides, job_config, job.describe(pp), device, log)
 
 
+class ProfileJobFailed(RuntimeError):
+    """A profile or shape job that did not succeed; the message says which and why."""
+
+
 def _run_traced(client, overrides: list[str], job_config: JobConfig, label: str, device: str, log) -> list[dict]:
     """Submits the job of `overrides` (read as `job_config`) and returns its traced steps'
-    observations; RuntimeError if it does not succeed."""
+    observations; ProfileJobFailed if it does not succeed. Interrupted while it runs
+    (Ctrl-C), the job is cancelled: it would otherwise hold the servers for nobody."""
     started = time.monotonic()
     status = client.submit("", overrides)
-    final, _ = client.wait(status.job_id, timeout_s=600)
+    try:
+        final, _ = client.wait(status.job_id, timeout_s=600)
+    except BaseException:
+        with contextlib.suppress(Exception):
+            client.cancel(status.job_id)
+        raise
     if final.state != "SUCCEEDED":
-        raise RuntimeError(f"profile job {status.job_id} ({label}) ended {final.state}: "
-                           f"{final.error or final.reason}")
+        raise ProfileJobFailed(f"profile job {status.job_id} ({label}) ended {final.state}: "
+                               f"{final.error or final.reason}")
     found = []
     for step in TRACED:
         trace = client.trace(status.job_id, step)
@@ -506,7 +519,7 @@ def measure_shapes(client, config: JobConfig, profile: DeviceProfile, needs: lis
             continue
         try:
             found = _run_traced(client, overrides, job_config, job.describe(pp), profile.device, log)
-        except RuntimeError as err:
+        except ProfileJobFailed as err:
             log(f"not timed: {err}")
             continue
         seen += [o if o["kind"].startswith(LINK_OBSERVED) else dict(o, seconds=o["seconds"] / slowdown)

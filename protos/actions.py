@@ -57,6 +57,11 @@ class Kind(enum.Enum):
     OPTIMIZER_STEP = "OPT"
     EXCHANGE = "X"
 
+    # Members are singletons, equal only to themselves: hashed by identity they fill sets
+    # and dicts as Enum's hash of the name does (whose order str hashing randomizes per
+    # process anyway), at a fraction of its cost - the planner's search hashes millions.
+    __hash__ = object.__hash__
+
 
 COMPUTE = frozenset({Kind.FORWARD, Kind.BACKWARD, Kind.BACKWARD_INPUT, Kind.BACKWARD_WEIGHT})
 INPUT_GRADS = frozenset({Kind.BACKWARD, Kind.BACKWARD_INPUT})

@@ -99,7 +99,7 @@ def test_expect_multi_gpu_from_the_committed_run(tmp_path):
 
 def test_profile_breakdown_sums_each_category_and_counts_idle_over_the_union():
     sys.path.insert(0, str(ROOT / "bench" / "gpu"))
-    from profile_breakdown import breakdown
+    from profile_breakdown import breakdown, top_kernels
 
     kernels = [("nvjet_sm90_tst_128x256", 0, 50), ("triton_poi_fused_gelu", 40, 20),  # overlaps by 10
                ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop", 70, 10), ("Memcpy DtoD", 90, 5),
@@ -109,6 +109,10 @@ def test_profile_breakdown_sums_each_category_and_counts_idle_over_the_union():
     assert times["matrix products"] == 0.05 and times["inductor fused"] == 0.02 and times["attention"] == 0.01
     assert times["copies"] == 0.005 and times["optimizer"] == 0.005
     assert abs(times["idle"] - 0.020) < 1e-12  # a 100 us span, 80 us covered: 60-70 and 80-90 idle
+    repeated = events + [{"ph": "X", "cat": "kernel", "name": "triton_poi_fused_gelu", "ts": 100, "dur": 45}]
+    top = top_kernels({"traceEvents": repeated}, 2)
+    assert top == [{"name": "triton_poi_fused_gelu", "category": "inductor fused", "calls": 2, "ms": 0.065},
+                   {"name": "nvjet_sm90_tst_128x256", "category": "matrix products", "calls": 1, "ms": 0.05}]
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])

@@ -20,7 +20,8 @@ from interleaf.coordinator.planner.candidates import Layout, apply, grids, head_
 from interleaf.coordinator.planner.costs import (DeviceProfile, Law, LayoutCosts, chunk_forward_flops,
                                                 chunk_parameters, collective_s, layout_costs, normalized)
 from interleaf.protos import interleaf_pb2 as pb
-from interleaf.coordinator.planner.search import Cluster, compute_bound, programs_for, search, simulate_layout
+from interleaf.coordinator.planner.search import (Cluster, compute_bound, explain, programs_for, search,
+                                                  simulate_layout)
 
 SMALL = ["model.n_layers=8", "model.d_model=64", "model.n_heads=4", "model.seq_len=32", "train.global_batch=16"]
 GIB = 1 << 30
@@ -524,3 +525,74 @@ def rows_of(config) -> int:
 def chunks_of(config) -> list:
     p = config.parallel
     return partition(config.model.n_layers, p.pp, p.vpp, p.schedule, p.layers)
+
+
+def test_too_little_memory_for_few_microbatches_plans_more_of_them():
+    """Only microbatches of one sample fit: the search goes past 8*pp*vpp of them rather
+    than report that nothing fits (plan_command.run_search), and says why at pp=1."""
+    config = load_config("", SMALL + ["model.d_model=256", "model.seq_len=256", "train.global_batch=64"])
+
+    def need(microbatches: int) -> int:
+        job = apply(config, Layout(1, 1, 1, 1, "1f1b", microbatches, 0, "full"))
+        return max(needed_bytes(job, programs_for(job)))
+
+    assert need(64) < need(8)
+    cluster = Cluster(1, (need(64) + need(32)) // 2, 1)
+    assert not search(config, cluster, profile(), top=3).plans
+    report = plan_command.run_search(config, cluster, profile(), 3)
+    assert report.plans and all(p.layout.microbatches > 8 for p in report.plans)  # past 8*pp*vpp
+    assert all(p.admission_bytes <= cluster.memory_bytes for p in report.plans)
+    best = report.plans[0]
+    why = "\n".join(explain(best))
+    assert f"{best.layout.microbatches} microbatches, no pipeline" in why and "fill and drain" not in why
+
+
+def test_a_search_cut_by_its_time_budget_says_what_it_left_unweighed():
+    config = load_config("", SMALL)
+    report = search(config, Cluster(4, 2_000_000_000, 4), profile(), top=3, budget_s=0.0)
+    assert report.stopped_by_time and report.unvisited == report.candidates - report.refused_by_rules
+    assert report.bounded_out == 0
+    text = plan_command.report_text(dataclasses.replace(report, plans=search(config, Cluster(4, 2 * GIB, 4),
+                                                                               profile(), top=1).plans),
+                                    Cluster(4, 2 * GIB, 4), profile(), config)
+    assert f"{report.unvisited} not weighed: the search stopped at its time budget" in text
+
+
+def test_what_users_tripped_on_is_planned_or_refused_clearly(tmp_path, capsys):
+    """Each case a user met: evaluation rows tied to the microbatch; a server count no
+    layout uses; layout settings given and replaced (said); a GPU's profile planned on
+    a machine without a GPU; --local 0; float8 on CPU servers refused before anything
+    starts, by `run --plan auto` and by `plan`."""
+    from interleaf.clients.cli import main
+
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(profile().to_json()))
+    plan = ["plan", "--servers", "4", "--profile", str(path), "--json"]
+    evaluated = ["--set", "eval.every=10", "--set", "eval.samples=4"]
+    assert main(plan + evaluated) == 0
+    for chosen in json.loads(capsys.readouterr().out):  # rows of a microbatch divide eval.samples
+        load_config("", ["eval.every=10", "eval.samples=4"] + plan_command.overrides(chosen))
+
+    assert main(["plan", "--servers", "5", "--profile", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "no layout uses all 5 servers" in err and "train.global_batch=16" in err and "GiB" not in err
+
+    assert main(plan + ["--set", "parallel.schedule=zbv", "--set", "parallel.zero=3", "--set", "parallel.dp=4"]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)[0]["parallel"]["schedule"] != "zbv"
+    assert "of the settings given it replaced: parallel.schedule zbv -> " in captured.err
+
+    gpu = dataclasses.replace(profile(), device="cuda (NVIDIA H100 80GB HBM3)")
+    gpu_path = tmp_path / "gpu.json"
+    gpu_path.write_text(json.dumps(gpu.to_json()))
+    assert main(["plan", "--servers", "8", "--device", "cuda", "--profile", str(gpu_path), "--server-memory",
+                 str(80 * GIB), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)
+
+    assert main(["run", "--local", "0", "--plan", "auto"]) == 2
+    assert "--local 0 must be at least 1" in capsys.readouterr().err
+    for refused in (["run", "--local", "2", "--plan", "auto", "--set", "train.precision=fp8"],
+                    ["plan", "--servers", "2", "--set", "train.precision=fp8"]):
+        assert main(refused) == 2
+        err = capsys.readouterr().err
+        assert "train.precision='fp8' needs stage servers on GPUs" in err and "starting a coordinator" not in err

@@ -12,7 +12,14 @@ so kernels on two streams at once count in both, while idle is the span less the
 of all kernels: with overlap the bars add up to more than the span (one rank, as here,
 overlaps little: its only other streams are the NCCL groups', idle with one member).
 
-    python bench/gpu/profile_breakdown.py LABEL=TRACE.json.gz ... --png OUT.png [--json OUT.json]
+Beside the categories, each trace's costliest kernels by name (--kernels of them, their
+calls and summed time): what the next change to the step should look at first, since
+the categories say how much goes where but not which operations it is.
+
+    python bench/gpu/profile_breakdown.py LABEL=TRACE.json.gz ... --png OUT.png [--json OUT.json] [--kernels 25]
+
+The JSON: {"categories_ms": {label: {category: ms}}, "top_kernels": {label: [{"name",
+"category", "calls", "ms"}, ...]}}.
 """
 
 from __future__ import annotations
@@ -41,12 +48,31 @@ def category(name: str) -> str:
     return "other elementwise"
 
 
-def breakdown(trace: dict) -> dict[str, float]:
-    """Milliseconds per category over the trace's GPU span (kernels, copies and fills)."""
+def _kernels(trace: dict) -> list[dict]:
+    """The trace's GPU events: kernels, copies and fills."""
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
     kernels = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
     if not kernels:
         raise ValueError("the trace holds no GPU kernels (was it taken on a GPU?)")
+    return kernels
+
+
+def top_kernels(trace: dict, count: int) -> list[dict]:
+    """The `count` kernel names with the most summed time, each with its category, calls
+    and milliseconds (names cut to 160 characters: templated ones run to thousands)."""
+    totals: dict[str, list] = {}
+    for e in _kernels(trace):
+        entry = totals.setdefault(e["name"], [0, 0.0])
+        entry[0] += 1
+        entry[1] += e["dur"] / 1e3
+    ranked = sorted(totals.items(), key=lambda item: -item[1][1])[:count]
+    return [{"name": name[:160], "category": category(name), "calls": calls, "ms": round(ms, 3)}
+            for name, (calls, ms) in ranked]
+
+
+def breakdown(trace: dict) -> dict[str, float]:
+    """Milliseconds per category over the trace's GPU span (kernels, copies and fills)."""
+    kernels = _kernels(trace)
     times = dict.fromkeys(CATEGORIES, 0.0)
     for e in kernels:
         times[category(e["name"])] += e["dur"] / 1e3
@@ -86,18 +112,24 @@ def main() -> None:
     parser.add_argument("traces", nargs="+", help="LABEL=PATH of a gzip-compressed Chrome trace")
     parser.add_argument("--png", required=True)
     parser.add_argument("--json")
+    parser.add_argument("--kernels", type=int, default=25, help="how many of each trace's costliest kernels to list")
     args = parser.parse_args()
-    rows = {}
+    rows, tops = {}, {}
     for item in args.traces:
         label, _, path = item.rpartition("=")  # a label may hold "=" (train.compile=on), a path not
-        rows[label] = breakdown(json.loads(gzip.decompress(pathlib.Path(path).read_bytes())))
+        trace = json.loads(gzip.decompress(pathlib.Path(path).read_bytes()))
+        rows[label], tops[label] = breakdown(trace), top_kernels(trace, args.kernels)
     draw(rows, args.png)
     if args.json:
-        pathlib.Path(args.json).write_text(json.dumps(rows, indent=2) + "\n")
+        pathlib.Path(args.json).write_text(json.dumps({"categories_ms": rows, "top_kernels": tops}, indent=2) + "\n")
     print(f"{'ms':<14}" + "".join(f"{label:>22}" for label in rows))
     for name in (*CATEGORIES, "total"):
         values = [sum(r.values()) if name == "total" else r[name] for r in rows.values()]
         print(f"{name:<18}" + "".join(f"{v:>18.1f}" for v in values))
+    for label, kernels in tops.items():
+        print(f"\n{label}: the costliest kernels")
+        for k in kernels:
+            print(f"{k['ms']:>10.2f} ms {k['calls']:>6} calls  {k['category']:<18} {k['name'][:100]}")
 
 
 if __name__ == "__main__":

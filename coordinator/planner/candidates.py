@@ -81,6 +81,24 @@ planned: one server, one chunk, one microbatch. The plan's own layout replaces i
 a valid layout.)"""
 
 
+def load_unplanned(text: str, sets: list[str]) -> JobConfig:
+    """The config of `text` and `sets` with its layout set aside (UNPLANNED_LAYOUT); or,
+    where a rule ties another setting to the microbatch's rows (eval.samples must be a
+    multiple of them), with microbatches of one sample instead, which every such rule
+    takes. ConfigError, the first placeholder's, when the config breaks a rule beyond its
+    layout."""
+    from interleaf.coordinator.config import load_config
+
+    try:
+        return load_config(text, sets + UNPLANNED_LAYOUT)
+    except ConfigError as first:
+        try:
+            rows_of_one = load_config(text, sets + UNPLANNED_LAYOUT + ["eval.every=0"]).train.global_batch
+            return load_config(text, sets + UNPLANNED_LAYOUT + [f"parallel.microbatches={rows_of_one}"])
+        except ConfigError:
+            raise first from None
+
+
 def apply(config: JobConfig, layout: Layout) -> JobConfig:
     """`config` with `layout`'s settings; ConfigError where a rule refuses them. The
     plan itself (parallel.plan) is spent: the result names one layout."""
@@ -119,10 +137,11 @@ def pipelines(pp: int, n_layers: int) -> Iterator[tuple[str, int]]:
         yield "zbv", 2
 
 
-def microbatch_counts(samples: int, pp: int, vpp: int, schedule: str) -> list[int]:
+def microbatch_counts(samples: int, pp: int, vpp: int, schedule: str, every: bool = False) -> list[int]:
     """Divisors of a replica's samples per step, from pp (fewer leave most ranks idle)
-    to 8 * pp * vpp; interleaved-1f1b needs multiples of pp."""
-    low, high = (pp if pp > 1 else 1), 8 * pp * vpp
+    to 8 * pp * vpp (`every`: to all of the samples, microbatches of one, for a model
+    whose activations fit no fewer); interleaved-1f1b needs multiples of pp."""
+    low, high = (pp if pp > 1 else 1), (samples if every else 8 * pp * vpp)
     counts = [m for m in divisors(samples) if low <= m <= high]
     if schedule == "interleaved-1f1b":
         counts = [m for m in counts if m % pp == 0]
@@ -149,15 +168,18 @@ def head_balanced_split(n_layers: int, chunks: int, head_layers: float) -> tuple
     return () if sizes == even or min(sizes) < 1 else sizes
 
 
-def layouts(config: JobConfig, servers: int, servers_per_host: int, head_layers: float = 0.0) -> Iterator[Layout]:
+def layouts(config: JobConfig, servers: int, servers_per_host: int, head_layers: float = 0.0,
+            every_microbatch_count: bool = False) -> Iterator[Layout]:
     """Every candidate layout, before the config's rules are applied; `head_layers`: the
-    head's cost in layers, for the split that evens it out."""
+    head's cost in layers, for the split that evens it out; `every_microbatch_count`:
+    microbatch counts beyond 8 * pp * vpp too (microbatch_counts)."""
     for dp, tp, pp in grids(config, servers, servers_per_host):
         if config.train.global_batch % dp:
             continue
         for schedule, vpp in pipelines(pp, config.model.n_layers):
             splits = {(), head_balanced_split(config.model.n_layers, pp * vpp, head_layers)}
-            for microbatches in microbatch_counts(config.train.global_batch // dp, pp, vpp, schedule):
+            for microbatches in microbatch_counts(config.train.global_batch // dp, pp, vpp, schedule,
+                                                  every_microbatch_count):
                 for zero in (range(4) if dp > 1 else (0,)):
                     for recompute in RECOMPUTE_ORDER:
                         for sp in ((False, True) if tp > 1 else (False,)):
@@ -165,11 +187,11 @@ def layouts(config: JobConfig, servers: int, servers_per_host: int, head_layers:
                                 yield Layout(dp, tp, pp, vpp, schedule, microbatches, zero, recompute, sp, split)
 
 
-def valid_configs(config: JobConfig, servers: int, servers_per_host: int,
-                  head_layers: float = 0.0) -> tuple[list[tuple[Layout, JobConfig]], int]:
+def valid_configs(config: JobConfig, servers: int, servers_per_host: int, head_layers: float = 0.0,
+                  every_microbatch_count: bool = False) -> tuple[list[tuple[Layout, JobConfig]], int]:
     """(layout, its config) for every candidate the rules admit, and how many they refused."""
     kept, refused = [], 0
-    for layout in layouts(config, servers, servers_per_host, head_layers):
+    for layout in layouts(config, servers, servers_per_host, head_layers, every_microbatch_count):
         try:
             kept.append((layout, apply(config, layout)))
         except ConfigError:

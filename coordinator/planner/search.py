@@ -86,6 +86,8 @@ class SearchReport:
     dominated: int = 0
     """Not simulated: a variant with less recompute, or with sequence parallelism, fitted."""
     bounded_out: int = 0
+    unvisited: int = 0
+    """Left unweighed when the search ran out of its time budget (stopped_by_time)."""
     seconds: float = 0.0
     stopped_by_time: bool = False
     smallest_refused: list[tuple[int, str]] = field(default_factory=list)
@@ -150,11 +152,19 @@ def _compute_s(costs: LayoutCosts, action: Action) -> float:
     return table[action.kind][action.chunk]
 
 
+BUDGET_S = 50.0
+"""Where the search stops weighing layouts (the report says how many it left): within
+the minute a 7B-class model on 64 servers may take, with the profile read first."""
+
+
 def search(config: JobConfig, cluster: Cluster, profile: DeviceProfile, top: int = 5,
-           budget_s: float = 30.0) -> SearchReport:
-    """The `top` fastest layouts that fit, best first (ties: less memory first)."""
+           budget_s: float = BUDGET_S, every_microbatch_count: bool = False) -> SearchReport:
+    """The `top` fastest layouts that fit, best first (ties: less memory first).
+    `every_microbatch_count`: microbatch counts past 8 * pp * vpp as well
+    (candidates.microbatch_counts), where with no more than that nothing fits."""
     started = time.monotonic()
-    valid, refused = valid_configs(config, cluster.servers, cluster.servers_per_host, head_layers(config))
+    valid, refused = valid_configs(config, cluster.servers, cluster.servers_per_host, head_layers(config),
+                                   every_microbatch_count)
     report = SearchReport([], candidates=len(valid) + refused, refused_by_rules=refused)
     bounded = []
     for layout, cfg in valid:
@@ -172,7 +182,7 @@ def search(config: JobConfig, cluster: Cluster, profile: DeviceProfile, top: int
             break
         if time.monotonic() - started > budget_s:
             report.stopped_by_time = True
-            report.bounded_out = len(bounded) - index
+            report.unvisited = len(bounded) - index
             break
         if _dominated(layout, simulated):
             report.dominated += 1
@@ -231,9 +241,12 @@ def explain(plan: RankedPlan, best: RankedPlan | None = None) -> list[str]:
     cfg, costs = plan.config, plan.costs
     p, t = cfg.parallel, cfg.train
     compute = plan.lower_bound_s
-    lines = [f"lower bound {compute:.4f} s (the busiest rank's compute, with the pipeline's fill and drain); ranks idle {plan.bubble:.1%} of the step, in the "
-             f"pipeline's bubble ({p.microbatches} microbatches over pp={p.pp}, {p.schedule}) and waiting "
-             f"for messages and collectives"]
+    microbatches = f"{p.microbatches} microbatch{'es' if p.microbatches > 1 else ''}"
+    idle = (f"in the pipeline's bubble ({microbatches} over pp={p.pp}, {p.schedule}) and waiting for messages and "
+            f"collectives" if p.pp > 1 else f"waiting for collectives ({microbatches}, no pipeline)")
+    lines = [f"lower bound {compute:.4f} s (the busiest rank's compute"
+             + (", with the pipeline's fill and drain" if p.pp > 1 else "")
+             + f"); ranks idle {plan.bubble:.1%} of the step, {idle}"]
     if p.tp > 1:
         share = costs.tp_collective_s / max(costs.forward_s)
         calls = "reduce-scatters and all-gathers" if p.sequence_parallel else "all-reduces"
