@@ -45,6 +45,7 @@ import hashlib
 import json
 import os
 import pathlib
+import re
 import time
 
 from interleaf.clients import link_probe
@@ -358,8 +359,17 @@ def refine(profile: DeviceProfile, trace: pb.StepTrace, config: JobConfig, slowd
     servers slowed each other (shared cores), taken out of its compute times."""
     seen = [o if o["kind"].startswith(LINK_OBSERVED) else dict(o, seconds=o["seconds"] / slowdown)
             for o in observations(trace, config, profile.device)]
-    return fit(profile.observations + seen, profile.device, profile.links,
-               profile.measured_on + f"; refined from a traced step of {config.parallel.world_size} ranks")
+    return fit(profile.observations + seen, profile.device, profile.links, _refined(profile.measured_on))
+
+
+def _refined(measured_on: str) -> str:
+    """The profile's provenance with one more traced job counted: "...; refined from 3
+    traced jobs" rather than a clause per job, which would grow without end."""
+    base, _, last = measured_on.rpartition("; refined from ")
+    count = re.fullmatch(r"(\d+) traced jobs?", last)
+    if base and count:
+        return f"{base}; refined from {int(count.group(1)) + 1} traced jobs"
+    return f"{measured_on}; refined from 1 traced job"
 
 
 def measure(client, config: JobConfig, device: str, idle_servers: int, log=print) -> DeviceProfile:

@@ -107,7 +107,10 @@ def test_a_traced_job_refines_the_profile(client, cache, plans):
     added = after.observations[len(before.observations):]
     assert {"link:tp", "link:dp_reduce_scatter", "link:dp_all_gather", "tp_compute"} <= {
         o["kind"] for o in added}
-    assert "refined from a traced step of 8 ranks" in after.measured_on
+    assert after.measured_on.endswith("; refined from 1 traced job")
+    # each later refinement counts, rather than adding a clause of its own
+    again = plan_profile.refine(after, client.trace(status.job_id), final, 1.0)
+    assert again.measured_on == after.measured_on.replace("1 traced job", "2 traced jobs")
 
 
 def test_the_coordinator_refuses_an_unplanned_auto(client):
