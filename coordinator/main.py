@@ -60,7 +60,15 @@ def serve(host: str, port: int, bind: str, store_port: int, steps_per_call: int 
           f"service discovery on http://{host}:{http.port})", flush=True)
     log.info("incarnation %s, job state in %s (keeping the newest %d finished jobs)", me, jobs.path, keep_jobs)
 
-    def shutdown(*_):
+    signalled: list[int] = []
+
+    def shutdown(signum, _frame):
+        # Once: a second signal interrupting this handler (inside a lock health.stopping
+        # or server.stop holds) would wait for that lock on this same thread for ever.
+        # A list append takes none. The first signal's stop is bounded by its grace.
+        if signalled:
+            return
+        signalled.append(signum)
         health.stopping()  # a health watcher sees the drain before the stream ends
         server.stop(grace=1.0)
 

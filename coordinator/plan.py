@@ -253,15 +253,33 @@ def check_memory_snapshot(config: JobConfig, devices: list[str]) -> None:
                           f"compute on {', '.join(cpu)}: it needs CUDA servers (trace.torch_profiler works on both)")
 
 
+FLOAT8_MULTIPLE = 16
+"""What every dimension of a float8 tensor-core product must be a multiple of (torch's
+_scaled_mm): each linear's in and out features, and the tokens its weight gradient sums."""
+
+
 def check_fp8(config: JobConfig, devices: list[str]) -> None:
     """train.precision=fp8 multiplies in float8 on GPUs (whose servers check their compute
-    capability at setup); CPU servers only emulate it, which train.fp8_emulate asks for."""
+    capability at setup), whose products take dimensions that are multiples of
+    FLOAT8_MULTIPLE only; CPU servers only emulate it (any dimension), which
+    train.fp8_emulate asks for."""
     cpu = sorted({d for d in devices if not d.startswith("cuda")})
     t = config.train
-    if t.precision == "fp8" and cpu and not t.fp8_emulate:
+    if t.precision != "fp8" or t.fp8_emulate:
+        return
+    if cpu:
         raise ConfigError(f"train.precision='fp8' needs stage servers on GPUs with float8 tensor cores (compute "
                           f"capability 8.9 or newer: Ada, Hopper), and the job's servers compute on "
                           f"{', '.join(cpu)}; train.fp8_emulate=true runs torchao's emulation there, for tests")
+    m, p = config.model, config.parallel
+    dims = [("model.d_model", m.d_model), ("model.ffn_hidden", m.ffn_hidden),
+            ("model.n_kv_heads*d_model/n_heads (the key and value width)", m.n_kv_heads * (m.d_model // m.n_heads)),
+            ("train.global_batch/(parallel.dp*parallel.microbatches)*model.seq_len (a microbatch's tokens)",
+             config.train.global_batch // (p.dp * p.microbatches) * m.seq_len)]
+    for name, value in dims:
+        if value % FLOAT8_MULTIPLE:
+            raise ConfigError(f"train.precision='fp8' multiplies on float8 tensor cores, whose products need every "
+                              f"dimension a multiple of {FLOAT8_MULTIPLE}: {name}={value} is not")
 
 
 def choose_transport(setting: str, devices: list[str]) -> str:

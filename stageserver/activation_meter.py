@@ -83,6 +83,7 @@ class ActivationMeter:
         # (a branch out does not depend on) is freed by autograd and must not count.
         saved: list[weakref.ref] = []
 
+        @torch.compiler.disable  # a hook, not model code: dynamo would recompile it per call (len(saved))
         def pack(tensor: torch.Tensor) -> torch.Tensor:
             alias = tensor.detach()
             saved.append(weakref.ref(alias))
@@ -128,6 +129,7 @@ class ChunkActivations:
         return out, kept
 
 
+@torch.compiler.disable
 def _unpack(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 

@@ -148,18 +148,25 @@ def serve(coordinator: str, host: str, port: int, bind: str, threads: int, memor
              f"metrics on http://{host}:{http_port}/metrics" if observed else "metrics off", coordinator,
              orphan_timeout_s)
 
+    signalled: list[int] = []
+
     def shutdown(signum, _frame):
-        if stop.is_set():  # a second signal: no more waiting
+        # A second signal can interrupt this handler anywhere, even inside stop.set()
+        # holding the Event's lock, which the nested handler would then wait for on this
+        # same thread for ever. So the first thing done, and the only thing read, is a
+        # list append, which takes no lock; and the hard stop is armed before anything
+        # that may wait (stop.set, health, closing the job: an NCCL close gives its
+        # operations a grace period).
+        if signalled:  # a second signal: no more waiting
             _exit_now(signum)
+        signalled.append(signum)
+        hard_stop = threading.Timer(EXIT_BOUND_S, _exit_now, args=(signum, f"still busy {EXIT_BOUND_S:g} s"))
+        hard_stop.daemon = True
+        hard_stop.start()
         stop.set()
         health.stopping()  # a health watcher sees the drain before the stream ends
         name = signal.Signals(signum).name
         log.info("%s: stopping (gone within %g s)", name, EXIT_BOUND_S)
-        # Armed first: closing a job may itself wait (an NCCL close gives its operations
-        # a grace period).
-        hard_stop = threading.Timer(EXIT_BOUND_S, _exit_now, args=(signum, f"still busy {EXIT_BOUND_S:g} s"))
-        hard_stop.daemon = True
-        hard_stop.start()
         service.drop_job(f"the server got {name}")
         server.stop(grace=EXIT_GRACE_S)
 

@@ -11,6 +11,7 @@ refuses what torchao's whole linears cannot do: tensor parallelism and split bac
 from __future__ import annotations
 
 import dataclasses
+import re
 import subprocess
 import sys
 
@@ -93,6 +94,27 @@ def test_config_refuses_tensor_parallel_split_backwards_and_a_stray_recipe():
         load_config("", ["train.precision=fp8", "train.fp8_recipe=blockwise"])
     with pytest.raises(ConfigError, match="train.fp8_emulate=true needs train.precision='fp8', not 'fp32'"):
         load_config("", ["train.fp8_emulate=true"])
+
+
+def test_float8_tensor_cores_need_dimensions_of_sixteen():
+    """On GPUs a float8 product's every dimension is a multiple of 16 (torch's
+    _scaled_mm): a job whose linears or microbatch tokens are not is refused, naming
+    which; the emulation (tests, CPU servers) takes any."""
+    from interleaf.coordinator.plan import check_fp8
+
+    good = ["train.precision=fp8", "model.d_model=64", "model.n_heads=4", "model.seq_len=32",
+            "train.global_batch=16", "parallel.microbatches=4", "parallel.pp=1", "parallel.vpp=1",
+            "parallel.schedule=1f1b"]
+    check_fp8(load_config("", good), ["cuda:0"])
+    for bad, message in ((["model.d_model=72"], "model.d_model=72 is not"),
+                         (["model.ffn_hidden=200"], "model.ffn_hidden=200 is not"),
+                         (["model.arch=llama", "model.n_heads=8", "model.n_kv_heads=1"],
+                          "(the key and value width)=8 is not"),
+                         (["model.seq_len=34"], "(a microbatch's tokens)=136 is not")):
+        config = load_config("", good + bad)
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            check_fp8(config, ["cuda:0"])
+        check_fp8(load_config("", good + bad + ["train.fp8_emulate=true"]), ["cuda:0", "cuda:1"])
 
 
 def test_fp8_on_cpu_servers_is_refused_unless_emulation_is_asked_for(client):

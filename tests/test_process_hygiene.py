@@ -215,3 +215,20 @@ def test_dropped_job_frees_its_memory_at_once():
         gc.enable()
         for server in servers:
             server.stop(grace=None)
+
+
+def test_a_burst_of_signals_stops_every_process_within_the_bound(tmp_path):
+    """Signals in quick succession (a supervisor's TERM repeated, a user's Ctrl-C held):
+    a later one can land while the first one's handler holds a lock it then takes again
+    (a stage server once waited for ever on its own stop Event's lock); every process of
+    the cluster, coordinator and servers, still exits within the bound."""
+    with _cluster(tmp_path) as cluster:
+        processes = list(cluster.processes)
+        for i in range(30):
+            for process in processes:
+                with contextlib.suppress(ProcessLookupError):
+                    process.send_signal(signal.SIGTERM if i % 2 else signal.SIGINT)
+        signalled = time.monotonic()
+        for process in processes:
+            process.wait(timeout=EXIT_BOUND_S + SLACK_S)
+        assert time.monotonic() - signalled < EXIT_BOUND_S + SLACK_S

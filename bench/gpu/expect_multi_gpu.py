@@ -47,7 +47,11 @@ LAYOUTS = [  # (dp, pp, vpp, schedule, microbatches) on 8 GPUs, and one GPU for 
 
 
 def expectations(result: dict, side: str) -> list[dict]:
-    run = result["runs"][side]
+    run = result["runs"].get(side)
+    if run is None or "spans" not in run:
+        raise SystemExit(f"expect_multi_gpu.py needs a traced {side} side: run bench/gpu/train.py with "
+                         f"--profile-dir and that side (the result holds {', '.join(result['runs']) or 'none'}, "
+                         f"{'not traced' if run else 'not that side'})")
     spans = run["spans"]
     forward = statistics.fmean(s["end"] - s["start"] for s in spans if s["kind"] == "forward")
     backward = statistics.fmean(s["end"] - s["start"] for s in spans if s["kind"] == "backward")
@@ -56,8 +60,10 @@ def expectations(result: dict, side: str) -> list[dict]:
     n_layers = int(model.split("n_layers=")[1].split(",")[0])
     d_model = int(model.split("d_model=")[1].split(",")[0])
     seq = int(model.split("seq_len=")[1].split(",")[0])
-    parameters = result["parameters"]
-    rows, base_microbatches = train.ROWS, train.MICROBATCHES  # the workload the JSON's sides ran
+    # The peers count the parameters; a result of Interleaf sides alone has the matrices' count.
+    parameters = result["parameters"] or result["matrix_parameters"]
+    base_microbatches = train.MICROBATCHES
+    rows = run["tokens"][0] // (seq * base_microbatches)  # the workload the JSON's sides ran (tiny: 2)
     tokens_per_replica_microbatch = rows * seq
     out = []
     for dp, pp, vpp, schedule, microbatches in LAYOUTS:

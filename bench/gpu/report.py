@@ -101,7 +101,10 @@ def report(folder: pathlib.Path) -> list[str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("folder", type=pathlib.Path)
-    print("\n".join(report(parser.parse_args().folder)))
+    folder = parser.parse_args().folder
+    if not folder.is_dir():
+        parser.error(f"{folder} is not a folder of session.sh's results")
+    print("\n".join(report(folder)))
 
 
 if __name__ == "__main__":

@@ -34,6 +34,10 @@ cd "$(dirname "$0")/../.."
 
 phase=${1:?usage: session.sh speed|planner|all [--tiny]}
 tiny=${2:-}
+case "$phase $tiny" in  # before anything is written
+    "speed "|"planner "|"all "|"speed --tiny"|"planner --tiny"|"all --tiny") ;;
+    *) echo "usage: session.sh speed|planner|all [--tiny], not: $*" >&2; exit 2 ;;
+esac
 OUT=${OUT:-bench/results/gpu/session}
 mkdir -p "$OUT"
 log="$OUT/session.log"
@@ -142,7 +146,6 @@ case $phase in
     speed) speed ;;
     planner) planner ;;
     all) speed; planner ;;
-    *) echo "unknown phase $phase: speed, planner or all" >&2; exit 2 ;;
 esac
 # The results as docs/gpus.md's Markdown tables, in the log and beside it.
 python3 bench/gpu/report.py "$OUT" > "$OUT/report.md" 2>>"$log" || failed+=(report)

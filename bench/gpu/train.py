@@ -185,16 +185,22 @@ def main() -> None:
                         "here as profile_SIDE.json.gz (gzip Chrome trace); that step leaves the median")
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "bench/results"), "gpu_train.json"))
     args = parser.parse_args()
+    for flag, value, least in (("--steps", args.steps, 1), ("--warmup", args.warmup, 0)):
+        if value is not None and value < least:
+            parser.error(f"{flag} {value} must be at least {least}")
     sides = args.sides.split(",")
     if unknown := sorted(set(sides) - set(SIDES)):
         parser.error(f"--sides: unknown {unknown}; choose from {', '.join(SIDES)}")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("bench/gpu/train.py needs a CUDA GPU (or --device cpu --tiny)")
-    w = peers.Workload(model=(TINY if args.tiny else ARCHS)[args.arch], steps=args.steps or (3 if args.tiny else 12),
+    w = peers.Workload(model=(TINY if args.tiny else ARCHS)[args.arch],
+                       steps=args.steps if args.steps is not None else (3 if args.tiny else 12),
                        rows=2 if args.tiny else ROWS, microbatches=MICROBATCHES, device=args.device,
                        dtype=torch.bfloat16,
                        compile_backend=args.compile_backend or ("aot_eager" if args.tiny else "inductor"))
     warmup = args.warmup if args.warmup is not None else (1 if args.tiny else 3)
+    if warmup >= w.steps:
+        parser.error(f"--warmup {warmup} must be less than --steps {w.steps}: the median is of the steps after it")
     device_name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     peak = bf16_matmul_peak(256 if args.tiny else 8192, args.device)
     print(f"{device_name}: measured bf16 matmul peak {peak / 1e12:.3f} TFLOP/s")
