@@ -22,7 +22,7 @@ DEFAULT_COORDINATOR = os.environ.get("INTERLEAF_COORDINATOR", "127.0.0.1:50051")
 
 
 class Stopped(BaseException):
-    """`interleaf run` got SIGINT, SIGTERM or SIGHUP. A BaseException, as KeyboardInterrupt
+    """`interleaf run` (or `plan`) got SIGINT, SIGTERM or SIGHUP. A BaseException, as KeyboardInterrupt
     is, so that no `except Exception` on the way (gRPC's, ours) takes it for an error."""
 
     def __init__(self, signum: int):
@@ -236,18 +236,24 @@ def cmd_plan(args) -> int:
         if value is not None and value < 1:
             raise UsageError(f"{flag} {value} must be at least 1")
     try:
-        if args.servers is not None:
-            report, cluster, profile = planning.plan_described(
-                config, args.servers, args.server_memory, args.servers_per_host, args.device, args.top,
-                args.profile, _stderr)
-        else:
-            client = _client(args)
-            cluster, device = planning.remote_cluster(_servers_or_hint(client, args))
-            if args.server_memory:
-                cluster = dataclasses.replace(cluster, memory_bytes=args.server_memory)
-            report, profile = planning.plan_on(client, config, cluster, device, args.top, args.profile, _stderr)
+        # A signal unwinds through what planning started (the profile's local servers, or
+        # the coordinator's profile job, cancelled), as it does through `run`'s cluster.
+        with _StopSignals("stopping what the plan started"):
+            if args.servers is not None:
+                report, cluster, profile = planning.plan_described(
+                    config, args.servers, args.server_memory, args.servers_per_host, args.device, args.top,
+                    args.profile, _stderr)
+            else:
+                client = _client(args)
+                cluster, device = planning.remote_cluster(_servers_or_hint(client, args))
+                if args.server_memory:
+                    cluster = dataclasses.replace(cluster, memory_bytes=args.server_memory)
+                report, profile = planning.plan_on(client, config, cluster, device, args.top, args.profile,
+                                                   _stderr)
     except planning.PlanError as err:
         raise UsageError(str(err)) from None
+    except Stopped as stopped:
+        return 128 + stopped.signum
     _say_replaced(planning.replaced_settings(text, args.set, report.plans[0].as_json()))
     if args.json:
         planning.print_json(report)
@@ -462,6 +468,12 @@ def cmd_stage_server(args) -> int:
         raise UsageError(f"--peak-flops={args.peak_flops:g} must be a FLOP/s figure (0: the default)")
     if args.metrics_port < -1:
         raise UsageError(f"--metrics-port={args.metrics_port} must be a port, 0 (any free one) or -1 (no metrics)")
+    from interleaf.stageserver.device import resolve_device
+
+    try:
+        resolve_device(args.device)  # before anything binds a port: serve resolves it again
+    except ValueError as err:
+        raise UsageError(str(err)) from None
     serve(args.coordinator, args.host, args.port, args.bind, args.threads, args.memory_bytes, args.device,
           args.spool_dir, args.orphan_timeout, _security(args), args.metrics_port, args.peak_flops)
     return 0

@@ -232,3 +232,27 @@ def test_a_burst_of_signals_stops_every_process_within_the_bound(tmp_path):
         for process in processes:
             process.wait(timeout=EXIT_BOUND_S + SLACK_S)
         assert time.monotonic() - signalled < EXIT_BOUND_S + SLACK_S
+
+
+def test_plan_stopped_by_sigterm_while_profiling_leaves_nothing(tmp_path, monkeypatch):
+    """`interleaf plan` measuring a profile on local servers: SIGTERM unwinds through
+    them as `run`'s does - no process left, and no log or state folder of theirs."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # nothing cached: it profiles
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))  # where the local cluster's folders go
+    (tmp_path / "tmp").mkdir()
+    marker = uuid.uuid4().hex
+    process = _start(["plan", "--servers", "2", *SMALL], marker)
+    try:
+        _wait_until(lambda: len(_marked_processes(marker)) >= 4 or process.poll() is not None, 120,
+                    "plan's profile servers started")  # interleaf plan, a coordinator, two servers
+        assert process.poll() is None, process.communicate()[1]
+        process.send_signal(signal.SIGTERM)
+        _, err = process.communicate(timeout=RUN_GONE_S + SLACK_S)
+        assert process.returncode == 128 + signal.SIGTERM, err
+        assert "SIGTERM: stopping what the plan started" in err
+        _wait_until(lambda: not _marked_processes(marker), RUN_GONE_S + SLACK_S, "every process of the plan gone")
+        assert list((tmp_path / "tmp").iterdir()) == []
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.communicate()

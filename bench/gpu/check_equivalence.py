@@ -32,6 +32,8 @@ import subprocess
 import sys
 import tempfile
 
+import torch
+
 MODEL = ["model.n_layers=4", "model.d_model=128", "model.n_heads=4", "model.seq_len=64",
          "model.vocab_size=256", "parallel.dp=1", "parallel.tp=1", "parallel.pp=1", "parallel.vpp=2",
          "parallel.microbatches=4", "train.steps=8", "train.global_batch=8", "train.warmup_steps=2",
@@ -60,6 +62,8 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="a 2-layer d_model 64 model, 3 steps")
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "bench/results"), "gpu_equivalence.json"))
     args = parser.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("bench/gpu/check_equivalence.py needs a CUDA GPU (or --device cpu --tiny)")
     device, failed, results = args.device, [], []
     for name, case, keys, (mean_bound, max_bound) in CASES[:1] if args.tiny else CASES:
         settings = MODEL + (TINY if args.tiny else []) + case

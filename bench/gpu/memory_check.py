@@ -34,6 +34,8 @@ import os
 import pathlib
 import sys
 
+import torch
+
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))  # bench/ siblings
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # and bench/gpu/ ones
 
@@ -144,6 +146,9 @@ def main() -> None:
     if args.measured_json:
         report(from_measured_json(args.measured_json), args.out)
         return
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("bench/gpu/memory_check.py needs a CUDA GPU (or --device cpu --tiny, or a GPU run's "
+                         "--train-json or --measured-json)")
     cases = TINY_CASES if args.tiny else GPU_CASES
     names = [n for n in args.cases.split(",") if n] or list(cases)
     unknown = sorted(set(names) - set(cases))
