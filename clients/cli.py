@@ -153,7 +153,7 @@ def cmd_run(args) -> int:
     if not remote:
         assert servers is not None  # --local's, or the config's world
         _check_vocab_locally(config)
-        _check_devices_locally(config, servers, args.device)
+        _check_devices_locally(config, servers, args.device, layout_given=not planned)
         if not planned:  # a planned layout is admitted by the planner
             _admit_locally(config, servers, args.device)
     _check_run_logs(args)
@@ -320,9 +320,10 @@ def _check_vocab_locally(config) -> None:
         raise UsageError(str(err)) from None
 
 
-def _check_devices_locally(config, servers: int, device: str) -> None:
+def _check_devices_locally(config, servers: int, device: str, layout_given: bool = True) -> None:
     """The coordinator's checks of the servers' devices (float8 tensor cores, CUDA for a
-    memory snapshot), made before any local process starts or any layout is planned."""
+    memory snapshot), made before any local process starts or any layout is planned
+    (then without what the layout decides: the planner holds its candidates to that)."""
     from interleaf.clients.launcher import local_devices
     from interleaf.coordinator.config import ConfigError
     from interleaf.coordinator.plan import check_fp8, check_memory_snapshot
@@ -333,7 +334,7 @@ def _check_devices_locally(config, servers: int, device: str) -> None:
         raise UsageError(f"--device: {err}") from None
     try:
         check_memory_snapshot(config, devices)
-        check_fp8(config, devices)
+        check_fp8(config, devices, tokens=layout_given)
     except ConfigError as err:
         raise UsageError(str(err)) from None
 

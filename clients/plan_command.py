@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from interleaf.common.model.compile_modes import device_type_of
 from interleaf.coordinator.config import JobConfig
 from interleaf.coordinator.planner.costs import DeviceProfile
-from interleaf.coordinator.planner.search import Cluster, SearchReport, explain, search
+from interleaf.coordinator.planner.search import BUDGET_S, Cluster, SearchReport, explain, search
 
 from interleaf.clients import plan_profile
 
@@ -166,15 +166,20 @@ def run_search(config: JobConfig, cluster: Cluster, profile: DeviceProfile, top:
     """The search; where memory refused every layout, again with more microbatches (each
     smaller, so that fewer activations are in flight) than pay off in the bubble."""
     report = search(config, cluster, profile, top=top)
-    if not report.plans and report.refused_by_memory:
-        report = search(config, cluster, profile, top=top, every_microbatch_count=True)
+    if not report.plans and report.refused_by_memory and not report.stopped_by_time:
+        report = search(config, cluster, profile, top=top, every_microbatch_count=True,
+                        budget_s=max(0.0, BUDGET_S - report.seconds))
     if not report.candidates:
         m = config.model
         raise PlanError(f"no layout uses all {cluster.servers} servers: dp·tp·pp = {cluster.servers} needs dp "
-                        f"to divide train.global_batch={config.train.global_batch}, tp to divide the servers of one "
-                        f"host ({cluster.servers_per_host}), model.n_heads={m.n_heads}, the key/value heads "
-                        f"({m.n_kv_heads}) and the MLP's width ({m.ffn_hidden}), and pp to be at most "
-                        f"model.n_layers={m.n_layers}")
+                        f"to divide train.global_batch={config.train.global_batch} (a replica's samples making at "
+                        f"least pp microbatches), tp at most the servers of one host ({cluster.servers_per_host}) "
+                        f"and dividing model.n_heads={m.n_heads}, the key/value heads ({m.n_kv_heads}) and the "
+                        f"MLP's width ({m.ffn_hidden}), and pp at most model.n_layers={m.n_layers}")
+    if not report.plans and report.stopped_by_time:
+        raise PlanError(f"the search stopped at its {BUDGET_S:g} s budget with {report.unvisited} of "
+                        f"{report.candidates} layouts of {cluster.servers} servers unweighed and none of the others "
+                        f"fitting {cluster.memory_bytes / 2**30:.2f} GiB each")
     if not report.plans:
         leanest = "; ".join(f"{layout} needs {need / 2**30:.2f} GiB" for need, layout in report.smallest_refused)
         raise PlanError(f"no layout of {cluster.servers} servers fits {cluster.memory_bytes / 2**30:.2f} GiB each"
@@ -307,7 +312,7 @@ def plan_described(config: JobConfig, servers: int, memory_bytes: int | None, se
     if not profile_path:  # the profile and shape jobs run on these devices: the coordinator's checks of them
         try:
             check_memory_snapshot(config, devices)
-            check_fp8(config, devices)
+            check_fp8(config, devices, tokens=False)  # the layout is the plan's to choose
         except ConfigError as err:
             raise PlanError(f"the profile jobs run on this machine's {devices[0]}: {err}") from None
         local = ProfileServers(lambda: local_servers(len(devices), device), len(devices), local_memory)
@@ -347,7 +352,8 @@ def plan_for_run(client, config: JobConfig, cluster: Cluster, device: str, log) 
     best = report.plans[0]
     log(f"planned: {best.layout.describe()}, predicted {best.step_s:.4f} s a step, bubble {best.bubble:.1%}, "
         f"peak {max(best.peak_bytes) / 2**30:.3f} GiB (best of {report.candidates} layouts of "
-        f"{cluster.servers} servers)")
+        f"{cluster.servers} servers" + (f"; {report.unvisited} left unweighed at the search's time budget"
+                                        if report.stopped_by_time else "") + ")")
     for line in explain(best):
         log(f"  {line}")
     log(f"  {describe_profile(profile)}")

@@ -55,6 +55,7 @@ from interleaf.coordinator.admission import RUNTIME_RESERVE_BYTES
 from interleaf.coordinator.config import ConfigError, JobConfig, load_config
 from interleaf.coordinator.memory_model import predict, with_temporaries
 from interleaf.coordinator.partition import partition
+from interleaf.coordinator.plan import FLOAT8_MULTIPLE
 from interleaf.coordinator.planner.costs import (DeviceProfile, chunk_forward_flops, chunk_parameters, chunk_shape,
                                                   normalized)
 from interleaf.coordinator.planner.fitting import LINK_OBSERVED, SHAPE_OBSERVED, fit
@@ -75,8 +76,9 @@ STEPS = 5
 TRACED = (2, 3, 4)
 """The steps of a profile job whose actions are timed: past the first two's warm-up."""
 SPAN_LAWS = {"forward": "forward", "backward": "backward", "input-grad": "input_grad", "weight-grad": "weight_grad"}
-FORMAT = 2
-"""Of the cached profile: 2 holds the link laws measured per group kind."""
+FORMAT = 3
+"""Of the cached profile: 2 holds the link laws measured per group kind; 3, selective
+recompute's costs with compiled float8 blocks that rerun no matrix product."""
 
 
 def cache_dir() -> pathlib.Path:
@@ -105,6 +107,9 @@ def profile_model(config: JobConfig) -> dict:
     proxy, scale = model, 1
     if _layer_flops(config, SMALL_ROWS) <= PROXY_ABOVE_FLOPS:
         return model
+    # Float8 tensor cores multiply multiples of 16 only (plan.check_fp8): the proxy's
+    # widths and tokens stay such multiples; otherwise heads of an even width (rotary).
+    multiple = FLOAT8_MULTIPLE if config.train.precision == "fp8" else 2
     while _layer_flops(_with_model(config, proxy), SMALL_ROWS) > PROXY_LAYER_FLOPS and proxy["d_model"] > 64:
         scale *= 2
         # down to two heads, as a tensor pair's link job needs, where the model has two
@@ -112,10 +117,17 @@ def profile_model(config: JobConfig) -> dict:
         kv = min(heads, max(min(2, model["n_kv_heads"]), model["n_kv_heads"] // scale))
         while heads % kv:
             kv -= 1
-        proxy = dict(model, d_model=model["d_model"] // scale, n_heads=heads, n_kv_heads=kv,
-                     ffn_hidden=model["ffn_hidden"] // scale, seq_len=max(32, model["seq_len"] // scale),
+        # d_model a whole number of heads (GPT-2 XL's 1600/25 halved is 800, which 12 heads do not divide)
+        head_dim = max(multiple, model["d_model"] // scale // heads // multiple * multiple)
+        proxy = dict(model, d_model=heads * head_dim, n_heads=heads, n_kv_heads=kv,
+                     ffn_hidden=_round_up(model["ffn_hidden"] // scale, multiple),
+                     seq_len=_round_up(max(32, model["seq_len"] // scale), multiple),
                      n_layers=min(model["n_layers"], PROXY_LAYERS))
     return proxy
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
 
 
 def profile_train(config: JobConfig) -> dict:

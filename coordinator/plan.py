@@ -258,11 +258,12 @@ FLOAT8_MULTIPLE = 16
 _scaled_mm): each linear's in and out features, and the tokens its weight gradient sums."""
 
 
-def check_fp8(config: JobConfig, devices: list[str]) -> None:
+def check_fp8(config: JobConfig, devices: list[str], tokens: bool = True) -> None:
     """train.precision=fp8 multiplies in float8 on GPUs (whose servers check their compute
     capability at setup), whose products take dimensions that are multiples of
     FLOAT8_MULTIPLE only; CPU servers only emulate it (any dimension), which
-    train.fp8_emulate asks for."""
+    train.fp8_emulate asks for. `tokens`: the microbatch's tokens too, which the layout
+    sets (False before a plan has chosen it; the planner holds each candidate to it)."""
     cpu = sorted({d for d in devices if not d.startswith("cuda")})
     t = config.train
     if t.precision != "fp8" or t.fp8_emulate:
@@ -273,9 +274,10 @@ def check_fp8(config: JobConfig, devices: list[str]) -> None:
                           f"{', '.join(cpu)}; train.fp8_emulate=true runs torchao's emulation there, for tests")
     m, p = config.model, config.parallel
     dims = [("model.d_model", m.d_model), ("model.ffn_hidden", m.ffn_hidden),
-            ("model.n_kv_heads*d_model/n_heads (the key and value width)", m.n_kv_heads * (m.d_model // m.n_heads)),
-            ("train.global_batch/(parallel.dp*parallel.microbatches)*model.seq_len (a microbatch's tokens)",
-             config.train.global_batch // (p.dp * p.microbatches) * m.seq_len)]
+            ("model.n_kv_heads*d_model/n_heads (the key and value width)", m.n_kv_heads * (m.d_model // m.n_heads))]
+    if tokens:
+        dims.append(("train.global_batch/(parallel.dp*parallel.microbatches)*model.seq_len (a microbatch's tokens)",
+                     config.train.global_batch // (p.dp * p.microbatches) * m.seq_len))
     for name, value in dims:
         if value % FLOAT8_MULTIPLE:
             raise ConfigError(f"train.precision='fp8' multiplies on float8 tensor cores, whose products need every "

@@ -591,8 +591,42 @@ def test_what_users_tripped_on_is_planned_or_refused_clearly(tmp_path, capsys):
 
     assert main(["run", "--local", "0", "--plan", "auto"]) == 2
     assert "--local 0 must be at least 1" in capsys.readouterr().err
-    for refused in (["run", "--local", "2", "--plan", "auto", "--set", "train.precision=fp8"],
-                    ["plan", "--servers", "2", "--set", "train.precision=fp8"]):
+    for refused in (["run", "--local", "2", "--device", "cpu", "--plan", "auto", "--set", "train.precision=fp8"],
+                    ["plan", "--servers", "2", "--device", "cpu", "--set", "train.precision=fp8"]):
         assert main(refused) == 2
         err = capsys.readouterr().err
         assert "train.precision='fp8' needs stage servers on GPUs" in err and "starting a coordinator" not in err
+
+
+def test_float8_plans_for_gpus_multiply_multiples_of_sixteen():
+    """Float8 tensor cores multiply multiples of 16 only (plan.check_fp8): a GPU
+    cluster's plans keep every microbatch's tokens such a multiple (a 24-token sequence:
+    one sample a microbatch is refused), which the check before planning leaves to them;
+    the profile's proxy of a 7B Llama keeps its widths such multiples, and GPT-2 XL's
+    proxy (25 heads) is a model the config takes."""
+    from interleaf.coordinator.plan import check_fp8
+
+    fp8 = SMALL + ["model.seq_len=24", "model.d_model=64", "train.precision=fp8", "train.global_batch=8"]
+    config = load_config("", fp8 + ["parallel.pp=1", "parallel.vpp=1", "parallel.schedule=1f1b",
+                                    "parallel.microbatches=8"])
+    check_fp8(config, ["cuda:0"], tokens=False)  # the layout is the plan's to choose
+    with pytest.raises(ConfigError, match="a microbatch's tokens\\)=24 is not"):
+        check_fp8(config, ["cuda:0"])
+    gpu = Cluster(1, 64 * GIB, 1, device_type="cuda")
+    report = search(config, gpu, profile(), top=20)
+    assert report.plans and report.refused_by_rules >= 1
+    assert all(rows_of(p.config) * 24 % 16 == 0 for p in report.plans)
+    assert 8 not in {p.layout.microbatches for p in report.plans}
+
+    llama = load_config("", ["model.arch=llama", "model.n_layers=32", "model.d_model=4096", "model.n_heads=32",
+                             "model.n_kv_heads=8", "model.ffn_hidden=11008", "model.seq_len=4096",
+                             "model.vocab_size=32000", "train.precision=fp8", "parallel.pp=1", "parallel.vpp=1",
+                             "parallel.schedule=1f1b"])
+    proxy = load_config("", plan_profile._job_overrides(plan_profile.profile_setup(llama), 1,
+                                                         plan_profile.ProfileJob("1f1b", 1, plan_profile.SMALL_ROWS)))
+    assert proxy.model.d_model < 4096
+    check_fp8(proxy, ["cuda:0"])
+    xl = load_config("", ["model.n_layers=48", "model.d_model=1600", "model.n_heads=25", "model.seq_len=1024"])
+    assert plan_profile.profile_model(xl)["d_model"] < 1600
+    load_config("", [f"model.{k}={v}" for k, v in plan_profile.profile_model(xl).items()
+                     if k in ("n_layers", "d_model", "n_heads", "n_kv_heads", "ffn_hidden", "seq_len")])

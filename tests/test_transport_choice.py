@@ -115,9 +115,9 @@ def test_two_ranks_on_one_gpu_are_refused_before_any_server_is_set_up():
 
 
 def test_stage_server_refuses_a_device_it_lacks_before_it_serves(capsys):
-    """`interleaf stage-server --device cuda:3` on a machine without that GPU: an error
+    """`interleaf stage-server --device cuda:99` on a machine without that GPU: an error
     line naming it and exit 2, not a traceback, and no port bound."""
     from interleaf.clients.cli import main
 
-    assert main(["stage-server", "--coordinator", "127.0.0.1:1", "--device", "cuda:3"]) == 2
-    assert "error: --device='cuda:3'" in capsys.readouterr().err
+    assert main(["stage-server", "--coordinator", "127.0.0.1:1", "--device", "cuda:99"]) == 2
+    assert "error: --device='cuda:99'" in capsys.readouterr().err

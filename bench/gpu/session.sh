@@ -20,8 +20,8 @@
 #            the sides recorded their device peaks).
 #   planner  bench/planner.py on one GPU server (its predictions against measured steps,
 #            and the planned job's device peak against the memory model), then the memory
-#            cases: compiled selective recompute, and the 2.7B one (admission's refusal on
-#            an 80 GB H100, or not).
+#            cases: compiled selective recompute in bf16 and float8, and the 2.7B one
+#            (admission's refusal on an 80 GB H100, or not).
 #
 # Results go to $OUT (the device tool's folder; default bench/results/gpu/session), at
 # most 8 files, as the device tool brings back: session.log, report.md (every result as

@@ -152,6 +152,22 @@ def _compute_s(costs: LayoutCosts, action: Action) -> float:
     return table[action.kind][action.chunk]
 
 
+def _runnable_on(device_type: str, valid: list, refused: int) -> tuple[list, int]:
+    """The candidates the servers' devices take (float8 tensor cores need microbatch
+    tokens that are multiples of 16: plan.check_fp8), and the count refused, with those."""
+    from interleaf.coordinator.config import ConfigError
+    from interleaf.coordinator.plan import check_fp8
+
+    kept = []
+    for layout, cfg in valid:
+        try:
+            check_fp8(cfg, [device_type])
+            kept.append((layout, cfg))
+        except ConfigError:
+            refused += 1
+    return kept, refused
+
+
 BUDGET_S = 50.0
 """Where the search stops weighing layouts (the report says how many it left): within
 the minute a 7B-class model on 64 servers may take, with the profile read first."""
@@ -165,6 +181,7 @@ def search(config: JobConfig, cluster: Cluster, profile: DeviceProfile, top: int
     started = time.monotonic()
     valid, refused = valid_configs(config, cluster.servers, cluster.servers_per_host, head_layers(config),
                                    every_microbatch_count)
+    valid, refused = _runnable_on(cluster.device_type, valid, refused)
     report = SearchReport([], candidates=len(valid) + refused, refused_by_rules=refused)
     bounded = []
     for layout, cfg in valid:
