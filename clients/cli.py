@@ -326,15 +326,14 @@ def _check_devices_locally(config, servers: int, device: str, layout_given: bool
     (then without what the layout decides: the planner holds its candidates to that)."""
     from interleaf.clients.launcher import local_devices
     from interleaf.coordinator.config import ConfigError
-    from interleaf.coordinator.plan import check_fp8, check_memory_snapshot
+    from interleaf.coordinator.plan import check_devices
 
     try:
         devices = local_devices(device, servers)
     except ValueError as err:
         raise UsageError(f"--device: {err}") from None
     try:
-        check_memory_snapshot(config, devices)
-        check_fp8(config, devices, tokens=layout_given)
+        check_devices(config, devices, tokens=layout_given)
     except ConfigError as err:
         raise UsageError(str(err)) from None
 

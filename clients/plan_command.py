@@ -217,23 +217,23 @@ def set_arguments(plan: dict) -> list[str]:
     out = []
     for section in ("parallel", "train"):
         for key, value in plan[section].items():
-            if isinstance(value, bool):
-                text = "true" if value else "false"
-            elif isinstance(value, (list, tuple)):  # 5,3 (no brackets for a shell to glob); [] when empty
-                text = ",".join(map(str, value)) if value else "[]"
-            else:
-                text = str(value)
-            out += ["--set", f"{section}.{key}={text}"]
+            out += ["--set", f"{section}.{key}={_set_value(value)}"]
     return out
 
 
-def _setting_text(value) -> str:
-    """A setting's value as set_arguments writes it, from TOML or from --set's text."""
+def _set_value(value) -> str:
+    """A setting's value as --set takes it: 5,3 for a list (no brackets for a shell to
+    glob), [] when empty; true or false."""
     if isinstance(value, bool):
-        value = "true" if value else "false"
-    elif isinstance(value, (list, tuple)):
-        value = ",".join(map(str, value))
-    return str(value).strip().lower().replace(" ", "").strip("[]")
+        return "true" if value else "false"
+    if isinstance(value, (list, tuple)):
+        return ",".join(map(str, value)) if value else "[]"
+    return str(value)
+
+
+def _setting_text(value) -> str:
+    """A setting's value from TOML, --set's text or a plan, in one spelling to compare."""
+    return _set_value(value).strip().lower().replace(" ", "").strip("[]")
 
 
 def replaced_settings(text: str, sets: list[str], plan: dict) -> list[str]:
@@ -292,7 +292,7 @@ def plan_described(config: JobConfig, servers: int, memory_bytes: int | None, se
     device (two local servers) unless cached or given."""
     from interleaf.clients.launcher import local_devices, memory_per_local_server
     from interleaf.coordinator.config import ConfigError
-    from interleaf.coordinator.plan import check_fp8, check_memory_snapshot
+    from interleaf.coordinator.plan import check_devices
 
     if profile_path and memory_bytes:  # costs and memory both given: nothing here is run or read
         profile = obtain_profile(config, "", profile_path=profile_path, log=log, measure_on=None)
@@ -311,8 +311,7 @@ def plan_described(config: JobConfig, servers: int, memory_bytes: int | None, se
     local = None
     if not profile_path:  # the profile and shape jobs run on these devices: the coordinator's checks of them
         try:
-            check_memory_snapshot(config, devices)
-            check_fp8(config, devices, tokens=False)  # the layout is the plan's to choose
+            check_devices(config, devices, tokens=False)  # the layout is the plan's to choose
         except ConfigError as err:
             raise PlanError(f"the profile jobs run on this machine's {devices[0]}: {err}") from None
         local = ProfileServers(lambda: local_servers(len(devices), device), len(devices), local_memory)

@@ -122,8 +122,7 @@ def plan_job(config: JobConfig, servers: list[ServerSlot],
     plan_programs(config) returned, when the caller already has it."""
     p = config.parallel
     transport = choose_transport(p.transport, [s.device for s in servers])
-    check_memory_snapshot(config, [s.device for s in servers])
-    check_fp8(config, [s.device for s in servers])
+    check_devices(config, [s.device for s in servers])
     if transport == "nccl":
         _check_one_rank_per_gpu(servers)
     programs, bubble = planned or plan_programs(config)
@@ -282,6 +281,14 @@ def check_fp8(config: JobConfig, devices: list[str], tokens: bool = True) -> Non
         if value % FLOAT8_MULTIPLE:
             raise ConfigError(f"train.precision='fp8' multiplies on float8 tensor cores, whose products need every "
                               f"dimension a multiple of {FLOAT8_MULTIPLE}: {name}={value} is not")
+
+
+def check_devices(config: JobConfig, devices: list[str], tokens: bool = True) -> None:
+    """What the job asks of its servers' devices: CUDA for a memory snapshot, float8
+    tensor cores and their dimensions for fp8 (`tokens`: check_fp8's). Made by the
+    coordinator as it places a job, and by clients before they start servers or plan."""
+    check_memory_snapshot(config, devices)
+    check_fp8(config, devices, tokens)
 
 
 def choose_transport(setting: str, devices: list[str]) -> str:
