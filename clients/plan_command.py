@@ -21,7 +21,8 @@ from dataclasses import dataclass
 from interleaf.common.model.compile_modes import device_type_of
 from interleaf.coordinator.config import JobConfig
 from interleaf.coordinator.planner.costs import DeviceProfile
-from interleaf.coordinator.planner.search import BUDGET_S, Cluster, SearchReport, explain, search
+from interleaf.coordinator.planner.explain import explain
+from interleaf.coordinator.planner.search import BUDGET_S, Cluster, SearchReport, search
 
 from interleaf.clients import plan_profile
 

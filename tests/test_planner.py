@@ -19,8 +19,9 @@ from interleaf.coordinator.planner import costs as costs_module, fitting
 from interleaf.coordinator.planner.candidates import Layout, apply, grids, head_balanced_split, pipelines, valid_configs
 from interleaf.coordinator.planner.costs import (DeviceProfile, Law, LayoutCosts, chunk_forward_flops,
                                                 chunk_parameters, collective_s, layout_costs, normalized)
+from interleaf.coordinator.planner.explain import explain
 from interleaf.protos import interleaf_pb2 as pb
-from interleaf.coordinator.planner.search import (Cluster, compute_bound, explain, programs_for, search,
+from interleaf.coordinator.planner.search import (Cluster, compute_bound, programs_for, search,
                                                   simulate_layout)
 
 SMALL = ["model.n_layers=8", "model.d_model=64", "model.n_heads=4", "model.seq_len=32", "train.global_batch=16"]
@@ -151,6 +152,40 @@ def test_ranked_plans_pass_admission_and_memory_prunes():
                    [(f"s{i}", 520 << 20) for i in range(4)])
 
 
+def test_the_explanation_says_why_each_variant_lost():
+    """Each plan's ZeRO and recompute lines (explain.variant_lines) compare it with the
+    same layout at another value, and every claim holds when recomputed: a variant that
+    "does not fit" needs that much more than a server has, and a simulated one's step is
+    that much slower."""
+    config = load_config("", SMALL + ["model.d_model=256", "model.n_layers=16", "model.seq_len=256",
+                                      "train.global_batch=64"])
+    roomy = search(config, Cluster(4, 64 * GIB, 4), profile(), top=8)
+    needs = sorted(max(needed_bytes(p.config, programs_for(p.config))) for p in roomy.plans)
+    tight = needs[len(needs) // 2]
+    report = search(config, Cluster(4, tight, 4), profile(), top=8)
+    verdicts = []
+    for plan in report.plans:
+        assert plan.why_variants == tuple(
+            line for line in explain(plan) if "against:" in line)
+        for line in plan.why_variants:
+            name, rest = line.split("=", 1)
+            if name not in ("zero", "recompute"):
+                continue
+            for part in rest.split("against: ", 1)[1].split("; "):
+                label, verdict = part.split(" ", 1)
+                variant = dataclasses.replace(plan.layout, **{name: int(label[4:]) if name == "zero" else label})
+                cfg = apply(config, variant)
+                programs = programs_for(cfg)
+                need = max(needed_bytes(cfg, programs))
+                if verdict.startswith("does not fit"):
+                    assert need > tight and f"needs {(need - tight) / 2**20:.1f} MiB more" in verdict
+                else:
+                    step = simulate_layout(cfg, programs, layout_costs(cfg, profile())).makespan_s
+                    assert need <= tight and verdict.startswith(f"{step / plan.step_s - 1:+.{1 if abs(step / plan.step_s - 1) >= 0.01 else 2}%} step")
+                verdicts.append(verdict.split(":")[0])
+    assert "does not fit" in verdicts and any("step" in v for v in verdicts)
+
+
 def test_a_7b_model_on_64_servers():
     """The issue's search: a 7B-class model on 64 servers of 80 GB, no server needed."""
     config = load_config("", ["model.n_layers=32", "model.d_model=4096", "model.n_heads=32",
@@ -170,7 +205,8 @@ def test_json_and_text_reports():
     plan_command.print_json(report, out)
     plans = json.loads(out.getvalue())
     assert len(plans) == 4
-    assert set(plans[0]) >= {"parallel", "train", "predicted_step_seconds", "predicted_peak_bytes"}
+    assert set(plans[0]) >= {"parallel", "train", "predicted_step_seconds", "predicted_peak_bytes", "why"}
+    assert plans[0]["why"] == explain(report.plans[0])
     assert [p["predicted_step_seconds"] for p in plans] == sorted(p["predicted_step_seconds"] for p in plans)
     text = plan_command.report_text(report, Cluster(4, 2_000_000_000, 4), profile(), config)
     assert "searched" in text and "run the best: --set parallel.dp=" in text

@@ -24,17 +24,21 @@ from dataclasses import dataclass, field
 from interleaf.coordinator.admission import RUNTIME_RESERVE_BYTES
 from interleaf.coordinator.config import JobConfig
 from interleaf.coordinator.memory_model import predict, with_temporaries
-from interleaf.coordinator.partition import partition
 from interleaf.coordinator.schedule import CostModel, SimResult, build_programs, simulate
 from interleaf.coordinator.schedule.placement import chunk_ranks
 from interleaf.protos.actions import COMPUTE, Action, Kind
 
 from .candidates import RECOMPUTE_ORDER, Layout, valid_configs
 from .costs import DeviceProfile, LayoutCosts, head_layers, layout_costs
+from .explain import Outcome, explain, variant_lines
 
 TOLERANCE = 0.01
 """A candidate whose compute alone is within this share of the K-th best predicted step
 is not simulated: the cost model's own error is larger (bench/planner.py)."""
+VARIANT_TIE = 0.001
+"""Variants of one shape (ZeRO stage, recompute, sequence parallelism) whose predicted
+steps are within this share of each other are as fast: the one holding less memory is
+kept, then the one with fewer collectives and reruns, not the one a rounding favours."""
 LINKS = "eager"
 """The executor never waits for its sends (coordinator/executed_step.py's prediction)."""
 
@@ -64,6 +68,9 @@ class RankedPlan:
     (memory_model.with_temporaries)."""
     costs: LayoutCosts
     lower_bound_s: float
+    why_variants: tuple[str, ...] = ()
+    """How its ZeRO stage, recompute and sequence parallelism fared against the same
+    layout with another (explain.variant_lines)."""
 
     @property
     def admission_bytes(self) -> int:
@@ -73,7 +80,8 @@ class RankedPlan:
         return {"parallel": self.layout.parallel(), "train": self.layout.train(),
                 "predicted_step_seconds": self.step_s, "predicted_bubble": self.bubble,
                 "predicted_peak_bytes": max(self.peak_bytes), "predicted_admission_bytes": self.admission_bytes,
-                "peak_bytes_per_pipeline_rank": self.peak_bytes, "describe": self.layout.describe()}
+                "peak_bytes_per_pipeline_rank": self.peak_bytes, "describe": self.layout.describe(),
+                "why": explain(self)}
 
 
 @dataclass
@@ -193,6 +201,7 @@ def search(config: JobConfig, cluster: Cluster, profile: DeviceProfile, top: int
     programs_cache: dict[tuple, list[list[Action]]] = {}
     simulated: set[Layout] = set()
     refused_sizes: list[tuple[int, str]] = []
+    outcomes: dict[Layout, Outcome] = {}
     for index, (bound, layout, cfg, costs) in enumerate(bounded):
         if len(report.plans) >= top and bound >= report.plans[top - 1].step_s * (1 - TOLERANCE):
             report.bounded_out = len(bounded) - index
@@ -203,6 +212,7 @@ def search(config: JobConfig, cluster: Cluster, profile: DeviceProfile, top: int
             break
         if _dominated(layout, simulated):
             report.dominated += 1
+            outcomes[layout] = Outcome("dominated")
             continue
         p = cfg.parallel
         key = (p.schedule, p.pp, p.vpp, p.microbatches, p.dp > 1, p.zero, p.zero_prefetch, cfg.model.tie_embeddings)
@@ -213,23 +223,38 @@ def search(config: JobConfig, cluster: Cluster, profile: DeviceProfile, top: int
         if max(peaks) + RUNTIME_RESERVE_BYTES > cluster.memory_bytes:
             report.refused_by_memory += 1
             refused_sizes.append((max(peaks) + RUNTIME_RESERVE_BYTES, layout.describe()))
+            outcomes[layout] = Outcome("refused", needed_bytes=max(peaks) + RUNTIME_RESERVE_BYTES)
             continue
         result = simulate_layout(cfg, programs, costs)
         report.simulated += 1
         simulated.add(layout)
+        outcomes[layout] = Outcome("simulated", result.makespan_s, max(peaks))
         plan = RankedPlan(layout, cfg, result.makespan_s, result.bubble_fraction, peaks, costs, bound)
         rival = next((i for i, kept in enumerate(report.plans) if _shape(kept.layout) == _shape(layout)), None)
         if rival is not None:  # one plan per shape: its best ZeRO stage, recompute and sequence parallelism
-            if _order(plan) >= _order(report.plans[rival]):
+            if not _better_variant(plan, report.plans[rival]):
                 continue
             del report.plans[rival]
         report.plans.append(plan)
         report.plans.sort(key=_order)
         del report.plans[top:]
+    unvisited = Outcome("unweighed" if report.stopped_by_time else "bounded")
+    shapes = {_shape(plan.layout) for plan in report.plans}
+    variants = {b[1]: outcomes.get(b[1], unvisited) for b in bounded if _shape(b[1]) in shapes}
+    report.plans = [_with_reasons(plan, variants, cluster.memory_bytes) for plan in report.plans]
     if not report.plans:
         report.smallest_refused = sorted(refused_sizes)[:3]
     report.seconds = time.monotonic() - started
     return report
+
+
+def _with_reasons(plan: RankedPlan, variants: dict[Layout, Outcome], memory_bytes: int) -> RankedPlan:
+    """The plan, with how the layouts of its shape fared (explain.variant_lines)."""
+    shape = _shape(plan.layout)
+    rivals = {layout: outcome for layout, outcome in variants.items()
+              if _shape(layout) == shape and layout != plan.layout}
+    lines = variant_lines(plan.layout, plan.step_s, max(plan.peak_bytes), memory_bytes, rivals)
+    return dataclasses.replace(plan, why_variants=tuple(lines))
 
 
 def _dominated(layout: Layout, simulated: set[Layout]) -> bool:
@@ -247,41 +272,21 @@ def _shape(layout: Layout) -> tuple:
     return layout.dp, layout.tp, layout.pp, layout.vpp, layout.schedule, layout.microbatches, layout.layers
 
 
+def _better_variant(plan: RankedPlan, kept: RankedPlan) -> bool:
+    """Whether `plan` should replace `kept`, a variant of its shape: faster by more than
+    VARIANT_TIE, or as fast and leaner, or as fast, as lean and simpler (a lower ZeRO
+    stage, less recompute)."""
+    if abs(plan.step_s - kept.step_s) > VARIANT_TIE * kept.step_s:
+        return plan.step_s < kept.step_s
+    return _simpler(plan) < _simpler(kept)
+
+
+def _simpler(plan: RankedPlan) -> tuple:
+    layout = plan.layout
+    return max(plan.peak_bytes), layout.zero, RECOMPUTE_ORDER.index(layout.recompute), not layout.sequence_parallel
+
+
 def _order(plan: RankedPlan) -> tuple:
     """Faster first; at equal predicted time, less memory. (Not rounded: the plans are
     printed best first, and their times must read in order.)"""
     return plan.step_s, max(plan.peak_bytes)
-
-
-def explain(plan: RankedPlan, best: RankedPlan | None = None) -> list[str]:
-    """Why the plan's step takes what it does: where its time goes and what it holds."""
-    cfg, costs = plan.config, plan.costs
-    p, t = cfg.parallel, cfg.train
-    compute = plan.lower_bound_s
-    microbatches = f"{p.microbatches} microbatch{'es' if p.microbatches > 1 else ''}"
-    idle = (f"in the pipeline's bubble ({microbatches} over pp={p.pp}, {p.schedule}) and waiting for messages and "
-            f"collectives" if p.pp > 1 else f"waiting for collectives ({microbatches}, no pipeline)")
-    lines = [f"lower bound {compute:.4f} s (the busiest rank's compute"
-             + (", with the pipeline's fill and drain" if p.pp > 1 else "")
-             + f"); ranks idle {plan.bubble:.1%} of the step, {idle}"]
-    if p.tp > 1:
-        share = costs.tp_collective_s / max(costs.forward_s)
-        calls = "reduce-scatters and all-gathers" if p.sequence_parallel else "all-reduces"
-        lines.append(f"tp={p.tp}: the tensor group's {calls} are {share:.0%} of the largest chunk's forward")
-    if p.dp > 1:
-        what = "reduce-scatter" if p.zero >= 1 else "all-reduce"
-        lines.append(f"dp={p.dp}: each chunk's gradient {what} {costs.reduce_s * 1e3:.1f} ms"
-                     + (f", each parameter gather {costs.gather_s * 1e3:.1f} ms" if p.zero == 3 else ""))
-    if t.recompute != "none":
-        lines.append(f"recompute={t.recompute} reruns forward work in the backward, to fit or to save memory")
-    chunks = partition(cfg.model.n_layers, p.pp, p.vpp, p.schedule, p.layers)
-    sizes = sorted({len(c.layers) for c in chunks})
-    if len(sizes) > 1:
-        lines.append(f"uneven split: chunks hold {sizes[0]}-{sizes[-1]} layers")
-    lines.append(f"peak memory {max(plan.peak_bytes) / 2**30:.2f} GiB (+{RUNTIME_RESERVE_BYTES / 2**30:.1f} GiB "
-                 f"process reserve) on pipeline rank {plan.peak_bytes.index(max(plan.peak_bytes))}")
-    if best is not None and best is not plan:
-        lines.append(f"{plan.step_s / best.step_s - 1:+.1%} against the best")
-    return lines
-
-
