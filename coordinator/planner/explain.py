@@ -3,15 +3,14 @@ it fared against its variants, the same layout with another ZeRO stage, recomput
 or sequence parallelism, as the search weighed them (search.py records an Outcome for
 every candidate it looked at).
 
-Worked example (tests/test_planner.py, test_the_explanation_says_why_each_variant_lost):
-a dp2 layout with too little memory to keep every activation plans recompute=selective
-and zero=1; its explanation reads, among its lines,
+Worked example (docs/planning.md, 4 servers of 0.56 GiB, an 8-layer d_model 256 GPT):
+the dp2·tp1·pp2 1f1b m=8 plan keeps ZeRO stage 1, and its explanation says why:
 
-    recompute=selective, against: none does not fit: needs 5.2 MiB more than a server's 0.56 GiB
-    zero=1, against: zero0 does not fit: needs 1.1 MiB more than a server's 0.56 GiB; zero2 +0.00% step, +5.2 MiB peak
+    zero=1, against: zero0 does not fit: needs 5.9 MiB more than a server's 0.56 GiB;
+    zero2 +0.00% step, +6.2 MiB peak; zero3 does not fit: needs 5.9 MiB more than ...
 
-so the user sees that selective recompute is there to fit, and that ZeRO stage 1 costs
-nothing over stage 0 and holds less.
+Stage 0 and stage 3 do not fit; stage 2 is as fast and holds more. Every such claim is
+recomputed in tests/test_planner.py (test_the_explanation_says_why_each_variant_lost).
 """
 
 from __future__ import annotations
