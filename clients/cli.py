@@ -235,6 +235,9 @@ def cmd_plan(args) -> int:
                         ("--server-memory", args.server_memory)):
         if value is not None and value < 1:
             raise UsageError(f"{flag} {value} must be at least 1")
+    if args.servers_per_host is not None and args.servers is None:
+        raise UsageError(f"--servers-per-host {args.servers_per_host} describes a cluster given by --servers; "
+                         f"a coordinator's servers report their own hosts")
     try:
         # A signal unwinds through what planning started (the profile's local servers, or
         # the coordinator's profile job, cancelled), as it does through `run`'s cluster.

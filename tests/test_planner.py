@@ -597,7 +597,8 @@ def test_a_search_cut_by_its_time_budget_says_what_it_left_unweighed():
 def test_what_users_tripped_on_is_planned_or_refused_clearly(tmp_path, capsys):
     """Each case a user met: evaluation rows tied to the microbatch; a server count no
     layout uses; layout settings given and replaced (said); a GPU's profile planned on
-    a machine without a GPU; --local 0; float8 on CPU servers refused before anything
+    a machine without a GPU; --local 0; --servers-per-host without --servers (a
+    coordinator's servers have hosts); float8 on CPU servers refused before anything
     starts, by `run --plan auto` and by `plan`."""
     from interleaf.clients.cli import main
 
@@ -627,6 +628,8 @@ def test_what_users_tripped_on_is_planned_or_refused_clearly(tmp_path, capsys):
 
     assert main(["run", "--local", "0", "--plan", "auto"]) == 2
     assert "--local 0 must be at least 1" in capsys.readouterr().err
+    assert main(["plan", "--servers-per-host", "4", "--coordinator", "127.0.0.1:1"]) == 2
+    assert "--servers-per-host 4 describes a cluster given by --servers" in capsys.readouterr().err
     for refused in (["run", "--local", "2", "--device", "cpu", "--plan", "auto", "--set", "train.precision=fp8"],
                     ["plan", "--servers", "2", "--device", "cpu", "--set", "train.precision=fp8"]):
         assert main(refused) == 2
