@@ -197,7 +197,7 @@ def report_text(report: SearchReport, cluster: Cluster, profile: DeviceProfile, 
                 if cluster.compute_slowdown > 1 else ""),
              f"searched {report.candidates} layouts in {report.seconds:.1f} s: {report.refused_by_rules} broke the "
              f"config's rules, {report.refused_by_memory} would not fit, {report.simulated} simulated, "
-             f"{report.dominated} matched by a fitting one with less recompute or with sequence parallelism, "
+             f"{report.dominated} matched by a fitting one with less recompute, "
              f"{report.bounded_out} could not beat the top by their compute alone"
              + (f", {report.unvisited} not weighed: the search stopped at its time budget, so a faster layout "
                 f"may be among them" if report.stopped_by_time else ""),

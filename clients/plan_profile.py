@@ -550,4 +550,4 @@ def measure_shapes(client, config: JobConfig, profile: DeviceProfile, needs: lis
     if not ran:
         return profile
     return fit(profile.observations + seen, profile.device, profile.links,
-               profile.measured_on + f"; chunk shapes of the top plans in {len(ran)} jobs")
+               profile.measured_on + f"; chunk shapes of the top plans in {len(ran)} job{'s' if len(ran) > 1 else ''}")

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from interleaf.coordinator.admission import RUNTIME_RESERVE_BYTES
 from interleaf.coordinator.partition import partition
 
-from .candidates import Layout
+from .candidates import RECOMPUTE_ORDER, Layout
 
 GIB = 2**30
 
@@ -31,8 +31,8 @@ class Outcome:
     """What the search made of one candidate layout."""
 
     kind: str
-    """"simulated"; "refused" (the memory model: it does not fit); "dominated" (a
-    variant with less recompute, or with sequence parallelism, fitted); "bounded" (its
+    """"simulated"; "refused" (the memory model: it does not fit); "dominated" (the
+    same layout with less recompute fitted); "bounded" (its
     compute alone could not beat the top); "unweighed" (the search's time budget ran out)."""
     step_s: float = 0.0
     needed_bytes: int = 0
@@ -50,13 +50,15 @@ def variant_lines(layout: Layout, step_s: float, peak_bytes: int, memory_bytes: 
                   rivals: dict[Layout, Outcome]) -> list[str]:
     """One line per setting in which `rivals` hold an alternative to `layout` that tells
     something: one simulated (its step and peak against this plan's), one memory refused
-    (by how much), or one left unweighed. Alternatives dominated or bounded out are
-    slower by construction (more recompute, or a larger compute alone) and not listed."""
+    (by how much), or one left unweighed. Not listed: alternatives with more recompute
+    where less fitted (slower, and their savings not needed) and those whose compute
+    alone could not beat the top plans (search.TOLERANCE: by the cost model, at most 1%
+    faster than the slowest of them)."""
     lines = []
     for name, called, label in VARIANTS:
         others = sorted((rival for rival, outcome in rivals.items()
                          if outcome.kind in TOLD and _differs_only_in(rival, layout, name)),
-                        key=lambda rival: str(getattr(rival, name)))
+                        key=lambda rival: _rank(name, getattr(rival, name)))
         if not others:
             continue
         parts = [f"{label(rival)} {_against(rivals[rival], step_s, peak_bytes, memory_bytes)}" for rival in others]
@@ -67,6 +69,11 @@ def variant_lines(layout: Layout, step_s: float, peak_bytes: int, memory_bytes: 
 
 
 TOLD = ("simulated", "refused", "unweighed")
+
+
+def _rank(name: str, value) -> int:
+    """Alternatives in their natural order: ZeRO stages up, recompute none to full."""
+    return RECOMPUTE_ORDER.index(value) if name == "recompute" else int(value)
 
 
 def _differs_only_in(rival: Layout, layout: Layout, name: str) -> bool:
@@ -84,10 +91,12 @@ def _against(outcome: Outcome, step_s: float, peak_bytes: int, memory_bytes: int
 
 
 def _size(count: int, sign: str = "") -> str:
-    """Bytes in GiB, or in MiB below one GiB (differences of a few MiB decide fits)."""
-    if abs(count) >= GIB:
-        return f"{count / GIB:{sign}.2f} GiB"
-    return f"{count / 2**20:{sign}.1f} MiB"
+    """Bytes in GiB, MiB below one GiB, KiB below one MiB (differences of a few MiB may
+    decide whether a layout fits)."""
+    for unit, name in ((GIB, "GiB"), (2**20, "MiB")):
+        if abs(count) >= unit:
+            return f"{count / unit:{sign}.{2 if unit == GIB else 1}f} {name}"
+    return f"{count / 1024:{sign}.1f} KiB"
 
 
 def explain(plan, best=None) -> list[str]:

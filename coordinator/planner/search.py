@@ -18,6 +18,7 @@ than a quarter are simulated, and the best found is the best of simulating them 
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import time
 from dataclasses import dataclass, field
 
@@ -36,9 +37,9 @@ TOLERANCE = 0.01
 """A candidate whose compute alone is within this share of the K-th best predicted step
 is not simulated: the cost model's own error is larger (bench/planner.py)."""
 VARIANT_TIE = 0.001
-"""Variants of one shape (ZeRO stage, recompute, sequence parallelism) whose predicted
-steps are within this share of each other are as fast: the one holding less memory is
-kept, then the one with fewer collectives and reruns, not the one a rounding favours."""
+"""Variants of one shape (ZeRO stage, recompute, sequence parallelism) predicted within
+this share of the shape's fastest are as fast: the one holding least is ranked, then the
+lowest ZeRO stage and the least recompute, not the one a rounding favours."""
 LINKS = "eager"
 """The executor never waits for its sends (coordinator/executed_step.py's prediction)."""
 
@@ -92,7 +93,7 @@ class SearchReport:
     refused_by_memory: int = 0
     simulated: int = 0
     dominated: int = 0
-    """Not simulated: a variant with less recompute, or with sequence parallelism, fitted."""
+    """Not simulated: the same layout with less recompute fitted."""
     bounded_out: int = 0
     unvisited: int = 0
     """Left unweighed when the search ran out of its time budget (stopped_by_time)."""
@@ -183,7 +184,8 @@ the minute a 7B-class model on 64 servers may take, with the profile read first.
 
 def search(config: JobConfig, cluster: Cluster, profile: DeviceProfile, top: int = 5,
            budget_s: float = BUDGET_S, every_microbatch_count: bool = False) -> SearchReport:
-    """The `top` fastest layouts that fit, best first (ties: less memory first).
+    """The `top` fastest layout shapes that fit, best first (ties: less memory first),
+    each with its variant chosen as _chosen_variant says.
     `every_microbatch_count`: microbatch counts past 8 * pp * vpp as well
     (candidates.microbatch_counts), where with no more than that nothing fits."""
     started = time.monotonic()
@@ -202,6 +204,8 @@ def search(config: JobConfig, cluster: Cluster, profile: DeviceProfile, top: int
     simulated: set[Layout] = set()
     refused_sizes: list[tuple[int, str]] = []
     outcomes: dict[Layout, Outcome] = {}
+    variants_of: dict[tuple, list[RankedPlan]] = {}
+    chosen: dict[tuple, RankedPlan] = {}
     for index, (bound, layout, cfg, costs) in enumerate(bounded):
         if len(report.plans) >= top and bound >= report.plans[top - 1].step_s * (1 - TOLERANCE):
             report.bounded_out = len(bounded) - index
@@ -230,14 +234,12 @@ def search(config: JobConfig, cluster: Cluster, profile: DeviceProfile, top: int
         simulated.add(layout)
         outcomes[layout] = Outcome("simulated", result.makespan_s, max(peaks))
         plan = RankedPlan(layout, cfg, result.makespan_s, result.bubble_fraction, peaks, costs, bound)
-        rival = next((i for i, kept in enumerate(report.plans) if _shape(kept.layout) == _shape(layout)), None)
-        if rival is not None:  # one plan per shape: its best ZeRO stage, recompute and sequence parallelism
-            if not _better_variant(plan, report.plans[rival]):
-                continue
-            del report.plans[rival]
-        report.plans.append(plan)
-        report.plans.sort(key=_order)
-        del report.plans[top:]
+        shape = _shape(layout)  # one plan per shape: its variant chosen among those simulated
+        variants_of.setdefault(shape, []).append(plan)
+        chosen[shape] = _chosen_variant(variants_of[shape])
+        if (len(report.plans) < top or _order(chosen[shape]) < _order(report.plans[-1])
+                or any(_shape(kept.layout) == shape for kept in report.plans)):
+            report.plans = heapq.nsmallest(top, chosen.values(), key=_order)
     unvisited = Outcome("unweighed" if report.stopped_by_time else "bounded")
     shapes = {_shape(plan.layout) for plan in report.plans}
     variants = {b[1]: outcomes.get(b[1], unvisited) for b in bounded if _shape(b[1]) in shapes}
@@ -258,13 +260,12 @@ def _with_reasons(plan: RankedPlan, variants: dict[Layout, Outcome], memory_byte
 
 
 def _dominated(layout: Layout, simulated: set[Layout]) -> bool:
-    """Whether a layout that fitted is as fast and no larger: the same with less
-    recompute (a rerun only adds time), or with sequence parallelism where this has none
-    (the same collectives' bytes, activations divided by tp)."""
+    """Whether the same layout with less recompute fitted: that one is faster (a rerun
+    only adds time), and fitting, needs none of what this one saves. (Sequence
+    parallelism has no such rule: the measured laws price its reduce-scatters and
+    all-gathers apart from the all-reduces it replaces, so either may be faster.)"""
     index = RECOMPUTE_ORDER.index(layout.recompute)
-    if any(dataclasses.replace(layout, recompute=r) in simulated for r in RECOMPUTE_ORDER[:index]):
-        return True
-    return not layout.sequence_parallel and dataclasses.replace(layout, sequence_parallel=True) in simulated
+    return any(dataclasses.replace(layout, recompute=r) in simulated for r in RECOMPUTE_ORDER[:index])
 
 
 def _shape(layout: Layout) -> tuple:
@@ -272,13 +273,12 @@ def _shape(layout: Layout) -> tuple:
     return layout.dp, layout.tp, layout.pp, layout.vpp, layout.schedule, layout.microbatches, layout.layers
 
 
-def _better_variant(plan: RankedPlan, kept: RankedPlan) -> bool:
-    """Whether `plan` should replace `kept`, a variant of its shape: faster by more than
-    VARIANT_TIE, or as fast and leaner, or as fast, as lean and simpler (a lower ZeRO
-    stage, less recompute)."""
-    if abs(plan.step_s - kept.step_s) > VARIANT_TIE * kept.step_s:
-        return plan.step_s < kept.step_s
-    return _simpler(plan) < _simpler(kept)
+def _chosen_variant(variants: list[RankedPlan]) -> RankedPlan:
+    """Of a shape's simulated variants (ZeRO stage, recompute, sequence parallelism), the
+    one to rank: among those within VARIANT_TIE of the fastest, the one holding least,
+    then the lowest ZeRO stage, then the least recompute."""
+    fastest = min(plan.step_s for plan in variants)
+    return min((plan for plan in variants if plan.step_s <= fastest * (1 + VARIANT_TIE)), key=_simpler)
 
 
 def _simpler(plan: RankedPlan) -> tuple:
