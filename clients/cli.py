@@ -66,8 +66,14 @@ def _config_text(path: str | None) -> str:
         return ""
     file = pathlib.Path(path)
     if not file.is_file():
-        raise UsageError(f"config file {path!r} does not exist")
-    return file.read_text()
+        raise UsageError(f"config file {path!r} {'is a folder' if file.is_dir() else 'does not exist'}")
+    try:
+        return file.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise UsageError(f"config file {path!r} is not UTF-8 text, as TOML must be (byte {err.start}: "
+                         f"{err.object[err.start:err.start + 1]!r})") from None
+    except OSError as err:
+        raise UsageError(f"config file {path!r} cannot be read ({err.strerror})") from None
 
 
 def _security(args):
@@ -85,6 +91,8 @@ def _security(args):
 def _client(args):
     from interleaf.clients.client import Client
 
+    if not (args.coordinator or "").strip():
+        raise UsageError(f"--coordinator {args.coordinator!r} must be HOST:PORT")
     return Client(args.coordinator, _security(args))
 
 
@@ -153,6 +161,7 @@ def cmd_run(args) -> int:
     if not remote:
         assert servers is not None  # --local's, or the config's world
         _check_vocab_locally(config)
+        _check_resume_locally(config)
         _check_devices_locally(config, servers, args.device, layout_given=not planned)
         if not planned:  # a planned layout is admitted by the planner
             _admit_locally(config, servers, args.device)
@@ -279,8 +288,9 @@ def _servers_or_hint(client, args):
 
 
 def _check_run_logs(args) -> None:
-    """--wandb without the wandb package, and a --tensorboard folder that cannot be
-    written, are refused before anything starts: a job submitted first would go on at a
+    """--wandb without the wandb package, a --tensorboard folder or --metrics-out file
+    that cannot be written, and a --log-dir that is a file, are refused before anything
+    starts: a job submitted first would go on at a
     coordinator (or hold a local cluster) that nothing records."""
     if getattr(args, "wandb", None):
         try:
@@ -295,6 +305,15 @@ def _check_run_logs(args) -> None:
                 raise PermissionError("not writable")
         except (OSError, ValueError) as err:  # ValueError: a NUL in the path
             raise UsageError(f"--tensorboard {folder!r}: the event files' folder cannot be written ({err})") from None
+    if path := getattr(args, "metrics_out", None):
+        parent = os.path.dirname(os.path.abspath(path))
+        if os.path.isdir(path):
+            raise UsageError(f"--metrics-out {path!r} is a folder; it must name the JSON-lines file to write")
+        if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
+            raise UsageError(f"--metrics-out {path!r}: its folder {parent!r} "
+                             f"{'is not writable' if os.path.isdir(parent) else 'does not exist'}")
+    if (logs := getattr(args, "log_dir", None)) and os.path.exists(logs) and not os.path.isdir(logs):
+        raise UsageError(f"--log-dir {logs!r} is a file; it must name a folder for the servers' logs")
 
 
 def _run_logs(args, name: str, config=None, client=None) -> RunLogs:
@@ -321,6 +340,18 @@ def _check_vocab_locally(config) -> None:
             check_eval_source(config.model.vocab_size, config.eval.source, config.data.source)
     except (OSError, ValueError) as err:  # VocabError, TokenizerError, a blend that does not parse, no eval.source
         raise UsageError(str(err)) from None
+
+
+def _check_resume_locally(config) -> None:
+    """checkpoint.resume (--resume) found here, where a local cluster's coordinator will
+    look for it, before any process starts."""
+    from interleaf.coordinator.checkpoints import CheckpointError, find
+
+    if config.checkpoint.resume:
+        try:
+            find(config.checkpoint.resume)
+        except CheckpointError as err:
+            raise UsageError(f"checkpoint.resume: {err}") from None
 
 
 def _check_devices_locally(config, servers: int, device: str, layout_given: bool = True) -> None:
@@ -401,7 +432,10 @@ def cmd_schedule(args) -> int:
     from interleaf.coordinator.schedule.zero import max_gathered
     from interleaf.protos.actions import format_program
 
+    _check_png(args.png)
     _, config = _load(args)
+    _say_layout_is_planned(config, "scheduled here")
+
     p = config.parallel
     try:
         # Planning validates the programs, which includes running them under rendezvous
@@ -446,8 +480,19 @@ def cmd_config(args) -> int:
         return 0
     from interleaf.clients.api import config_text
 
-    sys.stdout.write(config_text(_load(args)[1]))
+    config = _load(args)[1]
+    _say_layout_is_planned(config, "below")
+    sys.stdout.write(config_text(config))
     return 0
+
+
+def _say_layout_is_planned(config, where: str) -> None:
+    """parallel.plan=auto: the layout shown is not the one a job will run (the config's,
+    or where that breaks the rules a placeholder of one server), so say so on stderr."""
+    if config is not None and config.parallel.plan == "auto":
+        _stderr(f"parallel.plan=auto: the layout {where} is not what a job runs; the planner chooses dp, tp, pp, "
+                f"vpp, schedule, microbatches, zero, sequence parallelism, layers and recompute when it is "
+                f"submitted (`interleaf plan` shows its choice)")
 
 
 def cmd_coordinator(args) -> int:
@@ -513,9 +558,23 @@ def cmd_watch(args) -> int:
         metrics.close()
 
 
+def _check_png(path: str | None) -> None:
+    """--png names a PNG file to write, in a folder that exists (matplotlib would append
+    .png to a name without it, or refuse another suffix, after the work was done)."""
+    if path is None:
+        return
+    parent = os.path.dirname(os.path.abspath(path))
+    if not path.lower().endswith(".png") or os.path.isdir(path):
+        raise UsageError(f"--png {path!r} must name a .png file")
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
+        raise UsageError(f"--png {path!r}: its folder {parent!r} "
+                         f"{'is not writable' if os.path.isdir(parent) else 'does not exist'}")
+
+
 def cmd_trace(args) -> int:
     from interleaf.coordinator import executed_step as trace
 
+    _check_png(args.png)
     client = _client(args)
     step = client.trace(args.job, args.step)
     print(trace.summary(step))

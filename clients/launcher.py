@@ -46,7 +46,8 @@ def local_devices(device: str, servers: int) -> list[str]:
     if device != "cuda":
         raise ValueError(f"device={device!r} must be auto, cpu or cuda for local servers")
     if gpus < servers:
-        raise ValueError(f"device='cuda' needs one GPU per local server: {servers} servers, {gpus} GPUs")
+        raise ValueError(f"device='cuda' needs one GPU per local server: {servers} server{'s' * (servers != 1)}, "
+                         f"{gpus} GPU{'s' * (gpus != 1)}")
     return [f"cuda:{i}" for i in range(servers)]
 
 

@@ -297,7 +297,7 @@ def plan_described(config: JobConfig, servers: int, memory_bytes: int | None, se
 
     if profile_path and memory_bytes:  # costs and memory both given: nothing here is run or read
         profile = obtain_profile(config, "", profile_path=profile_path, log=log, measure_on=None)
-        cluster = Cluster(servers, memory_bytes, servers_per_host=servers_per_host or min(servers, 8),
+        cluster = Cluster(servers, memory_bytes, servers_per_host=min(servers_per_host or 8, servers),
                           device_type=device_type_of([profile.device]))
         return run_search(config, cluster, profile, top), cluster, profile
     try:  # two servers to profile on, or one on a machine with one GPU
@@ -306,7 +306,7 @@ def plan_described(config: JobConfig, servers: int, memory_bytes: int | None, se
         except ValueError:
             devices = local_devices(device, 1)
     except ValueError as err:
-        raise PlanError(f"--device {device}: {err}"
+        raise PlanError(f"--device {device}: the profile jobs run on this machine's devices, and {err}"
                         + ("; with --profile, --server-memory plans without any here" if profile_path else "")) from None
     local_memory = memory_per_local_server(devices)
     local = None
@@ -318,7 +318,7 @@ def plan_described(config: JobConfig, servers: int, memory_bytes: int | None, se
         local = ProfileServers(lambda: local_servers(len(devices), device), len(devices), local_memory)
     profile = obtain_profile(config, device_kind(devices[0]), profile_path=profile_path, log=log,
                              measure_on=local.open if local else None)
-    cluster = Cluster(servers, memory_bytes or local_memory, servers_per_host=servers_per_host or min(servers, 8),
+    cluster = Cluster(servers, memory_bytes or local_memory, servers_per_host=min(servers_per_host or 8, servers),
                       device_type=device_type_of([profile.device]) if profile_path else device_type_of(devices))
     report, profile = search_timed(config, cluster, profile, top, local, log)
     return report, cluster, profile

@@ -147,9 +147,13 @@ def _with_model(config: JobConfig, model: dict) -> JobConfig:
 
 def _layer_flops(config: JobConfig, rows: int) -> float:
     one = partition(config.model.n_layers, config.model.n_layers, 1, "1f1b")[1 if config.model.n_layers > 1 else 0]
-    # one server, one microbatch, no evaluation (whose rows rules tie to the microbatch's)
+    # one server, one microbatch, no evaluation (whose rows rules tie to the microbatch's),
+    # and none of the settings that need more than one (an uneven split, sequence
+    # parallelism, elastic data parallelism)
     single = dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, pp=1, vpp=1, dp=1, tp=1,
-                                                                       schedule="1f1b", microbatches=1, plan=""),
+                                                                       schedule="1f1b", microbatches=1, plan="",
+                                                                       layers=(), sequence_parallel=False,
+                                                                       elastic=False),
                                  eval=dataclasses.replace(config.eval, every=0))
     return chunk_forward_flops(single, dataclasses.replace(one, has_head=False), rows)
 

@@ -284,9 +284,10 @@ def check_fp8(config: JobConfig, devices: list[str], tokens: bool = True) -> Non
 
 
 def check_devices(config: JobConfig, devices: list[str], tokens: bool = True) -> None:
-    """What the job asks of its servers' devices: CUDA for a memory snapshot, float8
+    """What the job asks of its servers' devices: a transport they can use, CUDA for a memory snapshot, float8
     tensor cores and their dimensions for fp8 (`tokens`: check_fp8's). Made by the
     coordinator as it places a job, and by clients before they start servers or plan."""
+    choose_transport(config.parallel.transport, devices)
     check_memory_snapshot(config, devices)
     check_fp8(config, devices, tokens)
 

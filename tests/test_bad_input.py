@@ -112,3 +112,41 @@ def test_unknown_job_is_not_found(client):
     with pytest.raises(grpc.RpcError) as caught:
         client.status("job-0-nope")
     assert caught.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_paths_and_settings_a_run_cannot_use_are_refused_before_anything_starts(tmp_path, capsys):
+    """What a user probe met as tracebacks, or as failures after the local cluster had
+    started: each now one line naming the flag or setting, exit 2, nothing started."""
+    from interleaf.clients.cli import main
+
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    binary = tmp_path / "binary.toml"
+    binary.write_bytes(b"[train]\nsteps = 3\n\xff\n")
+    top_level = tmp_path / "top.toml"
+    top_level.write_text("steps = 3\n")
+    cases = [
+        (["run", "--metrics-out", str(tmp_path)], f"--metrics-out {str(tmp_path)!r} is a folder"),
+        (["run", "--metrics-out", "/nonexistent/dir/m.jsonl"], "its folder '/nonexistent/dir' does not exist"),
+        (["reference", "--metrics-out", str(tmp_path)], "is a folder; it must name the JSON-lines file"),
+        (["run", "--log-dir", str(a_file)], f"--log-dir {str(a_file)!r} is a file"),
+        (["run", "--device", "cpu", "--set", "parallel.transport=nccl"],
+         "parallel.transport='nccl' cannot move tensors on cpu servers (they need 'gloo')"),
+        (["run", "--resume", "/nonexistent/ckpt"], "checkpoint.resume: checkpoint '/nonexistent/ckpt' does not exist"),
+        (["config", str(binary)], "is not UTF-8 text, as TOML must be (byte 18: b'\\xff')"),
+        (["config", str(tmp_path)], f"config file {str(tmp_path)!r} is a folder"),
+        (["config", str(top_level)], "steps=3 is outside any section: settings go in a table, e.g. [train] steps"),
+        (["schedule", "--png", str(tmp_path / "x.txt")], "must name a .png file"),
+        (["schedule", "--png", str(tmp_path / "noext")], "must name a .png file"),
+        (["schedule", "--png", "/nonexistent/x.png"], "its folder '/nonexistent' does not exist"),
+        (["servers", "--coordinator", ""], "--coordinator '' must be HOST:PORT"),
+        (["config", "--set", "train.compile=maybe"], "train.compile='maybe' must be true, false or \"auto\""),
+    ]
+    for argv, message in cases:
+        assert main(argv) == 2, argv
+        captured = capsys.readouterr()
+        assert message in captured.err, (argv, captured.err)
+        assert "Traceback" not in captured.err and "starting" not in captured.out + captured.err
+    assert not list(tmp_path.glob("noext*")) and not (tmp_path / "x.txt").exists()
+    assert main(["config", "--set", "train.compile=ON"]) == 0
+    assert 'compile = "on"' in capsys.readouterr().out

@@ -257,6 +257,34 @@ def test_profile_round_trips_through_json(tmp_path, monkeypatch):
     assert plan_profile.load_cached(bf16, "cpu") is None  # and per precision
 
 
+def test_a_profile_file_that_costs_cannot_use_is_refused_naming_the_field(tmp_path, capsys):
+    """--profile takes a file a user may have edited: a rate of zero, NaN, a negative
+    overhead, a missing link law, a law of the wrong shape are each one line naming the
+    field and the rule (before: tracebacks, or a plan of negative seconds)."""
+    from interleaf.clients.cli import main
+
+    good = profile().to_json()
+    edits = [
+        (lambda d: d["forward"].update(rate=0), "forward.rate=0 must be a finite number > 0"),
+        (lambda d: d["forward"].update(rate=float("nan")), "forward.rate=nan must be a finite number > 0"),
+        (lambda d: d["forward"].update(rate="fast"), "forward.rate='fast' must be a finite number > 0"),
+        (lambda d: d["backward"].update(overhead_s=-5), "backward.overhead_s=-5 must be a finite number >= 0"),
+        (lambda d: d["links"].pop("allreduce"), "must be an object with at least p2p and allreduce laws"),
+        (lambda d: d.update(links=[1, 2]), "links=[1, 2] must be an object with at least p2p and allreduce"),
+        (lambda d: d.update(update_s_per_param=-1.0), "update_s_per_param=-1.0 must be a finite number >= 0"),
+        (lambda d: d.clear(), "it lacks device, forward, backward, input_grad, weight_grad, links"),
+    ]
+    for edit, message in edits:
+        data = json.loads(json.dumps(good))
+        edit(data)
+        path = tmp_path / "profile.json"
+        path.write_text(json.dumps(data))
+        assert main(["plan", "--servers", "2", "--profile", str(path), "--server-memory", str(GIB)]) == 2
+        err = capsys.readouterr().err
+        assert f"--profile {path}: not a device profile (" in err and message in err and "Traceback" not in err, err
+    assert costs_module.DeviceProfile.from_json(json.loads(json.dumps(good))) == profile()
+
+
 def test_a_large_model_is_profiled_through_a_proxy():
     config = load_config("", ["model.n_layers=32", "model.d_model=4096", "model.n_heads=32", "model.seq_len=2048"])
     proxy = plan_profile.profile_model(config)
@@ -622,7 +650,8 @@ def test_what_users_tripped_on_is_planned_or_refused_clearly(tmp_path, capsys):
     """Each case a user met: evaluation rows tied to the microbatch; a server count no
     layout uses; layout settings given and replaced (said); a GPU's profile planned on
     a machine without a GPU; --local 0; --servers-per-host without --servers (a
-    coordinator's servers have hosts); float8 on CPU servers refused before anything
+    coordinator's servers have hosts); settings valid as given that one server cannot
+    hold (uneven layers, sequence parallelism, elastic); float8 on CPU servers refused before anything
     starts, by `run --plan auto` and by `plan`."""
     from interleaf.clients.cli import main
 
@@ -654,6 +683,21 @@ def test_what_users_tripped_on_is_planned_or_refused_clearly(tmp_path, capsys):
     assert "--local 0 must be at least 1" in capsys.readouterr().err
     assert main(["plan", "--servers-per-host", "4", "--coordinator", "127.0.0.1:1"]) == 2
     assert "--servers-per-host 4 describes a cluster given by --servers" in capsys.readouterr().err
+    # Valid settings that need more than one server (an uneven split, sequence
+    # parallelism, elastic replicas), and blocks rerun whole, which the plan's recompute
+    # may not keep: planned, not a traceback from the proxy's one-server config.
+    for given in (["parallel.layers=1,1,1,1"], ["parallel.tp=2", "parallel.pp=1", "parallel.vpp=1",
+                                                 "parallel.schedule=1f1b", "parallel.sequence_parallel=true"],
+                  ["parallel.elastic=true"], ["parallel.elastic=true", "parallel.dp=2", "parallel.pp=2",
+                                               "parallel.vpp=1", "parallel.schedule=1f1b"],
+                  ["train.recompute_layers=2"]):
+        sets = [arg for setting in given for arg in ("--set", setting)]
+        assert main(plan + sets) == 0, given
+        chosen = json.loads(capsys.readouterr().out)
+        for plan_json in chosen:
+            planned = load_config("", given + plan_command.overrides(plan_json))
+            assert planned.parallel.elastic == ("parallel.elastic=true" in given)
+            assert planned.parallel.world_size == 4
     for refused in (["run", "--local", "2", "--device", "cpu", "--plan", "auto", "--set", "train.precision=fp8"],
                     ["plan", "--servers", "2", "--device", "cpu", "--set", "train.precision=fp8"]):
         assert main(refused) == 2

@@ -99,6 +99,11 @@ def build_config(raw: dict, overrides: list[str] = ()) -> JobConfig:
     With checkpoint.init, `[model]` is taken from those weights (coordinator/init_source.py)."""
     values: dict[str, dict] = {name: {} for name in _SECTION_TYPES}
     for section, table in raw.items():
+        if section not in _SECTION_TYPES and not isinstance(table, dict):
+            owners = [name for name, cls in _SECTION_TYPES.items() if section in _field_types(cls)]
+            raise ConfigError(f"{_name(section)}={shown(table)} is outside any section: settings go in a table"
+                              + (f", e.g. [{owners[0]}] {_name(section)} = ..." if owners else
+                                 f" (known: {', '.join(_SECTION_TYPES)})"))
         if section not in _SECTION_TYPES:
             raise ConfigError(f"unknown section [{_name(section)}] (known: {', '.join(_SECTION_TYPES)})")
         if not isinstance(table, dict):

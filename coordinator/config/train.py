@@ -112,9 +112,11 @@ class TrainConfig:
                               f"not {self.precision!r}")
         # Held as the setting servers take (common/model/compile_modes.py): on, off or auto.
         switch = {True: "on", False: "off", "true": "on", "false": "off"}
-        setting = switch.get(self.compile, self.compile) if isinstance(self.compile, (bool, str)) else self.compile
+        given = self.compile.lower() if isinstance(self.compile, str) else self.compile
+        setting = switch.get(given, given) if isinstance(given, (bool, str)) else given
         if setting not in COMPILE:
-            raise ConfigError(f"train.compile={shown(self.compile)} must be true, false or \"auto\"")
+            raise ConfigError(f"train.compile={shown(self.compile)} must be true, false or \"auto\" "
+                              f"(\"on\" and \"off\" are taken for true and false)")
         object.__setattr__(self, "compile", setting)
         if self.recompute_layers < 0:
             raise ConfigError(f"train.recompute_layers={self.recompute_layers} must be 0 (off) or more")

@@ -82,21 +82,30 @@ a valid layout.)"""
 
 
 def load_unplanned(text: str, sets: list[str]) -> JobConfig:
-    """The config of `text` and `sets` with its layout set aside (UNPLANNED_LAYOUT); or,
-    where a rule ties another setting to the microbatch's rows (eval.samples must be a
-    multiple of them), with microbatches of one sample instead, which every such rule
-    takes. ConfigError, the first placeholder's, when the config breaks a rule beyond its
-    layout."""
+    """The config of `text` and `sets` with its layout set aside (UNPLANNED_LAYOUT), or
+    where a rule ties another setting to the layout, with that rule met as well:
+    microbatches of one sample (eval.samples must be a multiple of the microbatch's
+    rows, which one sample always is), two replicas (parallel.elastic needs dp >= 2), no
+    blocks rerun whole (train.recompute_layers needs selective recompute, which the plan
+    chooses afresh). ConfigError, the first placeholder's, when the config breaks a rule
+    beyond its layout."""
     from interleaf.coordinator.config import load_config
 
-    try:
-        return load_config(text, sets + UNPLANNED_LAYOUT)
-    except ConfigError as first:
+    first: ConfigError | None = None
+    for extra in ([], ["parallel.dp=2"], ["train.recompute_layers=0"], ["parallel.dp=2", "train.recompute_layers=0"]):
+        placeholder = sets + UNPLANNED_LAYOUT + extra
         try:
-            rows_of_one = load_config(text, sets + UNPLANNED_LAYOUT + ["eval.every=0"]).train.global_batch
-            return load_config(text, sets + UNPLANNED_LAYOUT + [f"parallel.microbatches={rows_of_one}"])
+            return load_config(text, placeholder)
+        except ConfigError as err:
+            first = first or err
+        try:
+            config = load_config(text, placeholder + ["eval.every=0"])
+            rows_of_one = config.train.global_batch // config.parallel.dp
+            return load_config(text, placeholder + [f"parallel.microbatches={rows_of_one}"])
         except ConfigError:
-            raise first from None
+            pass
+    assert first is not None
+    raise first
 
 
 def apply(config: JobConfig, layout: Layout) -> JobConfig:

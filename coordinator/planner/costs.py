@@ -55,6 +55,21 @@ class Law:
         return self.overhead_s + amount / self.rate
 
 
+def _finite(field: str, value, minimum: float, above: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or value < minimum or (above and value == minimum):
+        raise ValueError(f"{field}={value!r} must be a finite number {'>' if above else '>='} {minimum:g}")
+    return float(value)
+
+
+def _law(field: str, value) -> Law:
+    """A profile file's law, checked: seconds are never negative and rates positive."""
+    if not isinstance(value, dict) or set(value) != {"overhead_s", "rate"}:
+        raise ValueError(f"{field}={value!r} must be an object of overhead_s and rate")
+    return Law(_finite(f"{field}.overhead_s", value["overhead_s"], 0.0),
+               _finite(f"{field}.rate", value["rate"], 0.0, above=True))
+
+
 LINK_GROUP = {"tp": "tp", "tp_reduce_scatter": "tp", "tp_all_gather": "tp",
               "dp": "dp", "dp_reduce_scatter": "dp", "dp_all_gather": "dp"}
 """Each collective link kind, and the group whose all-reduce law stands in for it where it
@@ -107,8 +122,19 @@ class DeviceProfile:
 
     @classmethod
     def from_json(cls, data: dict) -> "DeviceProfile":
-        laws = {k: Law(**data[k]) for k in ("forward", "backward", "input_grad", "weight_grad")}
-        return cls(device=data["device"], links={k: Law(**v) for k, v in data["links"].items()},
+        """ValueError naming the field, its value and the rule where `data` (a file the
+        user may have written or edited: --profile) is not a profile the costs can use."""
+        if not isinstance(data, dict):
+            raise ValueError(f"a device profile is a JSON object, not {type(data).__name__}")
+        missing = [k for k in ("device", "forward", "backward", "input_grad", "weight_grad", "links",
+                               "update_s_per_param") if k not in data]
+        if missing:
+            raise ValueError(f"it lacks {', '.join(missing)}")
+        laws = {k: _law(k, data[k]) for k in ("forward", "backward", "input_grad", "weight_grad")}
+        if not isinstance(data["links"], dict) or not {"p2p", "allreduce"} <= set(data["links"]):
+            raise ValueError(f"links={data['links']!r} must be an object with at least p2p and allreduce laws")
+        _finite("update_s_per_param", data["update_s_per_param"], minimum=0.0)
+        return cls(device=data["device"], links={k: _law(f"links.{k}", v) for k, v in data["links"].items()},
                    update_s_per_param=data["update_s_per_param"], measured_on=data.get("measured_on", ""),
                    selective_share=data.get("selective_share"), tp_compute_factor=data.get("tp_compute_factor"),
                    observations=list(data.get("observations", [])), shapes=dict(data.get("shapes", {})),

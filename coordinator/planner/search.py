@@ -78,7 +78,9 @@ class RankedPlan:
         return max(self.peak_bytes) + RUNTIME_RESERVE_BYTES
 
     def as_json(self) -> dict:
-        return {"parallel": self.layout.parallel(), "train": self.layout.train(),
+        # recompute_layers as planned: the config's where the plan chose selective
+        train = {**self.layout.train(), "recompute_layers": self.config.train.recompute_layers}
+        return {"parallel": self.layout.parallel(), "train": train,
                 "predicted_step_seconds": self.step_s, "predicted_bubble": self.bubble,
                 "predicted_peak_bytes": max(self.peak_bytes), "predicted_admission_bytes": self.admission_bytes,
                 "peak_bytes_per_pipeline_rank": self.peak_bytes, "describe": self.layout.describe(),
