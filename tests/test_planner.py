@@ -201,8 +201,12 @@ def test_a_shape_ranks_its_leanest_variant_within_the_tie_of_its_fastest():
     the fastest only the second is, so it is ranked, not the last of a chain of ties."""
     from interleaf.coordinator.planner.search import RankedPlan, _chosen_variant
 
+    config = load_config("", SMALL)
+
     def variant(zero: int, step_s: float, peak: int) -> RankedPlan:
-        return RankedPlan(Layout(2, 1, 1, 1, "1f1b", 1, zero, "none"), None, step_s, 0.0, [peak], None, step_s)
+        layout = Layout(2, 1, 1, 1, "1f1b", 1, zero, "none")
+        cfg = apply(config, layout)
+        return RankedPlan(layout, cfg, step_s, 0.0, [peak], layout_costs(cfg, profile()), step_s)
 
     chain = [variant(z, 1 + 0.0009 * z, (4 - z) * GIB) for z in range(4)]
     assert _chosen_variant(chain).layout.zero == 1
