@@ -37,10 +37,12 @@ import math
 from dataclasses import dataclass, field
 
 from interleaf.common.model.architectures import architecture
+from interleaf.common.model.compile_modes import compiles, device_type_of
 from interleaf.common.model.config import shape_of
 from interleaf.common.model.shapes import chunk_param_specs, local_numel
 from interleaf.common.pipeline_message_modes import message_mode
 from interleaf.coordinator.config import PRECISION_BYTES, JobConfig
+from interleaf.coordinator.config.parallel import SPLIT_BACKWARD
 from interleaf.coordinator.memory_model import message_bytes
 from interleaf.coordinator.partition import Chunk, partition
 
@@ -249,6 +251,7 @@ def layout_costs(config: JobConfig, profile: DeviceProfile, slowdown: float = 1.
     # a block rerun whole (full recompute, or selective's every K-th) calls its forward's
     # collectives again; selective's rerun replays them (collective_replay.py)
     whole_reruns = t.recompute == "full" or (t.recompute == "selective" and t.recompute_layers > 0)
+    compiled = compiles(t.compile, device_type_of([profile.device]), p.schedule in SPLIT_BACKWARD)
     for chunk in chunks:
         flops = chunk_forward_flops(config, chunk, rows)
         ends_f, ends_b = _tp_chunk_seconds(config, profile, chunk, hidden)
@@ -260,7 +263,7 @@ def layout_costs(config: JobConfig, profile: DeviceProfile, slowdown: float = 1.
         # inside them), the laws price the rest
         timed = {kind: seconds * slowdown for kind, seconds in profile.shapes.get(chunk_shape(config, chunk, rows),
                                                                                    {}).items()}
-        share = _recompute_share(config, chunk, profile.selective_share)
+        share = _recompute_share(config, chunk, profile.selective_share, compiled)
         # the rerun's arithmetic at the law's rate (what selective_share was measured against)
         rerun = share * (flops / profile.forward.rate * stretch + (blocks_f if whole_reruns else 0.0))
         forward.append(timed.get("forward", profile.forward.seconds(flops) * stretch + tp_f) + gather_f)
@@ -360,11 +363,13 @@ def _master_bytes(precision: str) -> int:
     return 8 if precision == "fp64" else 4
 
 
-def _recompute_share(config: JobConfig, chunk: Chunk, selective: float | None) -> float:
+def _recompute_share(config: JobConfig, chunk: Chunk, selective: float | None, compiled: bool = False) -> float:
     """Share of the chunk's forward its backward reruns: all of it under full recompute;
     under selective the attention core and pointwise work, about the attention scores'
     share of the block's FLOPs (Korthikanti et al. 2022), or the share the profile
-    measured; every K-th block whole with recompute_layers=K."""
+    measured (at tp = 1), and on servers that compile (`compiled`) at tp > 1 the
+    column-parallel products and attention too; every K-th block whole with
+    recompute_layers=K."""
     t, m = config.train, config.model
     if t.recompute == "full":
         return 1.0
@@ -373,7 +378,20 @@ def _recompute_share(config: JobConfig, chunk: Chunk, selective: float | None) -
     if t.recompute_layers:
         whole = sum(1 for i in chunk.layers if (i + 1) % t.recompute_layers == 0)
         return whole / max(1, len(chunk.layers))
-    if selective is not None:
-        return selective
     block_matrix, attention, _ = _per_token(m, 1)
-    return attention / (2 * block_matrix + attention)
+    measured = attention / (2 * block_matrix + attention) if selective is None else selective
+    if config.parallel.tp > 1 and compiled:
+        # A compiled block with tensor-parallel collectives runs inside an eager
+        # checkpoint, whose rerun goes through the graphs between the collectives
+        # (stageserver/model/compiled.py): the column-parallel products and attention as
+        # well. The row-parallel ones are replayed with their sums (collective_replay.py).
+        return measured + (2 * _column_matrix(m) + attention) / (2 * block_matrix + attention)
+    return measured
+
+
+def _column_matrix(model) -> int:
+    """A block's column-parallel matrix weights (split along their outputs: q, k, v, and
+    the MLP's first products), the ones between its collectives."""
+    shape = shape_of(model)
+    block = architecture(shape.arch).block_parameters(shape)
+    return sum(math.prod(full) for full, dim in block.values() if len(full) == 2 and dim == 0)
