@@ -15,7 +15,7 @@ BAD_CONFIGS = [
     (["eval.every=10", "eval.samples=6"], "eval.samples=6 must be a multiple of train.global_batch/"
      "parallel.microbatches=4: evaluation runs microbatches of the training microbatch's rows"),
     (["eval.every=10", "eval.samples=4"], "eval.samples=4 must be a multiple of train.global_batch/"
-     "parallel.microbatches*parallel.pp=8 for interleaved-1f1b: its 1 evaluation microbatches sweep the chunks "
+     "parallel.microbatches*parallel.pp=8 for interleaved-1f1b: its 1 evaluation microbatch sweeps the chunks "
      "in groups of parallel.pp=2"),
     (["parallel.transport=infiniband"], "parallel.transport='infiniband' must be one of auto, gloo, nccl"),
     (["parallel.pp=4", "parallel.microbatches=6", "model.n_layers=8"],

@@ -132,7 +132,8 @@ class JobConfig:
         if p.schedule == "interleaved-1f1b" and p.vpp > 1 and count % p.pp:
             raise ConfigError(f"eval.samples={e.samples} must be a multiple of train.global_batch/"
                               f"parallel.microbatches*parallel.pp={rows * p.pp} for interleaved-1f1b: its "
-                              f"{count} evaluation microbatches sweep the chunks in groups of parallel.pp={p.pp}")
+                              f"{count} evaluation microbatch{'es sweep' if count > 1 else ' sweeps'} the chunks in groups of "
+                              f"parallel.pp={p.pp}")
         if p.pp * p.vpp * count > limits.MAX_PIPELINE_SLOTS:
             raise ConfigError(f"eval.samples={e.samples} makes parallel.pp*parallel.vpp*{count} evaluation "
                               f"microbatches={p.pp * p.vpp * count} forwards, more than "
