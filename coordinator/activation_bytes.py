@@ -51,7 +51,7 @@ adds it to the peak (head_loss_temporaries_bytes).
 Blocks compiled by train.compile keep what inductor's partitioner chooses, counted by
 compiled_block_bytes: for gpt2 the same as eager, for llama and for float8 blocks less;
 under selective recompute compiled_selective_block_bytes, less than eager for every
-architecture; the embedding, final norm and head stay eager.
+architecture (but under sequence parallelism, where it is eager's); the embedding, final norm and head stay eager.
 
 A split backward (zero-bubble schedules) frees these at its input-gradient half I and
 keeps until its weight-gradient half W only what the parameter gradients are computed
@@ -169,37 +169,29 @@ def compiled_block_bytes(model, rows: int, tp: int, precision: str, sequence_par
 def compiled_selective_block_bytes(model, rows: int, tp: int, precision: str, sequence_parallel: bool = False) -> int:
     """What one compiled block keeps under selective recompute, on one tp rank.
 
-    tp = 1: the block and its checkpoint are compiled together
-    (stageserver/model/recompute.py, SelectiveCheckpointed), so inductor's partitioner
-    sees the policy: it saves the matrix products' outputs and attention's, and
-    recomputes the rest in the compiled backward - but only what that backward reads.
-    The last product's output (GPT-2's second MLP projection, Llama's down projection)
-    goes into the residual sum alone, which no gradient reads, so it is not kept, where
-    the eager policy keeps every product's output:
+    Without sequence parallelism the block and its checkpoint are compiled together
+    (stageserver/model/recompute.py, SelectiveCheckpointed; its tensor-parallel
+    collectives traced as graph nodes, traced_collectives.py), so inductor's partitioner
+    sees the policy: it saves the matrix products' outputs, attention's and the forward
+    collectives', and recomputes the rest in the compiled backward - but only what that
+    backward reads. The last product's output (GPT-2's second MLP projection, Llama's
+    down projection; at tp > 1 its sum over the group) goes into the residual sum
+    alone, which no gradient reads, so it is not kept, where the eager policy keeps
+    every product's output:
       selective_block_bytes - b*s*d*a
-    Float8 blocks keep the same: the products' bf16 outputs, their float8 operands
-    recast in the backward from the bf16 tensors kept anyway.
+    Float8 blocks (tp = 1 only) keep the same: the products' bf16 outputs, their float8
+    operands recast in the backward from the bf16 tensors kept anyway.
 
-    tp > 1: the compiled block runs inside an eager checkpoint (the collectives break
-    its graph, which a checkpointed region may not), whose policy sees the graph's calls,
-    not its operations: attention is an operation it saves, but the matrix products
-    inside the graph are inductor's own calls into their kernels, which it does not. So
-    the backward reruns those products, and a block keeps selective_block_bytes less
-    the products the policy would have saved: its input, the attention output and
-    logsumexp, and what its Tape records, which is the same as eager - the two
-    row-parallel outputs, and under sequence parallelism the column-parallel products
-    too (then all of selective_block_bytes):
-      b*s_local*d*a + b*s*d*a/t + b*(h/t)*s*f    the input, attention output, logsumexp
-      + 2*b*s_local*d*a                          proj and down, after g
-      + the column-parallel outputs              (sequence parallel)"""
-    a, f = _dtype_bytes(precision)
-    s, d = model.seq_len, model.d_model
-    if tp == 1:
-        return selective_block_bytes(model, rows, tp, precision) - rows * s * d * a
+    Under sequence parallelism a compiled block runs inside the eager checkpoint, its
+    graph broken at the collectives (they stay the autograd Functions that keep only
+    this rank's tokens of a column-parallel input and gather it again in the backward);
+    its Tape records the row- and column-parallel products with their collectives, so it
+    keeps what an eager block does, selective_block_bytes, and its backward reruns the
+    products between (the attention core's inputs and the MLP's activation)."""
+    a = _dtype_bytes(precision)[0]
     if sequence_parallel:
         return selective_block_bytes(model, rows, tp, precision, sequence_parallel)
-    tape = 2 * rows * s * d * a  # proj and down, after g
-    return rows * s * d * a + rows * s * d // tp * a + rows * (model.n_heads // tp) * s * f + tape
+    return selective_block_bytes(model, rows, tp, precision) - rows * model.seq_len * model.d_model * a
 
 
 def selective_block_bytes(model, rows: int, tp: int, precision: str, sequence_parallel: bool = False) -> int:

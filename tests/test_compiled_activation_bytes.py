@@ -81,9 +81,10 @@ def _measure_compiled(rank: int, tp, token_file: str, cases: list, sequence_para
 
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp2", "tp2-sp"])
 def test_compiled_prediction_equals_measurement_tp2(token_file, sequence_parallel):
-    """On gloo: the collectives break each block's graph into pieces, which keep what the
-    formula says on both ranks (the residual stream and norms on this rank's tokens
-    under sequence parallelism)."""
+    """On gloo: the collectives are nodes of each block's graph (traced_collectives.py;
+    under sequence parallelism they break it into pieces), which keeps what the formula
+    says on both ranks (the residual stream and norms on this rank's tokens under
+    sequence parallelism)."""
     cases = [("bf16", False, True, 1, "llama-gqa2-s12"), ("fp32", True, False, 1, "gpt2-s16")]
     for rank, measured in enumerate(run_world(_measure_compiled, 2, token_file, cases, sequence_parallel)):
         for case, got in zip(cases, measured):
@@ -174,6 +175,44 @@ def test_compiled_selective_reruns_no_matrix_product_at_tp1(arch, recipe):
     assert compiled_selective_block_bytes(config, rows, 1, "bf16") == selective_block_bytes(config, rows, 1, "bf16") - bsda
 
 
+def _tp2_products_and_results(rank: int, tp, arch: str) -> dict:
+    """On one rank of a tensor pair: for a plain compiled chunk and a selective one,
+    the backward's matrix products, graph breaks, and the output and gradients."""
+    rows, config = ALL_SHAPES[arch]
+    config = dataclasses.replace(config, n_layers=3)
+    hidden = torch.randn(rows, config.seq_len, config.d_model, generator=torch.Generator().manual_seed(1))
+    results = {}
+    for recompute in ("none", "selective"):
+        chunk = ModelChunk(config, range(1, 3), False, False, tp, seed=5,
+                           recompute=BlockRecompute(recompute)).to(torch.bfloat16)
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
+        compile_blocks(chunk)
+        x = hidden.to(torch.bfloat16).requires_grad_()
+        products, out = _backward_products(chunk, x)
+        results[recompute] = dict(products=products, breaks=sum(torch._dynamo.utils.counters["graph_break"].values()),
+                                  selective=sorted(chunk.recompute.compiled_selective),
+                                  tensors=[out.detach(), x.grad, *(p.grad for p in chunk.parameters())])
+    return results
+
+
+@pytest.mark.parametrize("arch", ["llama-mha", "gpt2-s16"])
+def test_compiled_selective_reruns_no_matrix_product_at_tp2(arch):
+    """At tp = 2 the block's collectives are graph nodes (traced_collectives.py): the
+    block compiles whole, with no graph break, together with its selective checkpoint,
+    and its backward runs exactly the plain compiled chunk's products, none rerun (inside
+    an eager checkpoint it reran the column-parallel ones); its output equals the plain
+    compiled chunk's, its gradients to bf16 rounding."""
+    for rank, results in enumerate(run_world(_tp2_products_and_results, 2, arch)):
+        plain, selective = results["none"], results["selective"]
+        assert plain["breaks"] == selective["breaks"] == 0, (rank, plain["breaks"], selective["breaks"])
+        assert selective["selective"] == [1, 2] and plain["selective"] == []
+        assert selective["products"] == plain["products"] > 0, rank
+        assert torch.equal(plain["tensors"][0], selective["tensors"][0])
+        for a, b in zip(plain["tensors"][1:], selective["tensors"][1:], strict=True):
+            assert (a.float() - b.float()).abs().max() <= 2**-6 * a.float().abs().max(), "beyond bf16 rounding"
+
+
 @pytest.mark.parametrize("case,recipe", [(("bf16", True, False, 2, "llama-gqa2-padded"), "rowwise"),
                                          (("bf16", False, True, 1, "gpt2-s16"), "tensorwise")],
                          ids=["llama-rowwise-embedding", "gpt2-tensorwise-head"])
@@ -198,8 +237,9 @@ def _measure_selective_compiled(rank: int, tp, token_file: str, cases: list, seq
 
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp2", "tp2-sp"])
 def test_compiled_selective_prediction_equals_measurement_tp2(token_file, sequence_parallel):
-    # The Tape records the row-parallel outputs, and under sequence parallelism the
-    # column-parallel products as well: there a compiled block keeps what an eager one does.
+    # Without sequence parallelism the block compiles with its checkpoint, as at tp = 1,
+    # its collectives' outputs kept but the last; under sequence parallelism the Tape
+    # records the row- and column-parallel products: it keeps what an eager block does.
     cases = [("bf16", False, False, 1, "llama-gqa2-s12")]
     for rank, measured in enumerate(run_world(_measure_selective_compiled, 2, token_file, cases, sequence_parallel)):
         for case, (kept, equal) in zip(cases, measured):

@@ -2,7 +2,7 @@
 eager reference. Compiled graphs round differently from eager kernels (fused,
 reordered), so fp32 is held to the contract's tolerances (DESIGN.md: 1e-5 on losses,
 1e-4 on parameters) and fp64 to rounding; a real job composes compiled blocks with
-interleaving, tensor-parallel collectives (which break the graph), ZeRO-3's gathers
+interleaving, tensor-parallel collectives (graph nodes, traced_collectives.py), ZeRO-3's gathers
 and releases, and both recomputes."""
 
 from __future__ import annotations

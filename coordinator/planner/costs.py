@@ -37,12 +37,11 @@ import math
 from dataclasses import dataclass, field
 
 from interleaf.common.model.architectures import architecture
-from interleaf.common.model.compile_modes import compiles, device_type_of
+from interleaf.common.model.compile_modes import device_type_of
 from interleaf.common.model.config import shape_of
 from interleaf.common.model.shapes import chunk_param_specs, local_numel
 from interleaf.common.pipeline_message_modes import message_mode
 from interleaf.coordinator.config import PRECISION_BYTES, JobConfig
-from interleaf.coordinator.config.parallel import SPLIT_BACKWARD
 from interleaf.coordinator.memory_model import message_bytes
 from interleaf.coordinator.partition import Chunk, partition
 
@@ -251,7 +250,7 @@ def layout_costs(config: JobConfig, profile: DeviceProfile, slowdown: float = 1.
     # a block rerun whole (full recompute, or selective's every K-th) calls its forward's
     # collectives again; selective's rerun replays them (collective_replay.py)
     whole_reruns = t.recompute == "full" or (t.recompute == "selective" and t.recompute_layers > 0)
-    compiled = compiles(t.compile, device_type_of([profile.device]), p.schedule in SPLIT_BACKWARD)
+    compiled = config.compiles_on(device_type_of([profile.device]))
     for chunk in chunks:
         flops = chunk_forward_flops(config, chunk, rows)
         ends_f, ends_b = _tp_chunk_seconds(config, profile, chunk, hidden)
@@ -367,9 +366,9 @@ def _recompute_share(config: JobConfig, chunk: Chunk, selective: float | None, c
     """Share of the chunk's forward its backward reruns: all of it under full recompute;
     under selective the attention core and pointwise work, about the attention scores'
     share of the block's FLOPs (Korthikanti et al. 2022), or the share the profile
-    measured (at tp = 1), and on servers that compile (`compiled`) at tp > 1 the
-    column-parallel products and attention too; every K-th block whole with
-    recompute_layers=K."""
+    measured (at tp = 1), and on servers that compile (`compiled`) under sequence
+    parallelism the column-parallel products and attention too; every K-th block whole
+    with recompute_layers=K."""
     t, m = config.train, config.model
     if t.recompute == "full":
         return 1.0
@@ -380,9 +379,9 @@ def _recompute_share(config: JobConfig, chunk: Chunk, selective: float | None, c
         return whole / max(1, len(chunk.layers))
     block_matrix, attention, _ = _per_token(m, 1)
     measured = attention / (2 * block_matrix + attention) if selective is None else selective
-    if config.parallel.tp > 1 and compiled:
-        # A compiled block with tensor-parallel collectives runs inside an eager
-        # checkpoint, whose rerun goes through the graphs between the collectives
+    if config.parallel.tp > 1 and config.parallel.sequence_parallel and compiled:
+        # A compiled block under sequence parallelism runs inside an eager checkpoint,
+        # whose rerun goes through the graphs between its collectives
         # (stageserver/model/compiled.py): the column-parallel products and attention as
         # well. The row-parallel ones are replayed with their sums (collective_replay.py).
         return measured + (2 * _column_matrix(m) + attention) / (2 * block_matrix + attention)

@@ -5,17 +5,20 @@ Per block rather than the chunk: every block of a model has the same code and sh
 so one compiled graph serves them all (nn.Module.compile keeps the parameters' names,
 which checkpoints and buckets go by), and the embedding, head and loss between
 pipeline messages stay eager - all but the loss's softmax arithmetic, which fused_loss.py
-runs through three small compiled functions between its matrix products. Inside the graph the split-aware operations are plain
-torch ones (param_ops.py); the tensor-parallel collectives, which go through groups
-torch's compiler does not see, break the graph and run eager between its pieces.
+runs through three small compiled functions between its matrix products. Inside the
+graph the split-aware operations are plain torch ones (param_ops.py), and the
+tensor-parallel collectives custom operators that call the group (traced_collectives.py),
+so a tensor-parallel block compiles whole. Under sequence parallelism they stay the
+eager autograd Functions that keep only this rank's tokens of a column-parallel input
+(sequence_parallel.py), which break the graph and run between its pieces.
 Full recompute wraps the compiled block as it wraps an eager one (recompute.py) and
-reruns it. Selective recompute at tp = 1 compiles the block together with its checkpoint
+reruns it. Selective recompute compiles the block together with its checkpoint
 (recompute.SelectiveCheckpointed, torchtitan's order), so that inductor's partitioner
 sees the policy: the backward reruns the norms, activations and float8 casts inside the
-compiled graph, never a matrix product. With tp > 1 the compiled block runs inside an
-eager checkpoint, whose policy sees the graph's call into attention but not the matrix
-products inside it, which the backward then reruns: it keeps less, and costs a forward
-more. A compiled block keeps for its backward what inductor's
+compiled graph, never a matrix product nor a collective. Under sequence parallelism the
+compiled block runs inside an eager checkpoint, whose policy sees the graph's call into
+attention but not the matrix products inside it, which the backward then reruns: the
+column-parallel ones, more than half a forward. A compiled block keeps for its backward what inductor's
 partitioner chooses, which the memory model counts (coordinator/activation_bytes.py,
 compiled_block_bytes, compiled_selective_block_bytes).
 """
@@ -27,6 +30,7 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
+from interleaf.stageserver.model import traced_collectives
 from interleaf.stageserver.model.recompute import SelectiveCheckpointed
 
 if TYPE_CHECKING:
@@ -37,8 +41,10 @@ def compile_blocks(chunk: ModelChunk) -> None:
     """Compiles each of the chunk's blocks (chunk.h, a ModuleDict) in place, on its first
     call, and, where the chunk has the head, its loss's per-chunk softmax arithmetic
     (fused_loss.py: the matrix products and the collectives stay outside the graphs).
-    A block under selective recompute at tp = 1 is compiled together with its checkpoint
-    instead (recompute.SelectiveCheckpointed), so that the policy reaches the graph. Its
+    A block under selective recompute (but under sequence parallelism) is compiled
+    together with its checkpoint instead (recompute.SelectiveCheckpointed), so that the
+    policy reaches the graph; the chunk's tensor group is registered for the traced
+    collectives (traced_collectives.register). Its
     forward equals the plain compiled block's bit for bit and its gradients to rounding;
     a float8 block's products differ from the plain compiled one's by float8 rounding
     (inductor fuses the casts and scales otherwise, as the plain compiled block's differ
@@ -47,8 +53,9 @@ def compile_blocks(chunk: ModelChunk) -> None:
     whole: dict[int, SelectiveCheckpointed] = {}
     blocks = chunk.get_submodule("h")
     assert isinstance(blocks, nn.ModuleDict)
+    traced_collectives.register(chunk.tp)  # its collectives become graph nodes, not breaks
     for index, block in blocks.items():
-        if chunk.tp.size == 1 and recompute.mode(int(index)) == "selective":
+        if recompute.mode(int(index)) == "selective" and not chunk.sequence_parallel:
             whole[int(index)] = SelectiveCheckpointed(block)
             whole[int(index)].compile()
         else:

@@ -25,9 +25,10 @@ sequence parallelism the column-parallel products too; coordinator/activation_by
 rerun whole (recompute_layers) keeps only its input and issues its forward collectives
 again in the rerun, as full recompute does.
 
-Compiled blocks (train.compile, compiled.py) at tp=1 run selective recompute inside their
-graph instead: SelectiveCheckpointed, compiled whole, so that inductor's partitioner
-applies the same policy (tensor-parallel blocks, whose collectives break the graph,
+Compiled blocks (train.compile, compiled.py) run selective recompute inside their graph
+instead: SelectiveCheckpointed, compiled whole, so that inductor's partitioner applies
+the same policy, which keeps the traced collectives' outputs (traced_collectives.py) as
+the Tape would (blocks under sequence parallelism, whose collectives break the graph,
 keep the compiled block inside this eager checkpoint).
 
 recompute_layers = K: which blocks rerun whole is block_modes's choice
@@ -49,6 +50,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from interleaf.common.model.recompute_modes import block_modes
 from interleaf.stageserver.model.collective_replay import Tape
+from interleaf.stageserver.model.traced_collectives import COLLECTIVE_OPS
 
 _aten = torch.ops.aten
 SAVED_OPS = frozenset({
@@ -58,7 +60,7 @@ SAVED_OPS = frozenset({
     _aten._scaled_dot_product_efficient_attention.default,
     _aten._scaled_dot_product_cudnn_attention.default,
     _aten._scaled_mm.default,  # train.precision=fp8's float8 products (model/fp8.py)
-})
+}) | COLLECTIVE_OPS  # a compiled tensor-parallel block's forward collectives (traced_collectives.py)
 """What selective recompute keeps: every matrix product (linears, attention's math path,
 float8 products)
 and the fused attention kernels (their output and softmax statistics)."""
@@ -83,9 +85,10 @@ class SelectiveCheckpointed(torch.nn.Module):
     eager checkpoint (BlockRecompute's path) would show the policy only the graph's
     call, which it does not save: the backward would rerun the products too.
 
-    Only where the block has no tensor-parallel collectives (tp = 1): they go through
-    groups dynamo does not trace, and a graph break cannot fall inside a checkpointed
-    region. Not a submodule of the chunk: the block's parameters keep their names."""
+    Only where the block's collectives are graph nodes (traced_collectives.py: tp = 1,
+    or tp > 1 without sequence parallelism), since a graph break cannot fall inside a
+    checkpointed region. Not a submodule of the chunk: the block's parameters keep
+    their names."""
 
     def __init__(self, block: torch.nn.Module):
         super().__init__()
@@ -140,8 +143,8 @@ class BlockRecompute:
     recompute_layers: int = 0
     compiled_selective: Mapping[int, Callable[[torch.Tensor], torch.Tensor]] = field(
         default_factory=dict, compare=False, hash=False, repr=False)
-    """Block index -> its SelectiveCheckpointed, compiled (compiled.py, at tp = 1): run in
-    place of the block wherever its mode is selective."""
+    """Block index -> its SelectiveCheckpointed, compiled (compiled.py, but under sequence
+    parallelism): run in place of the block wherever its mode is selective."""
 
     def mode(self, index: int) -> str:
         """none, selective or full for block `index` (block_modes)."""

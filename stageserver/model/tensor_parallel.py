@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from interleaf.stageserver.model import sequence_parallel as sp
+from interleaf.stageserver.model import traced_collectives
 from interleaf.stageserver.model.collective_replay import replayable
 from interleaf.stageserver.model.param_ops import add_bias, embedding, linear, weight_grad
 from interleaf.stageserver.model.weight_grads import param_grads, remember
@@ -131,8 +132,11 @@ def column_parallel(x: torch.Tensor, *layers: ColumnParallelLinear) -> tuple[tor
     for all of them (and its gradient reduce-scattered once); otherwise each layer's own
     copy_to_tp, as before sequence parallelism existed, so those layouts compute the
     same bits."""
-    if layers[0].sequence_parallel and layers[0].tp.size > 1:
-        return sp.gathered_linears(x, [(layer.weight, layer.bias) for layer in layers], layers[0].tp)
+    tp = layers[0].tp
+    if traced_collectives.traced(tp) and not layers[0].sequence_parallel:  # inside a compiled block
+        return tuple(F.linear(traced_collectives.copy_to_tp(x, tp), layer.weight, layer.bias) for layer in layers)
+    if layers[0].sequence_parallel and tp.size > 1:
+        return sp.gathered_linears(x, [(layer.weight, layer.bias) for layer in layers], tp)
     return tuple((layer.float8 or linear)(copy_to_tp(x, layer.tp), layer.weight, layer.bias) for layer in layers)
 
 
@@ -157,6 +161,8 @@ class RowParallelLinear(nn.Module):
         bias then sees only them: its gradient is a partial sum, see ModelState)."""
         if self.float8:
             y = self.float8(x, self.weight, None)
+        elif traced_collectives.traced(self.tp) and not self.sequence_parallel:  # inside a compiled block
+            y = traced_collectives.all_reduce(F.linear(x, self.weight), self.tp)
         elif self.tp.size == 1:
             y = linear(x, self.weight)
         elif self.sequence_parallel:
