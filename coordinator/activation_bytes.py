@@ -51,7 +51,7 @@ adds it to the peak (head_loss_temporaries_bytes).
 Blocks compiled by train.compile keep what inductor's partitioner chooses, counted by
 compiled_block_bytes: for gpt2 the same as eager, for llama and for float8 blocks less;
 under selective recompute compiled_selective_block_bytes, less than eager for every
-architecture (but under sequence parallelism, where it is eager's); the embedding, final norm and head stay eager.
+architecture; the embedding, final norm and head stay eager.
 
 A split backward (zero-bubble schedules) frees these at its input-gradient half I and
 keeps until its weight-gradient half W only what the parameter gradients are computed
@@ -169,29 +169,22 @@ def compiled_block_bytes(model, rows: int, tp: int, precision: str, sequence_par
 def compiled_selective_block_bytes(model, rows: int, tp: int, precision: str, sequence_parallel: bool = False) -> int:
     """What one compiled block keeps under selective recompute, on one tp rank.
 
-    Without sequence parallelism the block and its checkpoint are compiled together
-    (stageserver/model/recompute.py, SelectiveCheckpointed; its tensor-parallel
-    collectives traced as graph nodes, traced_collectives.py), so inductor's partitioner
-    sees the policy: it saves the matrix products' outputs, attention's and the forward
-    collectives', and recomputes the rest in the compiled backward - but only what that
-    backward reads. The last product's output (GPT-2's second MLP projection, Llama's
-    down projection; at tp > 1 its sum over the group) goes into the residual sum
-    alone, which no gradient reads, so it is not kept, where the eager policy keeps
-    every product's output:
-      selective_block_bytes - b*s*d*a
+    The block and its checkpoint are compiled together (stageserver/model/recompute.py,
+    SelectiveCheckpointed; its tensor-parallel collectives traced as graph nodes,
+    traced_collectives.py), so inductor's partitioner sees the policy: it saves the
+    matrix products' outputs, attention's and the forward collectives' (under sequence
+    parallelism the gathered column-parallel products, whose operator keeps this rank's
+    tokens of their input), and recomputes the rest in the compiled backward - but only
+    what that backward reads. The last product's output (GPT-2's second MLP projection,
+    Llama's down projection; at tp > 1 its sum over the group, this rank's tokens of it
+    under sequence parallelism) goes into the residual sum alone, which no gradient
+    reads, so it is not kept, where the eager policy keeps every product's output:
+      selective_block_bytes - b*s_local*d*a
     Float8 blocks (tp = 1 only) keep the same: the products' bf16 outputs, their float8
-    operands recast in the backward from the bf16 tensors kept anyway.
-
-    Under sequence parallelism a compiled block runs inside the eager checkpoint, its
-    graph broken at the collectives (they stay the autograd Functions that keep only
-    this rank's tokens of a column-parallel input and gather it again in the backward);
-    its Tape records the row- and column-parallel products with their collectives, so it
-    keeps what an eager block does, selective_block_bytes, and its backward reruns the
-    products between (the attention core's inputs and the MLP's activation)."""
+    operands recast in the backward from the bf16 tensors kept anyway."""
     a = _dtype_bytes(precision)[0]
-    if sequence_parallel:
-        return selective_block_bytes(model, rows, tp, precision, sequence_parallel)
-    return selective_block_bytes(model, rows, tp, precision) - rows * model.seq_len * model.d_model * a
+    local = _local_tokens(rows, model.seq_len, tp, sequence_parallel)
+    return selective_block_bytes(model, rows, tp, precision, sequence_parallel) - local * model.d_model * a
 
 
 def selective_block_bytes(model, rows: int, tp: int, precision: str, sequence_parallel: bool = False) -> int:

@@ -27,8 +27,8 @@ an eagerly checkpointed block autograd saves nothing (torch's checkpoint hooks t
 place of the pack hook here); what the block keeps is its input, the outputs its policy
 saves and those of its forward collectives, recorded for the rerun to replay
 (model/collective_replay.py), which recompute.kept_tensors reports and are counted with
-the rest. A compiled block checkpointed inside its graph (tp=1,
-recompute.SelectiveCheckpointed) is one autograd Function whose saved tensors come
+the rest. A compiled block checkpointed inside its graph
+(recompute.SelectiveCheckpointed, its collectives traced) is one autograd Function whose saved tensors come
 through the pack hook, as any compiled block's.
 
 Recompute (`train.recompute=full`): the forward runs under no_grad and the executor keeps

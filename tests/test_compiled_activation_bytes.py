@@ -175,20 +175,24 @@ def test_compiled_selective_reruns_no_matrix_product_at_tp1(arch, recipe):
     assert compiled_selective_block_bytes(config, rows, 1, "bf16") == selective_block_bytes(config, rows, 1, "bf16") - bsda
 
 
-def _tp2_products_and_results(rank: int, tp, arch: str) -> dict:
+def _tp2_products_and_results(rank: int, tp, arch: str, sequence_parallel: bool) -> dict:
     """On one rank of a tensor pair: for a plain compiled chunk and a selective one,
     the backward's matrix products, graph breaks, and the output and gradients."""
     rows, config = ALL_SHAPES[arch]
     config = dataclasses.replace(config, n_layers=3)
-    hidden = torch.randn(rows, config.seq_len, config.d_model, generator=torch.Generator().manual_seed(1))
+    tokens = config.seq_len // 2 if sequence_parallel else config.seq_len
+    hidden = torch.randn(rows, tokens, config.d_model, generator=torch.Generator().manual_seed(1 + rank * sequence_parallel))
     results = {}
     for recompute in ("none", "selective"):
-        chunk = ModelChunk(config, range(1, 3), False, False, tp, seed=5,
+        chunk = ModelChunk(config, range(1, 3), False, False, tp, seed=5, sequence_parallel=sequence_parallel,
                            recompute=BlockRecompute(recompute)).to(torch.bfloat16)
         torch._dynamo.reset()
         torch._dynamo.utils.counters.clear()
         compile_blocks(chunk)
         x = hidden.to(torch.bfloat16).requires_grad_()
+        chunk(x).backward(torch.ones(x.shape, dtype=x.dtype))  # compiled, the backward's graph too: not profiled
+        x.grad = None
+        chunk.zero_grad(set_to_none=True)
         products, out = _backward_products(chunk, x)
         results[recompute] = dict(products=products, breaks=sum(torch._dynamo.utils.counters["graph_break"].values()),
                                   selective=sorted(chunk.recompute.compiled_selective),
@@ -196,14 +200,17 @@ def _tp2_products_and_results(rank: int, tp, arch: str) -> dict:
     return results
 
 
-@pytest.mark.parametrize("arch", ["llama-mha", "gpt2-s16"])
-def test_compiled_selective_reruns_no_matrix_product_at_tp2(arch):
-    """At tp = 2 the block's collectives are graph nodes (traced_collectives.py): the
-    block compiles whole, with no graph break, together with its selective checkpoint,
-    and its backward runs exactly the plain compiled chunk's products, none rerun (inside
-    an eager checkpoint it reran the column-parallel ones); its output equals the plain
-    compiled chunk's, its gradients to bf16 rounding."""
-    for rank, results in enumerate(run_world(_tp2_products_and_results, 2, arch)):
+@pytest.mark.parametrize("arch,sequence_parallel", [("llama-gqa2-s12", False), ("gpt2-s16", False),
+                                                    ("llama-gqa2-s12", True), ("gpt2-s16", True)],
+                         ids=["llama", "gpt2", "llama-sp", "gpt2-sp"])
+def test_compiled_selective_reruns_no_matrix_product_at_tp2(arch, sequence_parallel):
+    """At tp = 2 the block's collectives are graph nodes (traced_collectives.py; under
+    sequence parallelism the gather with the column-parallel products that read it, as
+    one operator): the block compiles whole, with no graph break, together with its
+    selective checkpoint, and its backward runs exactly the plain compiled chunk's
+    products, none rerun (inside an eager checkpoint it reran the column-parallel ones);
+    its output equals the plain compiled chunk's, its gradients to bf16 rounding."""
+    for rank, results in enumerate(run_world(_tp2_products_and_results, 2, arch, sequence_parallel)):
         plain, selective = results["none"], results["selective"]
         assert plain["breaks"] == selective["breaks"] == 0, (rank, plain["breaks"], selective["breaks"])
         assert selective["selective"] == [1, 2] and plain["selective"] == []
@@ -211,6 +218,33 @@ def test_compiled_selective_reruns_no_matrix_product_at_tp2(arch):
         assert torch.equal(plain["tensors"][0], selective["tensors"][0])
         for a, b in zip(plain["tensors"][1:], selective["tensors"][1:], strict=True):
             assert (a.float() - b.float()).abs().max() <= 2**-6 * a.float().abs().max(), "beyond bf16 rounding"
+
+
+def test_past_the_recompile_limit_a_compiled_chunk_fails_rather_than_runs_eager():
+    """Dynamo runs a function eagerly past its recompile limit, on one server and maybe
+    not on its tensor peer, whose compiled blocks may order their collectives otherwise
+    (a gather that reads only a kept input scheduled early): servers raise the limit
+    (compiled.RECOMPILE_LIMIT) and fail past it, where a silent fallback would pair the
+    peers' collectives wrongly."""
+    from interleaf.stageserver.model.compiled import RECOMPILE_LIMIT
+
+    rows, config = ALL_SHAPES["gpt2-s16"]
+    chunk = ModelChunk(config, range(1, 2), False, False, SoloTransport(), seed=5,
+                       recompute=BlockRecompute("selective"))
+    torch._dynamo.reset()
+    compile_blocks(chunk)
+    assert torch._dynamo.config.recompile_limit >= RECOMPILE_LIMIT
+    assert torch._dynamo.config.fail_on_recompile_limit_hit
+    limit = torch._dynamo.config.recompile_limit
+    try:
+        torch._dynamo.config.recompile_limit = 1
+        chunk(torch.randn(rows, config.seq_len, config.d_model))
+        with pytest.raises(Exception, match="recompile_limit|cache_size_limit|[Rr]ecompil"):
+            chunk(torch.randn(rows + 1, config.seq_len, config.d_model, dtype=torch.float64).to(torch.float32)
+                  .requires_grad_())
+    finally:
+        torch._dynamo.config.recompile_limit = limit
+        torch._dynamo.reset()
 
 
 @pytest.mark.parametrize("case,recipe", [(("bf16", True, False, 2, "llama-gqa2-padded"), "rowwise"),

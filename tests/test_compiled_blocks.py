@@ -107,6 +107,9 @@ def test_a_compiled_model_computes_the_eager_loss_and_gradients(arch, dtype, rec
 COMPILED_JOBS = {
     # interleaved, tensor-parallel collectives inside the blocks, selective recompute
     "tp2-pp2-v2-selective": layout(tp=2, pp=2, vpp=2) + ["train.recompute=selective"],
+    # sequence parallelism: the gathered column-parallel products as one traced operator
+    "tp2-sp-pp2-selective": layout(tp=2, pp=2, vpp=1) + ["parallel.sequence_parallel=true",
+                                                         "train.recompute=selective"],
     # tp=1: each block compiled with its selective checkpoint (recompute.SelectiveCheckpointed),
     # its parameters gathered and released around it by ZeRO-3
     "zero3-dp2-pp2-v2-selective": layout(dp=2, pp=2, vpp=2) + ["parallel.zero=3", "train.recompute=selective"],

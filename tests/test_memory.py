@@ -89,7 +89,8 @@ LAYOUTS = {
     "zbv-selective-dp2-pp1": ["parallel.dp=2", "parallel.pp=1", "parallel.vpp=2", "parallel.schedule=zbv",
                               "parallel.zero=1", "train.recompute=selective"],
     # Compiled blocks (train.compile, inductor on the CPU): a llama block keeps less than
-    # eager, and under selective recompute at tp=2 its input, attention output and Tape;
+    # eager, and under selective recompute at tp=2 (compiled with its checkpoint, the
+    # collectives traced) eager's less the last product's sum;
     # float8 (emulated) compiled keeps less again.
     "llama-compiled-bf16-dp2-pp2-v2": ["model.arch=llama", "model.n_kv_heads=2", "model.vocab_size=300",
                                        "parallel.dp=2", "parallel.pp=2", "parallel.vpp=2", "train.precision=bf16",

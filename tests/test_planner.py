@@ -95,30 +95,6 @@ def test_recompute_adds_the_rerun_to_the_backward():
         costs["none"].forward_s[0] - 2e-3)
 
 
-def test_compiled_selective_under_sequence_parallelism_prices_the_rerun_of_products_between_collectives():
-    """On servers that compile (GPUs, train.compile auto), a selective block under
-    sequence parallelism runs inside an eager checkpoint and reruns its column-parallel
-    products and attention (stageserver/model/compiled.py): the backward costs that much
-    more than the same layout uncompiled. Without sequence parallelism it compiles with
-    its checkpoint (traced_collectives.py), and on CPUs nothing compiles: no change."""
-    gpu = dataclasses.replace(profile(), device="cuda (NVIDIA H100 80GB HBM3)")
-
-    def config(sp: bool, compile: str):
-        return load_config("", SMALL + ["parallel.pp=1", "parallel.vpp=1", "parallel.schedule=1f1b", "parallel.tp=2",
-                                        f"parallel.sequence_parallel={str(sp).lower()}", "train.recompute=selective",
-                                        f"train.compile={compile}"])
-
-    d, s = 64, 32  # SMALL's d_model and seq_len: GPT-2's q, k, v and fc are 7 d^2 of its 12 d^2
-    share = (2 * 7 * d * d + 4 * d * s) / (2 * 12 * d * d + 4 * d * s)
-    cfg = config(True, "auto")
-    chunk = chunks_of(cfg)[0]
-    flops = chunk_forward_flops(cfg, chunk, rows_of(cfg))
-    added = layout_costs(cfg, gpu).backward_s[0] - layout_costs(config(True, "off"), gpu).backward_s[0]
-    assert added == pytest.approx(share * flops / gpu.forward.rate)
-    assert layout_costs(config(False, "auto"), gpu).backward_s == layout_costs(config(False, "off"), gpu).backward_s
-    assert layout_costs(cfg, profile()).backward_s == layout_costs(config(True, "off"), profile()).backward_s
-
-
 @pytest.mark.parametrize("servers", [2, 4])
 def test_the_bound_never_exceeds_the_simulated_step(servers):
     """compute_bound is a lower bound: what makes the search's pruning exact."""

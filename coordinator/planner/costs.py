@@ -37,7 +37,6 @@ import math
 from dataclasses import dataclass, field
 
 from interleaf.common.model.architectures import architecture
-from interleaf.common.model.compile_modes import device_type_of
 from interleaf.common.model.config import shape_of
 from interleaf.common.model.shapes import chunk_param_specs, local_numel
 from interleaf.common.pipeline_message_modes import message_mode
@@ -250,7 +249,6 @@ def layout_costs(config: JobConfig, profile: DeviceProfile, slowdown: float = 1.
     # a block rerun whole (full recompute, or selective's every K-th) calls its forward's
     # collectives again; selective's rerun replays them (collective_replay.py)
     whole_reruns = t.recompute == "full" or (t.recompute == "selective" and t.recompute_layers > 0)
-    compiled = config.compiles_on(device_type_of([profile.device]))
     for chunk in chunks:
         flops = chunk_forward_flops(config, chunk, rows)
         ends_f, ends_b = _tp_chunk_seconds(config, profile, chunk, hidden)
@@ -262,7 +260,7 @@ def layout_costs(config: JobConfig, profile: DeviceProfile, slowdown: float = 1.
         # inside them), the laws price the rest
         timed = {kind: seconds * slowdown for kind, seconds in profile.shapes.get(chunk_shape(config, chunk, rows),
                                                                                    {}).items()}
-        share = _recompute_share(config, chunk, profile.selective_share, compiled)
+        share = _recompute_share(config, chunk, profile.selective_share)
         # the rerun's arithmetic at the law's rate (what selective_share was measured against)
         rerun = share * (flops / profile.forward.rate * stretch + (blocks_f if whole_reruns else 0.0))
         forward.append(timed.get("forward", profile.forward.seconds(flops) * stretch + tp_f) + gather_f)
@@ -362,13 +360,11 @@ def _master_bytes(precision: str) -> int:
     return 8 if precision == "fp64" else 4
 
 
-def _recompute_share(config: JobConfig, chunk: Chunk, selective: float | None, compiled: bool = False) -> float:
+def _recompute_share(config: JobConfig, chunk: Chunk, selective: float | None) -> float:
     """Share of the chunk's forward its backward reruns: all of it under full recompute;
     under selective the attention core and pointwise work, about the attention scores'
     share of the block's FLOPs (Korthikanti et al. 2022), or the share the profile
-    measured (at tp = 1), and on servers that compile (`compiled`) under sequence
-    parallelism the column-parallel products and attention too; every K-th block whole
-    with recompute_layers=K."""
+    measured; every K-th block whole with recompute_layers=K."""
     t, m = config.train, config.model
     if t.recompute == "full":
         return 1.0
@@ -377,20 +373,7 @@ def _recompute_share(config: JobConfig, chunk: Chunk, selective: float | None, c
     if t.recompute_layers:
         whole = sum(1 for i in chunk.layers if (i + 1) % t.recompute_layers == 0)
         return whole / max(1, len(chunk.layers))
+    if selective is not None:
+        return selective
     block_matrix, attention, _ = _per_token(m, 1)
-    measured = attention / (2 * block_matrix + attention) if selective is None else selective
-    if config.parallel.tp > 1 and config.parallel.sequence_parallel and compiled:
-        # A compiled block under sequence parallelism runs inside an eager checkpoint,
-        # whose rerun goes through the graphs between its collectives
-        # (stageserver/model/compiled.py): the column-parallel products and attention as
-        # well. The row-parallel ones are replayed with their sums (collective_replay.py).
-        return measured + (2 * _column_matrix(m) + attention) / (2 * block_matrix + attention)
-    return measured
-
-
-def _column_matrix(model) -> int:
-    """A block's column-parallel matrix weights (split along their outputs: q, k, v, and
-    the MLP's first products), the ones between its collectives."""
-    shape = shape_of(model)
-    block = architecture(shape.arch).block_parameters(shape)
-    return sum(math.prod(full) for full, dim in block.values() if len(full) == 2 and dim == 0)
+    return attention / (2 * block_matrix + attention)

@@ -8,17 +8,12 @@ pipeline messages stay eager - all but the loss's softmax arithmetic, which fuse
 runs through three small compiled functions between its matrix products. Inside the
 graph the split-aware operations are plain torch ones (param_ops.py), and the
 tensor-parallel collectives custom operators that call the group (traced_collectives.py),
-so a tensor-parallel block compiles whole. Under sequence parallelism they stay the
-eager autograd Functions that keep only this rank's tokens of a column-parallel input
-(sequence_parallel.py), which break the graph and run between its pieces.
+so a tensor-parallel block compiles whole.
 Full recompute wraps the compiled block as it wraps an eager one (recompute.py) and
 reruns it. Selective recompute compiles the block together with its checkpoint
 (recompute.SelectiveCheckpointed, torchtitan's order), so that inductor's partitioner
 sees the policy: the backward reruns the norms, activations and float8 casts inside the
-compiled graph, never a matrix product nor a collective. Under sequence parallelism the
-compiled block runs inside an eager checkpoint, whose policy sees the graph's call into
-attention but not the matrix products inside it, which the backward then reruns: the
-column-parallel ones, more than half a forward. A compiled block keeps for its backward what inductor's
+compiled graph, never a matrix product nor a collective. A compiled block keeps for its backward what inductor's
 partitioner chooses, which the memory model counts (coordinator/activation_bytes.py,
 compiled_block_bytes, compiled_selective_block_bytes).
 """
@@ -28,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING
 
+import torch
 from torch import nn
 
 from interleaf.stageserver.model import traced_collectives
@@ -37,12 +33,17 @@ if TYPE_CHECKING:
     from interleaf.stageserver.model.chunk import ModelChunk
 
 
+RECOMPILE_LIMIT = 64
+"""Compiled versions a block's code may have in a server process: one per job shape a
+server meets, where dynamo's default, 8, would turn later jobs' blocks eager (here: fail
+them, fail_on_recompile_limit_hit)."""
+
+
 def compile_blocks(chunk: ModelChunk) -> None:
     """Compiles each of the chunk's blocks (chunk.h, a ModuleDict) in place, on its first
     call, and, where the chunk has the head, its loss's per-chunk softmax arithmetic
     (fused_loss.py: the matrix products and the collectives stay outside the graphs).
-    A block under selective recompute (but under sequence parallelism) is compiled
-    together with its checkpoint instead (recompute.SelectiveCheckpointed), so that the
+    A block under selective recompute is compiled together with its checkpoint instead (recompute.SelectiveCheckpointed), so that the
     policy reaches the graph; the chunk's tensor group is registered for the traced
     collectives (traced_collectives.register). Its
     forward equals the plain compiled block's bit for bit and its gradients to rounding;
@@ -54,8 +55,15 @@ def compile_blocks(chunk: ModelChunk) -> None:
     blocks = chunk.get_submodule("h")
     assert isinstance(blocks, nn.ModuleDict)
     traced_collectives.register(chunk.tp)  # its collectives become graph nodes, not breaks
+    # A long-lived server compiles each job's blocks (a version per precision, shape,
+    # group, grad mode): past dynamo's default of 8 versions a block would run eager,
+    # and an eager block may order its collectives otherwise than its tensor peers'
+    # compiled ones (inductor schedules a gather that reads only a kept input early):
+    # past the limit, the job fails with dynamo's error rather than pair them wrongly.
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+    torch._dynamo.config.fail_on_recompile_limit_hit = True
     for index, block in blocks.items():
-        if recompute.mode(int(index)) == "selective" and not chunk.sequence_parallel:
+        if recompute.mode(int(index)) == "selective":
             whole[int(index)] = SelectiveCheckpointed(block)
             whole[int(index)].compile()
         else:

@@ -119,8 +119,8 @@ def _loss_gradient(logits: torch.Tensor, row_max: torch.Tensor, sum_exp: torch.T
 def _compiled(fn):
     """`fn` through torch.compile, once per process. Static shapes: a job's steps have
     two chunk lengths at most, the full one and the remainder (evaluation may add its
-    own), each compiled once; past dynamo's recompile limit a function runs eager, as
-    the blocks do."""
+    own), each compiled once; past dynamo's recompile limit (compiled.RECOMPILE_LIMIT)
+    a function runs eager, computing the same."""
     return torch.compile(fn, dynamic=False)
 
 

@@ -9,9 +9,9 @@ between them - is kept by nothing and rerun from the block's input in the backwa
 That drops the activations that are cheap to compute and large to hold (Korthikanti et
 al. 2022, section 5) for a rerun of the block's cheap operations.
 
-The tensor-parallel collectives inside a block (tensor_parallel.py, sequence_parallel.py)
-go through gloo and NCCL groups that torch's dispatcher does not see, so no policy can
-save their outputs; the block's Tape (collective_replay.py) does: its first run records
+The tensor-parallel collectives inside an eager block (tensor_parallel.py,
+sequence_parallel.py) go through gloo and NCCL groups that torch's dispatcher does not
+see, so no policy can save their outputs; the block's Tape (collective_replay.py) does: its first run records
 each forward collective's output (all-reduce, all-gather, reduce-scatter), and the rerun
 in the backward replays them in order and communicates nothing, as Megatron's selective
 recompute never reruns communication. The matrix product next to each collective is
@@ -28,8 +28,7 @@ again in the rerun, as full recompute does.
 Compiled blocks (train.compile, compiled.py) run selective recompute inside their graph
 instead: SelectiveCheckpointed, compiled whole, so that inductor's partitioner applies
 the same policy, which keeps the traced collectives' outputs (traced_collectives.py) as
-the Tape would (blocks under sequence parallelism, whose collectives break the graph,
-keep the compiled block inside this eager checkpoint).
+the Tape would.
 
 recompute_layers = K: which blocks rerun whole is block_modes's choice
 (common/model/recompute_modes.py, worked example there), shared with the coordinator's
@@ -85,17 +84,21 @@ class SelectiveCheckpointed(torch.nn.Module):
     eager checkpoint (BlockRecompute's path) would show the policy only the graph's
     call, which it does not save: the backward would rerun the products too.
 
-    Only where the block's collectives are graph nodes (traced_collectives.py: tp = 1,
-    or tp > 1 without sequence parallelism), since a graph break cannot fall inside a
-    checkpointed region. Not a submodule of the chunk: the block's parameters keep
-    their names."""
+    The block's tensor-parallel collectives are graph nodes there (traced_collectives.py),
+    since a graph break cannot fall inside a checkpointed region. Called eagerly (not
+    through torch.compile; servers never let dynamo fall back to eager, compiled.py), it
+    is the eager path with its Tape (selective_with_tape): a checkpoint without the Tape
+    would issue the forward's collectives again in its rerun. Not a submodule of the
+    chunk: the block's parameters keep their names."""
 
     def __init__(self, block: torch.nn.Module):
         super().__init__()
         self.block = block
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return checkpoint(self.block, x, use_reentrant=False, context_fn=selective_contexts)
+        if torch.compiler.is_compiling():
+            return checkpoint(self.block, x, use_reentrant=False, context_fn=selective_contexts)
+        return selective_with_tape(self.block, x)
 
 
 class Kept:
@@ -143,8 +146,8 @@ class BlockRecompute:
     recompute_layers: int = 0
     compiled_selective: Mapping[int, Callable[[torch.Tensor], torch.Tensor]] = field(
         default_factory=dict, compare=False, hash=False, repr=False)
-    """Block index -> its SelectiveCheckpointed, compiled (compiled.py, but under sequence
-    parallelism): run in place of the block wherever its mode is selective."""
+    """Block index -> its SelectiveCheckpointed, compiled (compiled.py): run in place of
+    the block wherever its mode is selective."""
 
     def mode(self, index: int) -> str:
         """none, selective or full for block `index` (block_modes)."""
@@ -159,19 +162,30 @@ class BlockRecompute:
         mode = self.mode(index)
         if mode == "none" or not torch.is_grad_enabled():  # no graph, nothing to keep
             return block(x)
-        kept = _listening.get()
-        if kept is not None:
-            kept.inputs.append(weakref.ref(x))
         if mode == "full":
+            kept = _listening.get()
+            if kept is not None:
+                kept.inputs.append(weakref.ref(x))
             return checkpoint(block, x, use_reentrant=False)
-        contexts = selective_contexts()
-        tape = Tape()  # the block's forward collectives, which the rerun replays
-        if kept is not None:
-            kept.caches.append(contexts[0].storage)
-            kept.tapes.append(tape)
+        return selective_with_tape(block, x)
 
-        def run(x: torch.Tensor) -> torch.Tensor:
-            with tape.running():
-                return block(x)
 
-        return checkpoint(run, x, use_reentrant=False, context_fn=lambda: contexts)
+def selective_with_tape(block: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """The block under torch's selective checkpoint, its forward collectives recorded on a
+    Tape for the rerun to replay (the eager path), and what it keeps reported to
+    kept_tensors' listener."""
+    if not torch.is_grad_enabled():
+        return block(x)
+    kept = _listening.get()
+    contexts = selective_contexts()
+    tape = Tape()  # the block's forward collectives, which the rerun replays
+    if kept is not None:
+        kept.inputs.append(weakref.ref(x))
+        kept.caches.append(contexts[0].storage)
+        kept.tapes.append(tape)
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        with tape.running():
+            return block(x)
+
+    return checkpoint(run, x, use_reentrant=False, context_fn=lambda: contexts)

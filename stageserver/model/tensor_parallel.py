@@ -133,8 +133,11 @@ def column_parallel(x: torch.Tensor, *layers: ColumnParallelLinear) -> tuple[tor
     copy_to_tp, as before sequence parallelism existed, so those layouts compute the
     same bits."""
     tp = layers[0].tp
-    if traced_collectives.traced(tp) and not layers[0].sequence_parallel:  # inside a compiled block
-        return tuple(F.linear(traced_collectives.copy_to_tp(x, tp), layer.weight, layer.bias) for layer in layers)
+    if traced_collectives.traced(tp):  # inside a compiled block: the collectives as graph nodes
+        if layers[0].sequence_parallel:
+            return traced_collectives.gathered_linears(x, [(layer.weight, layer.bias) for layer in layers], tp)
+        shared = traced_collectives.copy_to_tp(x, tp)  # one all-reduce of the summed input gradient
+        return tuple(F.linear(shared, layer.weight, layer.bias) for layer in layers)
     if layers[0].sequence_parallel and tp.size > 1:
         return sp.gathered_linears(x, [(layer.weight, layer.bias) for layer in layers], tp)
     return tuple((layer.float8 or linear)(copy_to_tp(x, layer.tp), layer.weight, layer.bias) for layer in layers)
@@ -161,8 +164,10 @@ class RowParallelLinear(nn.Module):
         bias then sees only them: its gradient is a partial sum, see ModelState)."""
         if self.float8:
             y = self.float8(x, self.weight, None)
-        elif traced_collectives.traced(self.tp) and not self.sequence_parallel:  # inside a compiled block
-            y = traced_collectives.all_reduce(F.linear(x, self.weight), self.tp)
+        elif traced_collectives.traced(self.tp):  # inside a compiled block
+            partial = F.linear(x, self.weight)
+            y = (traced_collectives.scatter_sum(partial, self.tp) if self.sequence_parallel
+                 else traced_collectives.all_reduce(partial, self.tp))
         elif self.tp.size == 1:
             y = linear(x, self.weight)
         elif self.sequence_parallel:
