@@ -224,8 +224,8 @@ def test_past_the_recompile_limit_a_compiled_chunk_fails_rather_than_runs_eager(
     """Dynamo runs a function eagerly past its recompile limit, on one server and maybe
     not on its tensor peer, whose compiled blocks may order their collectives otherwise
     (a gather that reads only a kept input scheduled early): servers raise the limit
-    (compiled.RECOMPILE_LIMIT) and fail past it, where a silent fallback would pair the
-    peers' collectives wrongly."""
+    (compiled.RECOMPILE_LIMIT) and a block's call fails past it, where a silent fallback
+    would pair the peers' collectives wrongly."""
     from interleaf.stageserver.model.compiled import RECOMPILE_LIMIT
 
     rows, config = ALL_SHAPES["gpt2-s16"]
@@ -234,7 +234,7 @@ def test_past_the_recompile_limit_a_compiled_chunk_fails_rather_than_runs_eager(
     torch._dynamo.reset()
     compile_blocks(chunk)
     assert torch._dynamo.config.recompile_limit >= RECOMPILE_LIMIT
-    assert torch._dynamo.config.fail_on_recompile_limit_hit
+    assert not torch._dynamo.config.fail_on_recompile_limit_hit  # the loss's functions may still run eager
     limit = torch._dynamo.config.recompile_limit
     try:
         torch._dynamo.config.recompile_limit = 1

@@ -34,9 +34,10 @@ if TYPE_CHECKING:
 
 
 RECOMPILE_LIMIT = 64
-"""Compiled versions a block's code may have in a server process: one per job shape a
-server meets, where dynamo's default, 8, would turn later jobs' blocks eager (here: fail
-them, fail_on_recompile_limit_hit)."""
+"""Compiled versions a compiled function's code may have in a server process (blocks and
+the loss's functions alike): one per job shape a server meets, where dynamo's default,
+8, would turn later jobs' functions eager (blocks: fail them instead,
+BlockRecompute.compiled)."""
 
 
 def compile_blocks(chunk: ModelChunk) -> None:
@@ -59,15 +60,17 @@ def compile_blocks(chunk: ModelChunk) -> None:
     # group, grad mode): past dynamo's default of 8 versions a block would run eager,
     # and an eager block may order its collectives otherwise than its tensor peers'
     # compiled ones (inductor schedules a gather that reads only a kept input early):
-    # past the limit, the job fails with dynamo's error rather than pair them wrongly.
+    # past the limit, a block's call fails with dynamo's error rather than pair them
+    # wrongly (BlockRecompute.compiled).
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
-    torch._dynamo.config.fail_on_recompile_limit_hit = True
     for index, block in blocks.items():
         if recompute.mode(int(index)) == "selective":
             whole[int(index)] = SelectiveCheckpointed(block)
-            whole[int(index)].compile()
+            whole[int(index)].compile(dynamic=False)
         else:
-            block.compile()
-    if whole:
-        chunk.recompute = dataclasses.replace(recompute, compiled_selective=whole)
+            # Static shapes: a graph per shape, the same on every tensor rank whatever
+            # shapes each server met before (a dynamic variant may order its collectives
+            # otherwise than a static one)
+            block.compile(dynamic=False)
+    chunk.recompute = dataclasses.replace(recompute, compiled_selective=whole, compiled=True)
     chunk.compiled_loss = True

@@ -120,7 +120,7 @@ def _compiled(fn):
     """`fn` through torch.compile, once per process. Static shapes: a job's steps have
     two chunk lengths at most, the full one and the remainder (evaluation may add its
     own), each compiled once; past dynamo's recompile limit (compiled.RECOMPILE_LIMIT)
-    a function runs eager, computing the same."""
+    a function runs eager, computing the same (no collective inside it)."""
     return torch.compile(fn, dynamic=False)
 
 

@@ -148,12 +148,22 @@ class BlockRecompute:
         default_factory=dict, compare=False, hash=False, repr=False)
     """Block index -> its SelectiveCheckpointed, compiled (compiled.py): run in place of
     the block wherever its mode is selective."""
+    compiled: bool = False
+    """The blocks are compiled (compiled.py): a call past dynamo's recompile limit fails
+    rather than runs them eagerly, where a tensor peer's compiled blocks may order their
+    collectives otherwise."""
 
     def mode(self, index: int) -> str:
         """none, selective or full for block `index` (block_modes)."""
         return block_modes(range(index, index + 1), self.recompute, self.recompute_layers)[0]
 
     def __call__(self, index: int, block: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        if not self.compiled:
+            return self._run(index, block, x)
+        with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+            return self._run(index, block, x)
+
+    def _run(self, index: int, block: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
         if index in self.compiled_selective:
             # The block compiled with its checkpoint (it wraps `block`), with grad or
             # without: it keeps what inductor's partitioner saves, which autograd's

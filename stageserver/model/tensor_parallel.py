@@ -131,13 +131,13 @@ def column_parallel(x: torch.Tensor, *layers: ColumnParallelLinear) -> tuple[tor
     """Each layer applied to x, which they all read. Sequence parallel: x gathered once
     for all of them (and its gradient reduce-scattered once); otherwise each layer's own
     copy_to_tp, as before sequence parallelism existed, so those layouts compute the
-    same bits."""
+    same bits. Inside a compiled block the same collectives, as the traced operators
+    (traced_collectives.py), in the same number (the planner counts them)."""
     tp = layers[0].tp
     if traced_collectives.traced(tp):  # inside a compiled block: the collectives as graph nodes
         if layers[0].sequence_parallel:
             return traced_collectives.gathered_linears(x, [(layer.weight, layer.bias) for layer in layers], tp)
-        shared = traced_collectives.copy_to_tp(x, tp)  # one all-reduce of the summed input gradient
-        return tuple(F.linear(shared, layer.weight, layer.bias) for layer in layers)
+        return tuple(F.linear(traced_collectives.copy_to_tp(x, tp), layer.weight, layer.bias) for layer in layers)
     if layers[0].sequence_parallel and tp.size > 1:
         return sp.gathered_linears(x, [(layer.weight, layer.bias) for layer in layers], tp)
     return tuple((layer.float8 or linear)(copy_to_tp(x, layer.tp), layer.weight, layer.bias) for layer in layers)

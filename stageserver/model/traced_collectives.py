@@ -20,7 +20,7 @@ their replay tape (collective_replay.py), so eager layouts compute what they did
 
 Megatron's operators (tensor_parallel.py's f and g, sequence_parallel.py's), as traced:
   copy_to_tp        f: the identity (a view) forward, `all_reduce` of the gradient
-                    backward (one for every linear reading the input)
+                    backward (one per linear reading the input, as eager)
   all_reduce        g: a sum over the group forward, the identity backward
   gathered_linears  all-gather along the sequence and the column-parallel products that
                     read it, as one operator: its backward keeps this rank's tokens and
@@ -66,8 +66,7 @@ def register(tp: Transport) -> int:
 
 def traced(tp: Transport) -> bool:
     """Whether a block's collective over `tp` is to be one of these operators: inside a
-    graph torch.compile traces, for a registered group of more than one rank (callers
-    leave sequence parallelism's out)."""
+    graph torch.compile traces, for a registered group of more than one rank."""
     return torch.compiler.is_compiling() and tp.size > 1 and getattr(tp, "trace_id", None) is not None
 
 

@@ -55,7 +55,7 @@ class _TimedWork:
     def __init__(self, work, meter: CommMeter, op: str, group: str):
         self.work, self.meter, self.op, self.group = work, meter, op, group
 
-    @torch.compiler.disable  # eager: inside a compiled graph a collective is a custom operator (traced_collectives.py) or a break
+    @torch.compiler.disable  # eager: inside a compiled block a collective is a custom operator (traced_collectives.py)
     def wait(self):
         t0 = time.perf_counter()
         try:
@@ -74,12 +74,12 @@ class MeteredTransport:
         self.inner, self.role, self.meter = inner, role, meter
         self.name, self.rank, self.size = inner.name, inner.rank, inner.size
 
-    @torch.compiler.disable  # eager: inside a compiled graph a collective is a custom operator (traced_collectives.py) or a break
+    @torch.compiler.disable  # eager: inside a compiled block a collective is a custom operator (traced_collectives.py)
     def _posted(self, op: str, work, nbytes: int):
         self.meter.add(op, self.role, nbytes=nbytes, calls=1)
         return _TimedWork(work, self.meter, op, self.role)
 
-    @torch.compiler.disable  # eager: inside a compiled graph a collective is a custom operator (traced_collectives.py) or a break
+    @torch.compiler.disable  # eager: inside a compiled block a collective is a custom operator (traced_collectives.py)
     def _collective(self, op: str, nbytes: int, run, async_op: bool):
         t0 = time.perf_counter()
         work = run()
@@ -92,7 +92,7 @@ class MeteredTransport:
     def recv(self, tensor: torch.Tensor, peer: int, tag: int):
         return self._posted("recv", self.inner.recv(tensor, peer, tag), _bytes(tensor))
 
-    @torch.compiler.disable  # eager: inside a compiled graph a collective is a custom operator (traced_collectives.py) or a break
+    @torch.compiler.disable  # eager: inside a compiled block a collective is a custom operator (traced_collectives.py)
     def exchange(self, sends, recvs):
         work = self.inner.exchange(sends, recvs)
         if sends:
