@@ -23,11 +23,12 @@ workload of every benchmark: workload.py), this
 It reports the Spearman rank correlation of predicted against measured step times, the
 median and worst relative error, and the planned layout's measured step against the
 grid's best and the default layout's (parallel's defaults: pp=2, vpp=2, interleaved
-1F1B, 4 microbatches). Every run trains the same run: each one's losses must agree with
-the first's within measure.LOSS_TOLERANCE, or the script exits non-zero after writing
-its JSON; it also exits non-zero when a target (Spearman >= 0.8, median error <= 15%,
-the plan at least as fast as the grid's best within NOISE, faster than the default)
-is missed.
+1F1B, 4 microbatches; on one server, 1F1B's 4 microbatches with no pipeline). Every
+run trains the same run: each one's losses must agree with the first's within
+measure.LOSS_TOLERANCE (BF16_LOSS_TOLERANCE in bf16), or the script exits non-zero
+after writing its JSON; it also exits non-zero when a target (Spearman >= 0.8, median
+error <= 15%, the plan at least as fast as the grid's best within NOISE, faster than the
+default) is missed.
 
 Memory: each run's measured peak (the servers' ledger, and on a GPU torch's
 max_memory_allocated) beside the memory model's prediction for the busiest rank.
@@ -78,6 +79,12 @@ def L(dp=1, tp=1, pp=1, vpp=1, schedule="1f1b", m=1, zero=0, recompute="none", s
 
 
 DEFAULT = L(pp=2, vpp=2, schedule="interleaved-1f1b", m=4)
+ONE_SERVER_DEFAULT = L(m=4)
+"""What parallel's defaults leave on one server, which holds no pipeline: 4 microbatches."""
+BF16_LOSS_TOLERANCE = 1e-3
+"""Between layouts trained in bf16 (the GPU run), whose microbatches' gradients round
+differently: 100x measure.LOSS_TOLERANCE (an H200's 15 layouts differed by at most 8.8e-5
+over 6 steps), below what a different sample or update moves a loss."""
 HAND_GRID = [
     L(dp=2, m=1), L(dp=2, m=2), L(dp=2, m=4), L(dp=2, m=2, zero=3), L(dp=2, m=2, recompute="full"),
     L(dp=2, m=8, recompute="full"),
@@ -150,6 +157,7 @@ def main() -> int:
     grid = [layout for layout in grid if layout.dp * layout.tp * layout.pp == args.servers]
     base = [*model, f"train.global_batch={GLOBAL_BATCH}", f"train.steps={steps}", "checkpoint.every=0"]
     config = load_config("", base)
+    default_layout = DEFAULT if args.servers > 1 else ONE_SERVER_DEFAULT
     before = machine()
     runs: list[dict] = []
     with LocalCluster(args.servers, steps_per_call=args.steps_per_call, device=args.device) as cluster:
@@ -204,7 +212,7 @@ def main() -> int:
         # The comparison the targets make, between the plan, the grid's best and the
         # default, gets PLAYOFF_ROUNDS more rounds of those three alone, alternating.
         leader = min(grid, key=lambda layout: min(median_steps(layout)))
-        finalists = list(dict.fromkeys([plan, leader] + ([DEFAULT] if DEFAULT in layouts else [])))
+        finalists = list(dict.fromkeys([plan, leader] + ([default_layout] if default_layout in layouts else [])))
         main_rounds = {layout: len(rounds[layout]) for layout in layouts}
         for order in range(playoff_rounds):
             for layout in (finalists if order % 2 == 0 else finalists[::-1]):
@@ -220,7 +228,7 @@ def main() -> int:
                                  for p in predict(job, programs_for(job), planning.device_type))
             measured_peak = min(peaks(r, args.device) for r in rounds[layout])
             runs.append({"layout": layout.describe(), "settings": settings(layout), "in_grid": layout in grid,
-                         "planned": layout == plan, "default": layout == DEFAULT,
+                         "planned": layout == plan, "default": layout == default_layout,
                          "finalist": layout in finalists, "measured_step_s": measured,
                          "round_medians_s": medians, "playoff_medians_s": everything[len(medians):],
                          "decided_step_s": min(everything), "predicted_step_s": predicted,
@@ -238,8 +246,9 @@ def main() -> int:
     # default where the grid holds them)
     best = min((r for r in grid_runs if r["finalist"]), key=lambda r: r["decided_step_s"])
     default = next((r for r in runs if r["default"]), None)
+    tolerance = LOSS_TOLERANCE if config.train.precision in ("fp32", "fp64") else BF16_LOSS_TOLERANCE
     disagree = [r["layout"] for r in runs
-                if max_relative_difference(r["losses"], runs[0]["losses"]) > LOSS_TOLERANCE]
+                if max_relative_difference(r["losses"], runs[0]["losses"]) > tolerance]
     summary = {
         "spearman": rho, "median_abs_error": median_error, "worst_abs_error": errors[-1],
         "planned": planned["layout"], "planned_step_s": planned["decided_step_s"],

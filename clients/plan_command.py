@@ -85,7 +85,7 @@ def obtain_profile(config: JobConfig, device: str, *, measure_on: Callable | Non
                 return DeviceProfile.from_json(json.load(f))
         except (OSError, ValueError, KeyError, TypeError) as err:
             raise PlanError(f"--profile {profile_path}: not a device profile ({err})") from None
-    setup = plan_profile.profile_setup(config)
+    setup = plan_profile.profile_setup(config, device)
     cached = plan_profile.load_cached(setup, device)
     if cached is not None:
         log(f"device profile from the cache ({plan_profile.cache_dir()})")
@@ -141,7 +141,7 @@ def search_timed(config: JobConfig, cluster: Cluster, profile: DeviceProfile, to
     profile stored with them (`keep`), and the search repeated. Without servers to run
     them on, or for a model profiled through a proxy (whose chunks are not the
     model's), the laws price every shape."""
-    if servers is None or plan_profile.profile_model(config) != dataclasses.asdict(config.model):
+    if servers is None or plan_profile.profile_model(config, profile.device) != dataclasses.asdict(config.model):
         return run_search(config, cluster, profile, top), profile
     wanted = max(top, TIMED_PLANS)
     report = run_search(config, cluster, profile, wanted)
@@ -157,7 +157,7 @@ def search_timed(config: JobConfig, cluster: Cluster, profile: DeviceProfile, to
             break
         profile = timed
         if keep:
-            plan_profile.store(profile, plan_profile.profile_setup(config))
+            plan_profile.store(profile, plan_profile.profile_setup(config, profile.device))
         report = run_search(config, cluster, profile, wanted)
     report.plans = report.plans[:top]
     return report, profile
@@ -369,4 +369,4 @@ def refine_from_job(client, job_id: str, config: JobConfig, profile: DeviceProfi
         return
     if trace.reports:
         plan_profile.store(plan_profile.refine(profile, trace, config, cluster.compute_slowdown),
-                           plan_profile.profile_setup(config))
+                           plan_profile.profile_setup(config, profile.device))

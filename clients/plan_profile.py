@@ -10,9 +10,12 @@ Every traced forward, backward, input- and weight-gradient half is one observati
 (its chunk's forward FLOPs, its seconds), every update one of seconds per parameter; a
 least-squares line through each kind's lower quartile at each size (what it costs
 undisturbed by the other processes on the cores) gives its law. A model whose layer
-would take more than a second to run here is measured through a proxy: the same
+would take more than a second to run on a CPU is measured through a proxy: the same
 architecture narrowed until one layer's forward is PROXY_LAYER_FLOPS, with at most
 PROXY_LAYERS layers, the law's rate carried over (said in the profile's `measured_on`).
+On a GPU the bounds are a thousand times higher: a narrow layer's products are too
+small to fill a GPU, so their rate does not carry over to the model's (an H200 ran a
+d_model-128 proxy at 2.9 TFLOP/s, the d_model-1024 model it stood for at 440).
 
 Links are measured per group kind inside jobs on the same servers, where two are idle:
 a tensor-parallel pair at both microbatch sizes (its all-reduces, and under sequence
@@ -63,11 +66,13 @@ from interleaf.coordinator.planner.search import programs_for
 from interleaf.protos import interleaf_pb2 as pb
 from interleaf.protos.actions import Action, Kind, parse
 
-PROXY_ABOVE_FLOPS = 1e9
-"""A model whose layer's forward at the small microbatch takes more FLOPs is profiled
-through a proxy..."""
-PROXY_LAYER_FLOPS = 2.5e8
-"""...narrowed until its layer's forward takes at most this many."""
+PROXY_ABOVE_FLOPS = {"cpu": 1e9, "cuda": 1e12}
+"""Per device type: a model whose layer's forward at the small microbatch takes more
+FLOPs is profiled through a proxy... (on a GPU, models to about 2B parameters are not: a
+1.1B GPT's layer is 4.8e11)"""
+PROXY_LAYER_FLOPS = {"cpu": 2.5e8, "cuda": 1e12}
+"""...narrowed until its layer's forward takes at most this many (a 7B Llama's proxy on a
+GPU: d_model 2048, 2048-token samples)."""
 PROXY_LAYERS = 8
 """A proxy's layers: enough for chunks from one layer to four on two servers."""
 SMALL_ROWS = 2
@@ -98,19 +103,21 @@ def software() -> str:
     return f"interleaf {own}, torch {torch.__version__}"
 
 
-def profile_model(config: JobConfig) -> dict:
-    """The [model] values the profile runs: the job's, or where its layer's forward at the
-    small microbatch exceeds PROXY_ABOVE_FLOPS a narrower proxy of it: d_model, the heads
-    (to no fewer than two), the MLP and the sequence halved together until that is at
-    most PROXY_LAYER_FLOPS, with at most PROXY_LAYERS layers."""
+def profile_model(config: JobConfig, device: str) -> dict:
+    """The [model] values the profile runs on `device` (a device kind: "cpu", "cuda
+    (NVIDIA H200)"): the job's, or where its layer's forward at the small microbatch
+    exceeds the device type's PROXY_ABOVE_FLOPS a narrower proxy of it: d_model, the
+    heads (to no fewer than two), the MLP and the sequence halved together until that is
+    at most PROXY_LAYER_FLOPS, with at most PROXY_LAYERS layers."""
     model = dataclasses.asdict(config.model)
     proxy, scale = model, 1
-    if _layer_flops(config, SMALL_ROWS) <= PROXY_ABOVE_FLOPS:
+    kind = device_type_of([device])
+    if _layer_flops(config, SMALL_ROWS) <= PROXY_ABOVE_FLOPS[kind]:
         return model
     # Float8 tensor cores multiply multiples of 16 only (plan.check_fp8): the proxy's
     # widths and tokens stay such multiples; otherwise heads of an even width (rotary).
     multiple = FLOAT8_MULTIPLE if config.train.precision == "fp8" else 2
-    while _layer_flops(_with_model(config, proxy), SMALL_ROWS) > PROXY_LAYER_FLOPS and proxy["d_model"] > 64:
+    while _layer_flops(_with_model(config, proxy), SMALL_ROWS) > PROXY_LAYER_FLOPS[kind] and proxy["d_model"] > 64:
         scale *= 2
         # down to two heads, as a tensor pair's link job needs, where the model has two
         heads = max(min(2, model["n_heads"]), model["n_heads"] // scale)
@@ -136,9 +143,9 @@ def profile_train(config: JobConfig) -> dict:
     return {"precision": t.precision, "compile": t.compile, "fp8_recipe": t.fp8_recipe, "fp8_emulate": t.fp8_emulate}
 
 
-def profile_setup(config: JobConfig) -> dict:
-    """What a profile is measured with, and cached under beside the device kind."""
-    return {"model": profile_model(config), "train": profile_train(config)}
+def profile_setup(config: JobConfig, device: str) -> dict:
+    """What a profile is measured with on `device`, and cached under beside it."""
+    return {"model": profile_model(config, device), "train": profile_train(config)}
 
 
 def _with_model(config: JobConfig, model: dict) -> JobConfig:
@@ -390,7 +397,7 @@ def _refined(measured_on: str) -> str:
 
 def measure(client, config: JobConfig, device: str, idle_servers: int, log=print) -> DeviceProfile:
     """Runs the profile jobs on the coordinator `client` talks to and fits the laws."""
-    setup = profile_setup(config)
+    setup = profile_setup(config, device)
     model = setup["model"]
     pp = 2 if idle_servers >= 2 and model["n_layers"] >= 2 else 1
     # compiled blocks and float8 products run no split backward (config/job.py)
@@ -532,7 +539,7 @@ def measure_shapes(client, config: JobConfig, profile: DeviceProfile, needs: lis
     `slowdown` times slower when all do): they are then priced at what they took. A job
     the memory model says would not fit is not run, and one that fails leaves its shapes
     to the laws: the plan goes on either way."""
-    setup = profile_setup(config)
+    setup = profile_setup(config, profile.device)
     seen: list[dict] = []
     ran = []
     for pp, job in shape_jobs(needs, servers):

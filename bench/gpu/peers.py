@@ -46,7 +46,11 @@ from interleaf.stageserver.optim import BETAS, EPS
 from torch_training import param_groups  # bench/torch_training.py: Interleaf's weight-decay groups
 
 SEED = 1
-LR, WARMUP_STEPS, WEIGHT_DECAY, CLIP = 3e-4, 2, 0.1, 1.0
+LR, WARMUP_STEPS, WEIGHT_DECAY, CLIP = 3e-4, 100, 0.1, 1.0
+"""The warmup outlasts any run here, as a real run's first steps' warmup does: at the
+full rate by step 2 these 1B models' losses spiked (8.6 to 15-20), and the spike
+amplified rounding past bf16's bounds, so that the two bf16 peers' Llama losses ended
+8.0e-2 apart (H200, 2026-11-27). No step's time depends on the rate."""
 
 
 @dataclass(frozen=True)
