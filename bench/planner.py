@@ -164,9 +164,10 @@ def main() -> int:
         client = cluster.client()
         kind = plan_command.device_kind(cluster.devices[0])
         profiling = time.monotonic()
-        profile = plan_profile.measure(client, config, kind, args.servers, log=lambda line: print(line, flush=True))
-        profile_seconds = time.monotonic() - profiling
         memory = cluster.memory_per_server
+        profile = plan_profile.measure(client, config, kind, args.servers, memory,
+                                       log=lambda line: print(line, flush=True))
+        profile_seconds = time.monotonic() - profiling
         slowdown = 1.0 if gpu else plan_command.host_slowdown(args.servers, cluster.threads, os.cpu_count() or 1)
         planning = Cluster(args.servers, memory, servers_per_host=args.servers, compute_slowdown=slowdown,
                            device_type="cuda" if gpu else "cpu")
@@ -282,7 +283,8 @@ def main() -> int:
             missed.append(f"median error {median_error:.1%} > 15%")
         if summary["planned_vs_grid_best"] > 1 + NOISE:
             missed.append(f"the plan is {summary['planned_vs_grid_best']:.3f}x the grid's best")
-        if default and summary["planned_vs_default"] >= 1:
+        # a plan that is the default layout is held to the grid's best above, not to itself
+        if default and not planned["default"] and summary["planned_vs_default"] >= 1:
             missed.append(f"the plan is not faster than the default ({summary['planned_vs_default']:.3f}x)")
         if gpu and planned["peak_error"] is not None and abs(planned["peak_error"]) > 0.10:
             missed.append(f"the planned job's device peak is {planned['peak_error']:+.1%} from the memory model's")

@@ -165,7 +165,7 @@ def cmd_run(args) -> int:
         _check_devices_locally(config, servers, args.device, layout_given=not planned)
         if not planned:  # a planned layout is admitted by the planner
             _admit_locally(config, servers, args.device)
-    _check_run_logs(args)
+    _check_run_outputs(args)
     metrics = MetricsOut(args.metrics_out)
     logs = RunLogs()  # opened once the job has an id: W&B names its run after it
     note = "the job goes on at the coordinator" if remote else "stopping the local servers"
@@ -287,7 +287,7 @@ def _servers_or_hint(client, args):
                          "--coordinator, or plan for a described cluster with --servers N") from None
 
 
-def _check_run_logs(args) -> None:
+def _check_run_outputs(args) -> None:
     """--wandb without the wandb package, a --tensorboard folder or --metrics-out file
     that cannot be written, and a --log-dir that is a file, are refused before anything
     starts: a job submitted first would go on at a
@@ -306,12 +306,9 @@ def _check_run_logs(args) -> None:
         except (OSError, ValueError) as err:  # ValueError: a NUL in the path
             raise UsageError(f"--tensorboard {folder!r}: the event files' folder cannot be written ({err})") from None
     if path := getattr(args, "metrics_out", None):
-        parent = os.path.dirname(os.path.abspath(path))
         if os.path.isdir(path):
             raise UsageError(f"--metrics-out {path!r} is a folder; it must name the JSON-lines file to write")
-        if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
-            raise UsageError(f"--metrics-out {path!r}: its folder {parent!r} "
-                             f"{'is not writable' if os.path.isdir(parent) else 'does not exist'}")
+        _check_writable_folder("--metrics-out", path)
     if (logs := getattr(args, "log_dir", None)) and os.path.exists(logs) and not os.path.isdir(logs):
         raise UsageError(f"--log-dir {logs!r} is a file; it must name a folder for the servers' logs")
 
@@ -396,7 +393,7 @@ def cmd_reference(args) -> int:
     from interleaf.coordinator.run_logs import eval_scalars, reference_scalars
 
     _, config = _load(args)
-    _check_run_logs(args)
+    _check_run_outputs(args)
     metrics, progress = MetricsOut(args.metrics_out), Progress(config.train.steps)
     logs = _run_logs(args, "reference", config)
 
@@ -547,7 +544,7 @@ def cmd_status(args) -> int:
 
 
 def cmd_watch(args) -> int:
-    _check_run_logs(args)
+    _check_run_outputs(args)
     client = _client(args)
     steps = client.status(args.job).steps
     metrics, logs = MetricsOut(args.metrics_out), _run_logs(args, args.job, client=client)
@@ -563,11 +560,16 @@ def _check_png(path: str | None) -> None:
     .png to a name without it, or refuse another suffix, after the work was done)."""
     if path is None:
         return
-    parent = os.path.dirname(os.path.abspath(path))
     if not path.lower().endswith(".png") or os.path.isdir(path):
         raise UsageError(f"--png {path!r} must name a .png file")
+    _check_writable_folder("--png", path)
+
+
+def _check_writable_folder(flag: str, path: str) -> None:
+    """The folder `flag`'s file `path` is to be written in exists and is writable."""
+    parent = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
-        raise UsageError(f"--png {path!r}: its folder {parent!r} "
+        raise UsageError(f"{flag} {path!r}: its folder {parent!r} "
                          f"{'is not writable' if os.path.isdir(parent) else 'does not exist'}")
 
 

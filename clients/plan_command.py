@@ -75,27 +75,26 @@ def remote_cluster(servers) -> tuple[Cluster, str]:
                    device_type=kinds[0]), kinds[0]
 
 
-def obtain_profile(config: JobConfig, device: str, *, measure_on: Callable | None, profile_path: str | None = None,
-                   log=print) -> DeviceProfile:
-    """--profile's file, else the cache's, else measured by `measure_on()` -> (client,
-    idle servers) and cached."""
+def obtain_profile(config: JobConfig, device: str, *, servers: ProfileServers | None,
+                   profile_path: str | None = None, log=print) -> DeviceProfile:
+    """--profile's file, else the cache's, else measured on `servers` and cached."""
     if profile_path:
         try:
             with open(profile_path) as f:
                 return DeviceProfile.from_json(json.load(f))
         except (OSError, ValueError, KeyError, TypeError) as err:
             raise PlanError(f"--profile {profile_path}: not a device profile ({err})") from None
-    setup = plan_profile.profile_setup(config, device)
+    if servers is None:
+        raise PlanError(f"no device profile of this model on {device} is cached, and nothing to measure it on")
+    setup = plan_profile.profile_setup(config, device, servers.memory_bytes)
     cached = plan_profile.load_cached(setup, device)
     if cached is not None:
         log(f"device profile from the cache ({plan_profile.cache_dir()})")
         return cached
-    if measure_on is None:
-        raise PlanError(f"no device profile of this model on {device} is cached, and nothing to measure it on")
     log(f"measuring the device profile of this model on {device}")
     try:
-        with measure_on() as (client, idle):
-            profile = plan_profile.measure(client, config, device, idle, log=log)
+        with servers.open() as (client, idle):
+            profile = plan_profile.measure(client, config, device, idle, servers.memory_bytes, log=log)
     except plan_profile.ProfileJobFailed as err:
         raise PlanError(f"measuring the device profile: {err}") from None
     path = plan_profile.store(profile, setup)
@@ -141,7 +140,8 @@ def search_timed(config: JobConfig, cluster: Cluster, profile: DeviceProfile, to
     profile stored with them (`keep`), and the search repeated. Without servers to run
     them on, or for a model profiled through a proxy (whose chunks are not the
     model's), the laws price every shape."""
-    if servers is None or plan_profile.profile_model(config, profile.device) != dataclasses.asdict(config.model):
+    if (servers is None or plan_profile.profile_model(config, profile.device, servers.memory_bytes)
+            != dataclasses.asdict(config.model)):
         return run_search(config, cluster, profile, top), profile
     wanted = max(top, TIMED_PLANS)
     report = run_search(config, cluster, profile, wanted)
@@ -157,7 +157,7 @@ def search_timed(config: JobConfig, cluster: Cluster, profile: DeviceProfile, to
             break
         profile = timed
         if keep:
-            plan_profile.store(profile, plan_profile.profile_setup(config, profile.device))
+            plan_profile.store(profile, plan_profile.profile_setup(config, profile.device, servers.memory_bytes))
         report = run_search(config, cluster, profile, wanted)
     report.plans = report.plans[:top]
     return report, profile
@@ -296,7 +296,7 @@ def plan_described(config: JobConfig, servers: int, memory_bytes: int | None, se
     from interleaf.coordinator.plan import check_devices
 
     if profile_path and memory_bytes:  # costs and memory both given: nothing here is run or read
-        profile = obtain_profile(config, "", profile_path=profile_path, log=log, measure_on=None)
+        profile = obtain_profile(config, "", profile_path=profile_path, log=log, servers=None)
         cluster = Cluster(servers, memory_bytes, servers_per_host=min(servers_per_host or 8, servers),
                           device_type=device_type_of([profile.device]))
         return run_search(config, cluster, profile, top), cluster, profile
@@ -316,8 +316,7 @@ def plan_described(config: JobConfig, servers: int, memory_bytes: int | None, se
         except ConfigError as err:
             raise PlanError(f"the profile jobs run on this machine's {devices[0]}: {err}") from None
         local = ProfileServers(lambda: local_servers(len(devices), device), len(devices), local_memory)
-    profile = obtain_profile(config, device_kind(devices[0]), profile_path=profile_path, log=log,
-                             measure_on=local.open if local else None)
+    profile = obtain_profile(config, device_kind(devices[0]), profile_path=profile_path, log=log, servers=local)
     cluster = Cluster(servers, memory_bytes or local_memory, servers_per_host=min(servers_per_host or 8, servers),
                       device_type=device_type_of([profile.device]) if profile_path else device_type_of(devices))
     report, profile = search_timed(config, cluster, profile, top, local, log)
@@ -329,8 +328,7 @@ def plan_on(client, config: JobConfig, cluster: Cluster, device: str, top: int, 
     """Plans for servers a coordinator holds; profile jobs, if needed, run on them."""
     given = None if profile_path else ProfileServers(lambda: given_servers(client, cluster.servers), cluster.servers,
                                                      cluster.memory_bytes, cluster.compute_slowdown)
-    profile = obtain_profile(config, device, profile_path=profile_path, log=log,
-                             measure_on=given.open if given else None)
+    profile = obtain_profile(config, device, profile_path=profile_path, log=log, servers=given)
     return search_timed(config, cluster, profile, top, given, log)
 
 
@@ -369,4 +367,4 @@ def refine_from_job(client, job_id: str, config: JobConfig, profile: DeviceProfi
         return
     if trace.reports:
         plan_profile.store(plan_profile.refine(profile, trace, config, cluster.compute_slowdown),
-                           plan_profile.profile_setup(config, profile.device))
+                           plan_profile.profile_setup(config, profile.device, cluster.memory_bytes))

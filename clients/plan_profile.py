@@ -15,7 +15,10 @@ architecture narrowed until one layer's forward is PROXY_LAYER_FLOPS, with at mo
 PROXY_LAYERS layers, the law's rate carried over (said in the profile's `measured_on`).
 On a GPU the bounds are a thousand times higher: a narrow layer's products are too
 small to fill a GPU, so their rate does not carry over to the model's (an H200 ran a
-d_model-128 proxy at 2.9 TFLOP/s, the d_model-1024 model it stood for at 440).
+d_model-128 proxy at 2.9 TFLOP/s, the d_model-1024 model it stood for at about 430).
+Every profile job must fit a server by the memory model (admission would refuse it,
+and the profile with it): a model whose jobs do not is profiled as its first
+PROXY_LAYERS layers, and where those do not fit either, narrowed further.
 
 Links are measured per group kind inside jobs on the same servers, where two are idle:
 a tensor-parallel pair at both microbatch sizes (its all-reduces, and under sequence
@@ -103,21 +106,38 @@ def software() -> str:
     return f"interleaf {own}, torch {torch.__version__}"
 
 
-def profile_model(config: JobConfig, device: str) -> dict:
+def profile_model(config: JobConfig, device: str, memory_bytes: int | None) -> dict:
     """The [model] values the profile runs on `device` (a device kind: "cpu", "cuda
-    (NVIDIA H200)"): the job's, or where its layer's forward at the small microbatch
-    exceeds the device type's PROXY_ABOVE_FLOPS a narrower proxy of it: d_model, the
-    heads (to no fewer than two), the MLP and the sequence halved together until that is
-    at most PROXY_LAYER_FLOPS, with at most PROXY_LAYERS layers."""
+    (NVIDIA H200)") servers of `memory_bytes` each (None: unbounded): the job's, where
+    its layer's forward at the small microbatch is at most the device type's
+    PROXY_ABOVE_FLOPS and the profile jobs fit (profile_jobs_fit); else the job's with at
+    most PROXY_LAYERS layers where that fits; else a narrower proxy of it: d_model, the
+    heads (to no fewer than two), the MLP and the sequence halved together until that
+    forward is at most PROXY_LAYER_FLOPS and the jobs fit, with at most PROXY_LAYERS
+    layers.
+
+    Worked example, on an H100 of 79.2 GiB: the 1.11B GPT (20 layers, d_model 2048) is
+    profiled as itself; the 2.7B one (32 layers, d_model 2560), whose profile jobs would
+    need 80.7 GiB, as its first 8 layers; a 7B Llama at 4,096 tokens (layer 7.2e12 FLOPs)
+    as 8 layers of d_model 2048 and 2,048 tokens."""
     model = dataclasses.asdict(config.model)
-    proxy, scale = model, 1
     kind = device_type_of([device])
+
+    def fits(candidate: dict) -> bool:
+        return memory_bytes is None or profile_jobs_fit(config, candidate, device, memory_bytes)
+
     if _layer_flops(config, SMALL_ROWS) <= PROXY_ABOVE_FLOPS[kind]:
-        return model
+        if fits(model):
+            return model
+        shorter = dict(model, n_layers=min(model["n_layers"], PROXY_LAYERS))
+        if fits(shorter):
+            return shorter
     # Float8 tensor cores multiply multiples of 16 only (plan.check_fp8): the proxy's
     # widths and tokens stay such multiples; otherwise heads of an even width (rotary).
     multiple = FLOAT8_MULTIPLE if config.train.precision == "fp8" else 2
-    while _layer_flops(_with_model(config, proxy), SMALL_ROWS) > PROXY_LAYER_FLOPS[kind] and proxy["d_model"] > 64:
+    proxy, scale = model, 1
+    while ((_layer_flops(_with_model(config, proxy), SMALL_ROWS) > PROXY_LAYER_FLOPS[kind] or not fits(proxy))
+           and proxy["d_model"] > 64):
         scale *= 2
         # down to two heads, as a tensor pair's link job needs, where the model has two
         heads = max(min(2, model["n_heads"]), model["n_heads"] // scale)
@@ -133,6 +153,22 @@ def profile_model(config: JobConfig, device: str) -> dict:
     return proxy
 
 
+def profile_jobs_fit(config: JobConfig, model: dict, device: str, memory_bytes: int) -> bool:
+    """Whether every profile job of `model` (on one server: each server of the others
+    holds less) fits a server of `memory_bytes` by the memory model, with admission's
+    reserve: a job that does not would be refused, and with it the whole profile."""
+    setup = {"model": model, "train": profile_train(config)}
+    for job in profile_jobs(model["n_layers"], 1):
+        try:
+            job_config = load_config("", _job_overrides(setup, 1, job))
+        except ConfigError:  # the settings refuse it (a split backward with compiled blocks): not run
+            continue
+        peaks = predict(job_config, programs_for(job_config), device_type_of([device]))
+        if max(with_temporaries(p) for p in peaks) + RUNTIME_RESERVE_BYTES > memory_bytes:
+            return False
+    return True
+
+
 def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
@@ -143,9 +179,10 @@ def profile_train(config: JobConfig) -> dict:
     return {"precision": t.precision, "compile": t.compile, "fp8_recipe": t.fp8_recipe, "fp8_emulate": t.fp8_emulate}
 
 
-def profile_setup(config: JobConfig, device: str) -> dict:
-    """What a profile is measured with on `device`, and cached under beside it."""
-    return {"model": profile_model(config, device), "train": profile_train(config)}
+def profile_setup(config: JobConfig, device: str, memory_bytes: int | None) -> dict:
+    """What a profile is measured with on `device` servers of `memory_bytes`, and cached
+    under beside the device kind."""
+    return {"model": profile_model(config, device, memory_bytes), "train": profile_train(config)}
 
 
 def _with_model(config: JobConfig, model: dict) -> JobConfig:
@@ -395,9 +432,11 @@ def _refined(measured_on: str) -> str:
     return f"{measured_on}; refined from 1 traced job"
 
 
-def measure(client, config: JobConfig, device: str, idle_servers: int, log=print) -> DeviceProfile:
-    """Runs the profile jobs on the coordinator `client` talks to and fits the laws."""
-    setup = profile_setup(config, device)
+def measure(client, config: JobConfig, device: str, idle_servers: int, memory_bytes: int | None,
+            log=print) -> DeviceProfile:
+    """Runs the profile jobs on the coordinator `client` talks to, whose idle servers
+    offer `memory_bytes` each, and fits the laws."""
+    setup = profile_setup(config, device, memory_bytes)
     model = setup["model"]
     pp = 2 if idle_servers >= 2 and model["n_layers"] >= 2 else 1
     # compiled blocks and float8 products run no split backward (config/job.py)
@@ -539,7 +578,7 @@ def measure_shapes(client, config: JobConfig, profile: DeviceProfile, needs: lis
     `slowdown` times slower when all do): they are then priced at what they took. A job
     the memory model says would not fit is not run, and one that fails leaves its shapes
     to the laws: the plan goes on either way."""
-    setup = profile_setup(config, profile.device)
+    setup = profile_setup(config, profile.device, memory_bytes)
     seen: list[dict] = []
     ran = []
     for pp, job in shape_jobs(needs, servers):

@@ -252,12 +252,12 @@ def test_fit_line_recovers_a_law():
 def test_profile_round_trips_through_json(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     config = load_config("", SMALL)
-    setup = plan_profile.profile_setup(config, "cpu")
+    setup = plan_profile.profile_setup(config, "cpu", None)
     assert plan_profile.load_cached(setup, "cpu") is None
     plan_profile.store(profile(), setup)
     assert plan_profile.load_cached(setup, "cpu") == profile()
     assert plan_profile.load_cached(setup, "cuda (NVIDIA H100)") is None  # per device kind
-    bf16 = plan_profile.profile_setup(load_config("", SMALL + ["train.precision=bf16"]), "cpu")
+    bf16 = plan_profile.profile_setup(load_config("", SMALL + ["train.precision=bf16"]), "cpu", None)
     assert plan_profile.load_cached(bf16, "cpu") is None  # and per precision
 
 
@@ -291,7 +291,7 @@ def test_a_profile_file_that_costs_cannot_use_is_refused_naming_the_field(tmp_pa
 
 def test_a_large_model_is_profiled_through_a_proxy():
     config = load_config("", ["model.n_layers=32", "model.d_model=4096", "model.n_heads=32", "model.seq_len=2048"])
-    proxy = plan_profile.profile_model(config, "cpu")
+    proxy = plan_profile.profile_model(config, "cpu", None)
     assert proxy["d_model"] < 4096 and proxy["arch"] == "gpt2" and proxy["n_layers"] == 8
     load_config("", [f"model.{k}={v}" for k, v in proxy.items()])  # a valid model
     # ...that a tensor pair can split, for the link jobs, Llama's grouped kv heads too
@@ -299,32 +299,54 @@ def test_a_large_model_is_profiled_through_a_proxy():
                                                                        "parallel.vpp=1", "parallel.schedule=1f1b"])
     llama = load_config("", ["model.arch=llama", "model.n_layers=32", "model.d_model=4096", "model.n_heads=32",
                              "model.n_kv_heads=8", "model.ffn_hidden=14336", "model.seq_len=2048"])
-    narrow = plan_profile.profile_model(llama, "cpu")
+    narrow = plan_profile.profile_model(llama, "cpu", None)
     assert narrow["n_heads"] >= 2 and narrow["n_kv_heads"] == 2
     load_config("", [f"model.{k}={v}" for k, v in narrow.items()] + ["parallel.tp=2", "parallel.pp=1",
                                                                         "parallel.vpp=1", "parallel.schedule=1f1b"])
     small = load_config("", SMALL)
-    assert plan_profile.profile_model(small, "cpu") == dataclasses.asdict(small.model)
+    assert plan_profile.profile_model(small, "cpu", None) == dataclasses.asdict(small.model)
 
 
 def test_a_gpu_profiles_models_to_about_2b_at_their_own_widths():
     """A narrow proxy's products do not fill a GPU (an H200 ran a d_model-128 proxy at
-    2.9 TFLOP/s, the model it stood for at 440), so on a GPU the profile runs the model
-    itself where a CPU's would narrow it, and a larger model's proxy stays wide."""
+    2.9 TFLOP/s, the model it stood for at about 430), so on a GPU the profile runs the
+    model itself where a CPU's would narrow it, and a larger model's proxy stays wide."""
     gpu = "cuda (NVIDIA H200)"
     bench = load_config("", ["model.n_layers=12", "model.d_model=1024", "model.n_heads=16", "model.seq_len=1024",
                              "model.vocab_size=50304", "train.precision=bf16"])  # bench/planner.py's GPU model
-    assert plan_profile.profile_model(bench, gpu) == dataclasses.asdict(bench.model)
-    assert plan_profile.profile_model(bench, "cpu")["d_model"] < 1024
+    assert plan_profile.profile_model(bench, gpu, None) == dataclasses.asdict(bench.model)
+    assert plan_profile.profile_model(bench, "cpu", None)["d_model"] < 1024
     gpt = load_config("", ["model.n_layers=20", "model.d_model=2048", "model.n_heads=16", "model.seq_len=2048"])
-    assert plan_profile.profile_model(gpt, gpu) == dataclasses.asdict(gpt.model)  # 1.11B
+    assert plan_profile.profile_model(gpt, gpu, None) == dataclasses.asdict(gpt.model)  # 1.11B
     llama = load_config("", ["model.arch=llama", "model.n_layers=32", "model.d_model=4096", "model.n_heads=32",
                              "model.n_kv_heads=8", "model.ffn_hidden=11008", "model.seq_len=4096"])
-    wide, narrow = plan_profile.profile_model(llama, gpu), plan_profile.profile_model(llama, "cpu")
+    wide, narrow = plan_profile.profile_model(llama, gpu, None), plan_profile.profile_model(llama, "cpu", None)
     assert (wide["d_model"], wide["seq_len"], wide["n_layers"]) == (2048, 2048, 8)
     assert narrow["d_model"] < wide["d_model"]
     # cached apart, so a CPU's profile of the model is never read as a GPU's
-    assert plan_profile.profile_setup(bench, gpu) != plan_profile.profile_setup(bench, "cpu")
+    assert plan_profile.profile_setup(bench, gpu, None) != plan_profile.profile_setup(bench, "cpu", None)
+
+
+def test_the_profile_jobs_fit_the_servers_memory():
+    """Every profile job must fit a server (admission would refuse it, and the profile
+    with it): a model whose jobs do not is profiled as its first PROXY_LAYERS layers,
+    and where those do not fit either, through a narrower proxy."""
+    h100 = "cuda (NVIDIA H100 80GB HBM3)"
+    usable = int(79.2 * GIB)
+    gpt27 = load_config("", ["model.n_layers=32", "model.d_model=2560", "model.n_heads=32", "model.seq_len=2048",
+                             "train.precision=bf16"])
+    assert not plan_profile.profile_jobs_fit(gpt27, dataclasses.asdict(gpt27.model), h100, usable)
+    shorter = plan_profile.profile_model(gpt27, h100, usable)
+    assert shorter == dict(dataclasses.asdict(gpt27.model), n_layers=plan_profile.PROXY_LAYERS)
+    assert plan_profile.profile_jobs_fit(gpt27, shorter, h100, usable)
+    gpt = load_config("", ["model.n_layers=20", "model.d_model=2048", "model.n_heads=16", "model.seq_len=2048",
+                           "train.precision=bf16"])
+    assert plan_profile.profile_model(gpt, h100, usable) == dataclasses.asdict(gpt.model)
+    assert plan_profile.profile_model(gpt, h100, 24 * GIB)["n_layers"] == plan_profile.PROXY_LAYERS
+    narrow = plan_profile.profile_model(gpt, h100, 8 * GIB)
+    assert narrow["d_model"] < 2048 and plan_profile.profile_jobs_fit(gpt, narrow, h100, 8 * GIB)
+    # a shorter or narrower profile is not the model: search_timed times none of its shapes then
+    assert plan_profile.profile_model(gpt, h100, 24 * GIB) != dataclasses.asdict(gpt.model)
 
 
 def test_host_slowdown():
@@ -548,7 +570,7 @@ def test_every_shape_job_is_a_valid_config_holding_its_shapes():
     """Each job's chunks are the needed shapes (one-layer fillers beside them), and its
     settings pass the config's rules."""
     config = load_config("", SMALL)
-    setup = plan_profile.profile_setup(config, "cpu")
+    setup = plan_profile.profile_setup(config, "cpu", None)
     needs = plan_profile.untimed_shapes([cfg for _, cfg in valid_configs(config, 4, 4)[0]], profile())
     assert {n.tp for n in needs} == {1, 2, 4}
     wanted = {(costs_module.chunk_shape(cfg, chunk, rows_of(cfg)), cfg.parallel.schedule in ("zb-h1", "zbv"))
@@ -753,11 +775,11 @@ def test_float8_plans_for_gpus_multiply_multiples_of_sixteen():
                              "model.n_kv_heads=8", "model.ffn_hidden=11008", "model.seq_len=4096",
                              "model.vocab_size=32000", "train.precision=fp8", "parallel.pp=1", "parallel.vpp=1",
                              "parallel.schedule=1f1b"])
-    proxy = load_config("", plan_profile._job_overrides(plan_profile.profile_setup(llama, "cuda (NVIDIA H100)"), 1,
+    proxy = load_config("", plan_profile._job_overrides(plan_profile.profile_setup(llama, "cuda (NVIDIA H100)", None), 1,
                                                          plan_profile.ProfileJob("1f1b", 1, plan_profile.SMALL_ROWS)))
     assert proxy.model.d_model < 4096
     check_fp8(proxy, ["cuda:0"])
     xl = load_config("", ["model.n_layers=48", "model.d_model=1600", "model.n_heads=25", "model.seq_len=1024"])
-    assert plan_profile.profile_model(xl, "cpu")["d_model"] < 1600
-    load_config("", [f"model.{k}={v}" for k, v in plan_profile.profile_model(xl, "cpu").items()
+    assert plan_profile.profile_model(xl, "cpu", None)["d_model"] < 1600
+    load_config("", [f"model.{k}={v}" for k, v in plan_profile.profile_model(xl, "cpu", None).items()
                      if k in ("n_layers", "d_model", "n_heads", "n_kv_heads", "ffn_hidden", "seq_len")])

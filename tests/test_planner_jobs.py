@@ -62,7 +62,7 @@ def test_the_profile_measures_each_group_kinds_links_on_the_servers(cache, plans
     """The tensor and data-parallel laws come from calls inside the profile's jobs on the
     servers (StepReport.comm), each from two mean call sizes; only pipeline messages take
     the local probe's."""
-    profile = plan_profile.load_cached(plan_profile.profile_setup(load_config("", TINY), "cpu"), "cpu")
+    profile = plan_profile.load_cached(plan_profile.profile_setup(load_config("", TINY), "cpu", None), "cpu")
     for kind in ("tp", "tp_reduce_scatter", "tp_all_gather", "dp", "dp_reduce_scatter", "dp_all_gather"):
         calls = [o for o in profile.observations if o["kind"] == f"link:{kind}"]
         assert len({o["amount"] for o in calls}) >= 2, kind
@@ -75,7 +75,7 @@ def test_the_printed_plans_chunk_shapes_were_run_on_the_servers(cache, plans):
     """Each chunk shape of the printed plans was timed on the servers (on a tensor group
     of its size) before the search that printed them, and is priced at what it took."""
     config = load_config("", TINY)
-    profile = plan_profile.load_cached(plan_profile.profile_setup(config, "cpu"), "cpu")
+    profile = plan_profile.load_cached(plan_profile.profile_setup(config, "cpu", None), "cpu")
     configs = [load_config("", TINY + plan_command.overrides(p)) for p in plans]
     assert plan_profile.untimed_shapes(configs, profile) == []
     assert "chunk shapes of the top plans in " in profile.measured_on
@@ -91,7 +91,7 @@ def test_picked_plans_equal_the_reference(client, tmp_path, plans, pick):
 
 def test_a_traced_job_refines_the_profile(client, cache, plans):
     config = load_config("", TINY)
-    setup = plan_profile.profile_setup(config, "cpu")
+    setup = plan_profile.profile_setup(config, "cpu", None)
     before = plan_profile.load_cached(setup, "cpu")
     # a layout with data and tensor groups, whose calls refine their links
     layout = ["parallel.dp=2", "parallel.tp=2", "parallel.pp=2", "parallel.vpp=1", "parallel.schedule=1f1b",

@@ -6,9 +6,9 @@ end of each phase, so the tables are in the session's log and need no GPU time t
     python bench/gpu/report.py DIR      # DIR: session.sh's $OUT (train_*.json, memory_*.json, planner.json)
 
 Worked example: a train.py row {"side": "interleaf-compile", "median_step_seconds":
-0.933, "tokens_per_second": 70210, "mfu_measured_peak": 0.689, "mfu_datasheet_peak":
-0.544, "max_memory_allocated_bytes": 40.8e9, "loss_relative_difference_max": 5.8e-4}
-prints `| interleaf-compile | 0.933 s | 70,210 | 68.9% | 54.4% | 38.0 GiB | 5.8e-04 |`.
+0.866, "tokens_per_second": 75712, "mfu_measured_peak": 0.744, "mfu_datasheet_peak":
+0.587, "max_memory_allocated_bytes": 40.35e9, "loss_relative_difference_max": 7.65e-4}
+prints `| interleaf-compile | 0.866 s | 75,712 | 74.4% | 58.7% | 37.6 GiB | 7.7e-04 |`.
 """
 
 from __future__ import annotations
