@@ -170,9 +170,11 @@ def cmd_run(args) -> int:
     logs = RunLogs()  # opened once the job has an id: W&B names its run after it
     note = "the job goes on at the coordinator" if remote else "stopping the local servers"
     try:
-        with _StopSignals(note) as signals:
+        # while a remote plan is made no job exists yet; a profile job it waits on is cancelled
+        with _StopSignals("planning stopped" if remote and planned else note) as signals:
             if remote:
                 planned_run = _plan(client, config, args, text=text) if planned else None
+                signals.note = note
                 job = client.submit(text, args.set + (planned_run.overrides if planned_run else []))
                 print(f"submitted {job.job_id}", file=sys.stderr)
                 logs = _run_logs(args, job.job_id, planned_run.config if planned_run else config, client)

@@ -7,13 +7,16 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import grpc
 import pytest
 
 from interleaf.clients import plan_command, plan_profile
+from interleaf.common.security import TOKEN_ENV
 from interleaf.coordinator.config import load_config
 from tests.conftest import SERVERS, TINY, layout_free, reference
 from tests.test_cli_deployment import _cli, _sets
@@ -143,3 +146,38 @@ def test_a_plan_whose_checkpoint_init_is_not_here_is_refused_before_submitting(c
         result = _cli(cluster, *command, "--set", f"checkpoint.init={missing}", "--set", "parallel.plan=auto")
         assert result.returncode == 2, result.stderr
         assert "cannot read the config's checkpoint.init" in result.stderr
+
+
+def test_a_remote_plan_stopped_by_sigint_cancels_its_profile_job(cluster, client, tmp_path):
+    """`interleaf run --plan auto` against a coordinator, interrupted while its profile
+    job runs: no job of the user's exists yet, so it says that planning stopped (not that
+    a job goes on), cancels the profile job, which frees the servers, and submits none."""
+    def servers_idle() -> bool:
+        return all(s.state == "IDLE" for s in client.servers())
+
+    _wait_until(servers_idle, 60, "the shared cluster idle")
+    env = {**os.environ, TOKEN_ENV: cluster.security.token, "XDG_CACHE_HOME": str(tmp_path)}  # nothing cached
+    process = subprocess.Popen([sys.executable, "-m", "interleaf.clients.cli", "run", "--coordinator", cluster.address,
+                                "--plan", "auto", *_sets(TINY)], env=env, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_until(lambda: not servers_idle() or process.poll() is not None, 120, "the profile job running")
+        assert process.poll() is None, process.communicate()[1]
+        process.send_signal(signal.SIGINT)
+        _, err = process.communicate(timeout=60)
+        assert process.returncode == 128 + signal.SIGINT, err
+        assert "SIGINT: planning stopped" in err and "goes on" not in err, err
+        _wait_until(servers_idle, 30, "the profile job cancelled")
+        time.sleep(1.0)
+        assert servers_idle(), "a job was submitted after the stop"
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.communicate()
+
+
+def _wait_until(condition, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"{what}: not within {timeout_s:g} s"
+        time.sleep(0.1)
