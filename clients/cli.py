@@ -259,11 +259,11 @@ def cmd_plan(args) -> int:
                     args.profile, _stderr)
             else:
                 client = _client(args)
-                cluster, device = planning.remote_cluster(_servers_or_hint(client, args))
-                if args.server_memory:
-                    cluster = dataclasses.replace(cluster, memory_bytes=args.server_memory)
+                servers, device = planning.remote_cluster(_servers_or_hint(client, args))
+                # --server-memory plans for servers of that size; the profile's jobs run on these
+                cluster = dataclasses.replace(servers, memory_bytes=args.server_memory or servers.memory_bytes)
                 report, profile = planning.plan_on(client, config, cluster, device, args.top, args.profile,
-                                                   _stderr)
+                                                   _stderr, servers_memory_bytes=servers.memory_bytes)
     except planning.PlanError as err:
         raise UsageError(str(err)) from None
     except Stopped as stopped:

@@ -85,14 +85,14 @@ def obtain_profile(config: JobConfig, device: str, *, servers: ProfileServers | 
         except (OSError, ValueError, KeyError, TypeError) as err:
             raise PlanError(f"--profile {profile_path}: not a device profile ({err})") from None
     if servers is None:
-        raise PlanError(f"no device profile of this model on {device} is cached, and nothing to measure it on")
-    setup = plan_profile.profile_setup(config, device, servers.memory_bytes)
-    cached = plan_profile.load_cached(setup, device)
-    if cached is not None:
-        log(f"device profile from the cache ({plan_profile.cache_dir()})")
-        return cached
-    log(f"measuring the device profile of this model on {device}")
+        raise PlanError(f"no servers were given to measure the device profile of this model on {device}")
     try:
+        setup = plan_profile.profile_setup(config, device, servers.memory_bytes)
+        cached = plan_profile.load_cached(setup, device)
+        if cached is not None:
+            log(f"device profile from the cache ({plan_profile.cache_dir()})")
+            return cached
+        log(f"measuring the device profile of this model on {device}")
         with servers.open() as (client, idle):
             profile = plan_profile.measure(client, config, device, idle, servers.memory_bytes, log=log)
     except plan_profile.ProfileJobFailed as err:
@@ -140,8 +140,8 @@ def search_timed(config: JobConfig, cluster: Cluster, profile: DeviceProfile, to
     profile stored with them (`keep`), and the search repeated. Without servers to run
     them on, or for a model profiled through a proxy (whose chunks are not the
     model's), the laws price every shape."""
-    if (servers is None or plan_profile.profile_model(config, profile.device, servers.memory_bytes)
-            != dataclasses.asdict(config.model)):
+    if servers is None or not plan_profile.own_widths(
+            config, plan_profile.profile_model(config, profile.device, servers.memory_bytes)):
         return run_search(config, cluster, profile, top), profile
     wanted = max(top, TIMED_PLANS)
     report = run_search(config, cluster, profile, wanted)
@@ -324,10 +324,13 @@ def plan_described(config: JobConfig, servers: int, memory_bytes: int | None, se
 
 
 def plan_on(client, config: JobConfig, cluster: Cluster, device: str, top: int, profile_path: str | None,
-            log) -> tuple[SearchReport, DeviceProfile]:
-    """Plans for servers a coordinator holds; profile jobs, if needed, run on them."""
+            log, servers_memory_bytes: int | None = None) -> tuple[SearchReport, DeviceProfile]:
+    """Plans for servers a coordinator holds; profile jobs, if needed, run on them.
+    `servers_memory_bytes`: what each of them offers, where `cluster` plans for another
+    figure (`interleaf plan --server-memory`): the profile's jobs must fit the servers."""
     given = None if profile_path else ProfileServers(lambda: given_servers(client, cluster.servers), cluster.servers,
-                                                     cluster.memory_bytes, cluster.compute_slowdown)
+                                                     servers_memory_bytes or cluster.memory_bytes,
+                                                     cluster.compute_slowdown)
     profile = obtain_profile(config, device, profile_path=profile_path, log=log, servers=given)
     return search_timed(config, cluster, profile, top, given, log)
 

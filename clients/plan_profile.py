@@ -17,8 +17,10 @@ On a GPU the bounds are a thousand times higher: a narrow layer's products are t
 small to fill a GPU, so their rate does not carry over to the model's (an H200 ran a
 d_model-128 proxy at 2.9 TFLOP/s, the d_model-1024 model it stood for at about 430).
 Every profile job must fit a server by the memory model (admission would refuse it,
-and the profile with it): a model whose jobs do not is profiled as its first
-PROXY_LAYERS layers, and where those do not fit either, narrowed further.
+and the profile with it; weighed at pp=1, where one server holds the most): a model
+whose jobs do not is profiled as its first PROXY_LAYERS layers, and where those do not
+fit either, narrowed further. So the profile, and its cache key, depend on the servers'
+memory too.
 
 Links are measured per group kind inside jobs on the same servers, where two are idle:
 a tensor-parallel pair at both microbatch sizes (its all-reduces, and under sequence
@@ -40,7 +42,7 @@ rank first (plan_command.search_timed).
 Worked example: `interleaf plan --servers 4` on this CPU machine starts two local
 servers, runs thirteen profile jobs (about 30 s) and the link probe (about 3 s), and
 writes ~/.cache/interleaf/plan-profiles/<key>.json; the next plan of the same model,
-device and software reads it back at once.
+device, software and profiled model (the servers' memory can cut it) reads it back at once.
 """
 
 from __future__ import annotations
@@ -117,9 +119,11 @@ def profile_model(config: JobConfig, device: str, memory_bytes: int | None) -> d
     layers.
 
     Worked example, on an H100 of 79.2 GiB: the 1.11B GPT (20 layers, d_model 2048) is
-    profiled as itself; the 2.7B one (32 layers, d_model 2560), whose profile jobs would
-    need 80.7 GiB, as its first 8 layers; a 7B Llama at 4,096 tokens (layer 7.2e12 FLOPs)
-    as 8 layers of d_model 2048 and 2,048 tokens."""
+    profiled as itself; the 2.7B one (32 layers, d_model 2560, vocabulary 50304), whose
+    largest profile job (zb-h1, 8 rows) would need 90.8 GiB with the reserve, as its
+    first 8 layers; a 7B Llama at 4,096
+    tokens (layer 7.2e12 FLOPs) as 8 layers of d_model 2048 and 2,048 tokens. Where not
+    even the narrowest proxy fits, ProfileJobFailed says so."""
     model = dataclasses.asdict(config.model)
     kind = device_type_of([device])
 
@@ -135,7 +139,7 @@ def profile_model(config: JobConfig, device: str, memory_bytes: int | None) -> d
     # Float8 tensor cores multiply multiples of 16 only (plan.check_fp8): the proxy's
     # widths and tokens stay such multiples; otherwise heads of an even width (rotary).
     multiple = FLOAT8_MULTIPLE if config.train.precision == "fp8" else 2
-    proxy, scale = model, 1
+    proxy, scale = dict(model, n_layers=min(model["n_layers"], PROXY_LAYERS)), 1
     while ((_layer_flops(_with_model(config, proxy), SMALL_ROWS) > PROXY_LAYER_FLOPS[kind] or not fits(proxy))
            and proxy["d_model"] > 64):
         scale *= 2
@@ -150,15 +154,31 @@ def profile_model(config: JobConfig, device: str, memory_bytes: int | None) -> d
                      ffn_hidden=_round_up(model["ffn_hidden"] // scale, multiple),
                      seq_len=_round_up(max(32, model["seq_len"] // scale), multiple),
                      n_layers=min(model["n_layers"], PROXY_LAYERS))
+    if memory_bytes is not None and not fits(proxy):
+        raise ProfileJobFailed(
+            f"no profile job of this model fits a server's {memory_bytes / 2**30:.2f} GiB, not even through a proxy "
+            f"of {proxy['n_layers']} layers of d_model {proxy['d_model']} and {proxy['seq_len']}-token samples "
+            f"(admission keeps a reserve of {RUNTIME_RESERVE_BYTES / 2**30:.1f} GiB); plan with --profile FILE, a "
+            "profile measured on larger servers")
     return proxy
 
 
+def own_widths(config: JobConfig, profiled: dict) -> bool:
+    """Whether the `profiled` model (profile_model's) has `config`'s widths, its layers
+    perhaps cut: its chunk shapes are then the model's (costs.chunk_shape), and can be
+    timed as shapes of the model's plans."""
+    return ({k: v for k, v in profiled.items() if k != "n_layers"}
+            == {k: v for k, v in dataclasses.asdict(config.model).items() if k != "n_layers"})
+
+
 def profile_jobs_fit(config: JobConfig, model: dict, device: str, memory_bytes: int) -> bool:
-    """Whether every profile job of `model` (on one server: each server of the others
-    holds less) fits a server of `memory_bytes` by the memory model, with admission's
-    reserve: a job that does not would be refused, and with it the whole profile."""
+    """Whether every profile job of `model` fits a server of `memory_bytes` by the memory
+    model, with admission's reserve: a job that does not would be refused, and with it
+    the whole profile. The compute jobs are weighed on one server (pp=1: on two, each
+    holds less), and where the servers' calls are timed (calls_timed) the link jobs too."""
     setup = {"model": model, "train": profile_train(config)}
-    for job in profile_jobs(model["n_layers"], 1):
+    jobs = profile_jobs(model["n_layers"], 1) + (link_jobs(model["n_layers"]) if calls_timed(device) else [])
+    for job in jobs:
         try:
             job_config = load_config("", _job_overrides(setup, 1, job))
         except ConfigError:  # the settings refuse it (a split backward with compiled blocks): not run
@@ -451,8 +471,9 @@ def measure(client, config: JobConfig, device: str, idle_servers: int, memory_by
         if found is not None:
             seen += found
             shapes.append(job.describe(job_pp))
-    proxy = "" if model == dataclasses.asdict(config.model) else (
-        f" (a proxy: d_model {model['d_model']}, seq_len {model['seq_len']})")
+    proxy = ("" if model == dataclasses.asdict(config.model)
+             else f" (its first {model['n_layers']} layers)" if own_widths(config, model)
+             else f" (a proxy: d_model {model['d_model']}, seq_len {model['seq_len']})")
     measured = {o["kind"][len(LINK_OBSERVED):] for o in seen if o["kind"].startswith(LINK_OBSERVED)}
     probed = "p2p" + ("" if measured >= set(LINK_CALLS.values()) else " and what the jobs did not run")
     return fit(seen, device, link_probe.measure_links(), f"{len(shapes)} jobs{proxy}: " + ", ".join(shapes)

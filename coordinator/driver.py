@@ -106,6 +106,7 @@ class JobDriver(threading.Thread):
         self.restarted: _Recovery | None = None  # set when resumed after a coordinator restart
         self._submitted_planned = None  # plan_programs(job.config), made once: each claim offers it
         self._submitted_need: dict[str, int] = {}  # the most bytes a rank of it needs by device type, once known
+        self._streaming = threading.Event()  # the attempt's servers set up and connected: steps may be under way
 
     def run(self) -> None:
         job = self.job
@@ -210,6 +211,8 @@ class JobDriver(threading.Thread):
                      grown: "_Growth | None") -> "_Growth | None":
         job = self.job
         self._setup(plan, probes)
+        if job.cancel_requested.is_set():
+            return None  # cancelled while setting up: run() tears down what was set up
         first = self.checkpoints.resume(self.stubs) if self.checkpoints.resume_from else 0
         job.step = self.first_step = first
         job.set_state("RUNNING", reason=self.resized or (grown.reason if grown else ""))
@@ -226,6 +229,7 @@ class JobDriver(threading.Thread):
                 microbatches=self.config.parallel.microbatches, before=pb.Coordinates(dp=b.dp, pp=b.pp, tp=b.tp),
                 before_microbatches=b.microbatches, added=grown.added,
                 seconds=time.perf_counter() - grown.started, reason=grown.reason))
+        self._streaming.set()  # before _train looks at the cancel flag: cancel() looks at this after setting it
         growth = self._train(plan, first)
         if growth is not None:
             self.checkpoints.finish()  # its manifest is what the grown layout resumes from
@@ -247,6 +251,7 @@ class JobDriver(threading.Thread):
         self.checkpoints.recover()
 
     def _forget_attempt(self) -> None:
+        self._streaming.clear()
         for channel in self.channels:
             channel.close()
         self.plan, self.addresses, self.stubs, self.channels = None, [], [], []
@@ -290,9 +295,16 @@ class JobDriver(threading.Thread):
         self.restarted = _Recovery(0, "the coordinator restarted", [], detected_unix, started)
 
     def cancel(self) -> None:
-        """Stops the job now: tearing down the servers ends their RunSteps streams."""
+        """Stops the job: a running one now, tearing down its servers, which ends their
+        RunSteps streams; one waiting for servers or setting up where that phase ends
+        (_run_attempt, _setup), without a teardown meanwhile: a server torn down while
+        its peers connect leaves them waiting out the communication timeout (120 s) for
+        it, holding the job's servers all the while. The flag is set before
+        `_streaming` is read, and the driver sets `_streaming` before it reads the flag,
+        so that one of the two sees the other."""
         self.job.request_cancel()
-        threading.Thread(target=self._teardown, name=f"cancel-{self.job.job_id}", daemon=True).start()
+        if self._streaming.is_set():
+            threading.Thread(target=self._teardown, name=f"cancel-{self.job.job_id}", daemon=True).start()
 
     # -- phases ------------------------------------------------------------------
 
@@ -402,6 +414,8 @@ class JobDriver(threading.Thread):
                 raise self._rpc_error(rank, err) from None
 
         replies = _fan_out(prepare, requests)
+        if job.cancel_requested.is_set():
+            return  # no Connect: run() tears down what Setup made
         digests = {r.data_sha256 for r in replies}
         if len(digests) != 1:
             raise JobFailed(

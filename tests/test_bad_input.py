@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 
 import grpc
 import numpy as np
@@ -106,6 +107,23 @@ def test_cancel_stops_a_running_job_and_frees_servers(cluster, client):
     assert final.step < 100000
     assert not any(_holds_job(cluster, r.server_address, status.job_id) for r in final.ranks)
     assert all(s.state == "IDLE" for s in client.servers())
+
+
+def test_a_job_cancelled_while_it_sets_up_frees_its_servers_at_once(client):
+    """A cancel that lands while the job's servers set up and connect (Ctrl-C of a plan
+    waiting on its profile job, say): the job stops where that phase ends, rather than
+    have one server torn down while its peers wait out the 120 s communication timeout
+    for it, holding every server of the job."""
+    for delay in (0.0, 0.01, 0.02, 0.03, 0.05, 0.1):
+        job_id = client.submit("", TINY + ["parallel.pp=2", "parallel.vpp=1", "parallel.dp=2",
+                                           "train.steps=5"]).job_id
+        time.sleep(delay)
+        cancelled = time.monotonic()
+        client.cancel(job_id)
+        final, _ = client.wait(job_id, timeout_s=60)
+        assert final.state in ("CANCELLED", "SUCCEEDED"), (delay, final.state, final.error)
+        assert time.monotonic() - cancelled < 10, (delay, time.monotonic() - cancelled)
+        assert all(s.state == "IDLE" for s in client.servers()), delay
 
 
 def test_unknown_job_is_not_found(client):

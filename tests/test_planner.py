@@ -345,8 +345,22 @@ def test_the_profile_jobs_fit_the_servers_memory():
     assert plan_profile.profile_model(gpt, h100, 24 * GIB)["n_layers"] == plan_profile.PROXY_LAYERS
     narrow = plan_profile.profile_model(gpt, h100, 8 * GIB)
     assert narrow["d_model"] < 2048 and plan_profile.profile_jobs_fit(gpt, narrow, h100, 8 * GIB)
-    # a shorter or narrower profile is not the model: search_timed times none of its shapes then
-    assert plan_profile.profile_model(gpt, h100, 24 * GIB) != dataclasses.asdict(gpt.model)
+    # the first layers keep the model's chunk shapes, which search_timed then times; a proxy's are not the model's
+    assert plan_profile.own_widths(gpt, plan_profile.profile_model(gpt, h100, 24 * GIB))
+    assert not plan_profile.own_widths(gpt, narrow)
+    # on CPU servers the link jobs run too: a data-parallel pair holds more than one server's compute jobs
+    llama = load_config("", ["model.arch=llama", "model.n_layers=8", "model.d_model=256", "model.n_heads=4",
+                             "model.n_kv_heads=2", "model.seq_len=128", "model.vocab_size=50304",
+                             "train.precision=bf16"])
+    whole = dataclasses.asdict(llama.model)
+    assert plan_profile.profile_jobs_fit(llama, whole, h100, int(1.44 * GIB))
+    assert not plan_profile.profile_jobs_fit(llama, whole, "cpu", int(1.44 * GIB))
+    assert plan_profile.profile_model(llama, "cpu", int(1.44 * GIB))["d_model"] < 256
+    # where nothing fits, the profile says so rather than submit a job admission refuses
+    tiny = load_config("", ["model.n_layers=8", "model.d_model=32", "model.n_heads=4", "model.seq_len=16"])
+    with pytest.raises(plan_profile.ProfileJobFailed, match=r"no profile job of this model fits a server's 0\.25 "
+                                                            r"GiB, not even through a proxy of 8 layers of d_model 32"):
+        plan_profile.profile_model(tiny, "cpu", GIB // 4)
 
 
 def test_host_slowdown():

@@ -47,6 +47,14 @@ def plans(cluster, cache):
     return json.loads(result.stdout)
 
 
+def test_server_memory_plans_for_other_servers_but_profiles_these(cluster, plans):
+    """`plan --server-memory B` against a coordinator plans for servers of B; its profile
+    is (here: was) measured on the coordinator's own servers, at their memory, so the
+    cached one is read, though B is too small for any profile job."""
+    result = _cli(cluster, "plan", *_sets(TINY), "--server-memory", str(1 << 28), "--top", "1")
+    assert "device profile from the cache" in result.stderr and "measuring" not in result.stderr, result.stderr
+
+
 def test_plan_ranks_layouts_of_the_coordinators_servers(cluster, plans):
     assert len(plans) == 4
     times = [p["predicted_step_seconds"] for p in plans]
@@ -167,7 +175,8 @@ def test_a_remote_plan_stopped_by_sigint_cancels_its_profile_job(cluster, client
         _, err = process.communicate(timeout=60)
         assert process.returncode == 128 + signal.SIGINT, err
         assert "SIGINT: planning stopped" in err and "goes on" not in err, err
-        _wait_until(servers_idle, 30, "the profile job cancelled")
+        _wait_until(servers_idle, 30, "the profile job cancelled",
+                    lambda: [(s.state, s.job_id, str(client.status(s.job_id))[:600]) for s in client.servers() if s.job_id])
         time.sleep(1.0)
         assert servers_idle(), "a job was submitted after the stop"
     finally:
@@ -176,8 +185,8 @@ def test_a_remote_plan_stopped_by_sigint_cancels_its_profile_job(cluster, client
             process.communicate()
 
 
-def _wait_until(condition, timeout_s: float, what: str) -> None:
+def _wait_until(condition, timeout_s: float, what: str, details=lambda: "") -> None:
     deadline = time.monotonic() + timeout_s
     while not condition():
-        assert time.monotonic() < deadline, f"{what}: not within {timeout_s:g} s"
+        assert time.monotonic() < deadline, f"{what}: not within {timeout_s:g} s {details()}"
         time.sleep(0.1)
