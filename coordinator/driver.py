@@ -106,7 +106,7 @@ class JobDriver(threading.Thread):
         self.restarted: _Recovery | None = None  # set when resumed after a coordinator restart
         self._submitted_planned = None  # plan_programs(job.config), made once: each claim offers it
         self._submitted_need: dict[str, int] = {}  # the most bytes a rank of it needs by device type, once known
-        self._streaming = threading.Event()  # the attempt's servers set up and connected: steps may be under way
+        self._connected = threading.Event()  # the attempt's servers set up and connected: a teardown strands no peer
 
     def run(self) -> None:
         job = self.job
@@ -211,6 +211,9 @@ class JobDriver(threading.Thread):
                      grown: "_Growth | None") -> "_Growth | None":
         job = self.job
         self._setup(plan, probes)
+        # Connected (or stopped short of it by a cancel): from here a cancel tears down at once,
+        # a checkpoint's load included, which holds no collective. Set before the flag is read.
+        self._connected.set()
         if job.cancel_requested.is_set():
             return None  # cancelled while setting up: run() tears down what was set up
         first = self.checkpoints.resume(self.stubs) if self.checkpoints.resume_from else 0
@@ -229,7 +232,6 @@ class JobDriver(threading.Thread):
                 microbatches=self.config.parallel.microbatches, before=pb.Coordinates(dp=b.dp, pp=b.pp, tp=b.tp),
                 before_microbatches=b.microbatches, added=grown.added,
                 seconds=time.perf_counter() - grown.started, reason=grown.reason))
-        self._streaming.set()  # before _train looks at the cancel flag: cancel() looks at this after setting it
         growth = self._train(plan, first)
         if growth is not None:
             self.checkpoints.finish()  # its manifest is what the grown layout resumes from
@@ -251,7 +253,7 @@ class JobDriver(threading.Thread):
         self.checkpoints.recover()
 
     def _forget_attempt(self) -> None:
-        self._streaming.clear()
+        self._connected.clear()
         for channel in self.channels:
             channel.close()
         self.plan, self.addresses, self.stubs, self.channels = None, [], [], []
@@ -295,15 +297,16 @@ class JobDriver(threading.Thread):
         self.restarted = _Recovery(0, "the coordinator restarted", [], detected_unix, started)
 
     def cancel(self) -> None:
-        """Stops the job: a running one now, tearing down its servers, which ends their
-        RunSteps streams; one waiting for servers or setting up where that phase ends
-        (_run_attempt, _setup), without a teardown meanwhile: a server torn down while
-        its peers connect leaves them waiting out the communication timeout (120 s) for
-        it, holding the job's servers all the while. The flag is set before
-        `_streaming` is read, and the driver sets `_streaming` before it reads the flag,
-        so that one of the two sees the other."""
+        """Stops the job: once its servers are connected, now, tearing them down, which
+        ends their RunSteps streams (or a checkpoint's load); one waiting for servers or
+        setting up where that phase ends (_claim_and_plan within a second, _setup,
+        _run_attempt), without a teardown meanwhile: a server torn down while its peers
+        connect leaves them waiting out the communication timeout (120 s) for it,
+        holding the job's servers all the while. The flag is set before `_connected` is
+        read, and the driver sets `_connected` before it reads the flag, so that one of
+        the two sees the other."""
         self.job.request_cancel()
-        if self._streaming.is_set():
+        if self._connected.is_set():
             threading.Thread(target=self._teardown, name=f"cancel-{self.job.job_id}", daemon=True).start()
 
     # -- phases ------------------------------------------------------------------
@@ -398,6 +401,8 @@ class JobDriver(threading.Thread):
 
     def _setup(self, plan: JobPlan, probes: list[pb.FileRef]) -> None:
         job = self.job
+        if job.cancel_requested.is_set():
+            return  # cancelled as its servers were claimed: nothing set up yet
         prefix = f"{job.job_id}/{time.monotonic_ns()}"
         requests = setup_requests(job.job_id, self.config, plan, (*self.store, prefix), COMM_TIMEOUT_S,
                                   data_start=self.checkpoints.data_start,
