@@ -121,9 +121,9 @@ def profile_model(config: JobConfig, device: str, memory_bytes: int | None) -> d
     Worked example, on an H100 of 79.2 GiB: the 1.11B GPT (20 layers, d_model 2048) is
     profiled as itself; the 2.7B one (32 layers, d_model 2560, vocabulary 50304), whose
     largest profile job (zb-h1, 8 rows) would need 90.8 GiB with the reserve, as its
-    first 8 layers; a 7B Llama at 4,096
-    tokens (layer 7.2e12 FLOPs) as 8 layers of d_model 2048 and 2,048 tokens. Where not
-    even the narrowest proxy fits, ProfileJobFailed says so."""
+    first 8 layers; a 7B Llama at 4,096 tokens (layer 7.2e12 FLOPs) as 8 layers of
+    d_model 2048 and 2,048 tokens. Where not even the narrowest proxy fits,
+    ProfileJobFailed says so."""
     model = dataclasses.asdict(config.model)
     kind = device_type_of([device])
 
@@ -183,10 +183,16 @@ def profile_jobs_fit(config: JobConfig, model: dict, device: str, memory_bytes: 
             job_config = load_config("", _job_overrides(setup, 1, job))
         except ConfigError:  # the settings refuse it (a split backward with compiled blocks): not run
             continue
-        peaks = predict(job_config, programs_for(job_config), device_type_of([device]))
-        if max(with_temporaries(p) for p in peaks) + RUNTIME_RESERVE_BYTES > memory_bytes:
+        if job_need_bytes(job_config, device) > memory_bytes:
             return False
     return True
+
+
+def job_need_bytes(job_config: JobConfig, device: str) -> int:
+    """What a server of a profile or shape job of `job_config` on `device` needs by the
+    memory model, admission's reserve included: its busiest rank's peak."""
+    peaks = predict(job_config, programs_for(job_config), device_type_of([device]))
+    return max(with_temporaries(p) for p in peaks) + RUNTIME_RESERVE_BYTES
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -605,8 +611,7 @@ def measure_shapes(client, config: JobConfig, profile: DeviceProfile, needs: lis
     for pp, job in shape_jobs(needs, servers):
         overrides = _job_overrides(setup, pp, job)
         job_config = load_config("", overrides)  # shape_jobs makes only valid ones
-        peaks = predict(job_config, programs_for(job_config), device_type_of([profile.device]))
-        need = max(with_temporaries(p) for p in peaks) + RUNTIME_RESERVE_BYTES
+        need = job_need_bytes(job_config, profile.device)
         if need > memory_bytes:
             log(f"not timed: {job.describe(pp)} (needs {need / 2**30:.2f} GiB of {memory_bytes / 2**30:.2f})")
             continue
