@@ -167,14 +167,37 @@ def test_model_matches_the_unfused_head(arch, tied):
         assert _relative(p.grad, q.grad) <= 1e-12, name
 
 
-def test_compiled_runs_the_softmax_arithmetic_as_three_graphs():
-    """The row maxima, the target logits with the sums, and the gradient: three graphs
-    without a break, the matrix products and collectives between them eager."""
+def test_compiled_runs_the_softmax_arithmetic_and_the_sum_as_four_graphs():
+    """The row maxima, the target logits with the sums, the gradient, and the addition of
+    a chunk's grad_W to their sum: four graphs without a break, the matrix products and
+    collectives between them eager."""
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     x, weight, targets, scale = _case(2, 8, 16, 40, 33)
     x, weight = x.float().requires_grad_(), weight.float().requires_grad_()
     loss = fused_linear_cross_entropy(x, weight, targets, SoloTransport(), 33, tokens_per_chunk=8, compiled=True)
     (loss * scale.float()).backward()
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 3
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 4
     assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
+
+
+def test_the_compiled_sum_of_grad_w_adds_in_place_as_eager_does():
+    """A chunk's bf16 share of grad_W into the float32 sum: compiled, the same float32
+    sums bit for bit, written where the sum is, with no buffer allocated for it (inductor
+    reinplaces the add; a copy would hold another float32 [V/t x d] tensor)."""
+    from torch._inductor.utils import run_and_get_code
+
+    from interleaf.stageserver.model.fused_loss import _accumulate, _compiled
+
+    torch.manual_seed(0)
+    total = torch.randn(300, 40)
+    part = torch.randn(300, 40).bfloat16()
+    want = total.clone().add_(part)
+    address = total.data_ptr()
+    torch._dynamo.reset()
+    _compiled.cache_clear()
+    with torch.no_grad():
+        _, sources = run_and_get_code(_compiled(_accumulate), total, part)
+    assert torch.equal(total, want) and total.data_ptr() == address
+    call = "".join(sources).split("def call(")[1]
+    assert "empty_strided" not in call, call
