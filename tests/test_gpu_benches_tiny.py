@@ -115,6 +115,41 @@ def test_profile_breakdown_sums_each_category_and_counts_idle_over_the_union():
                    {"name": "nvjet_sm90_tst_128x256", "category": "matrix products", "calls": 1, "ms": 0.05}]
 
 
+def test_memory_peak_lists_what_a_step_held_at_its_peak():
+    """bench/gpu/memory_peak.py on a real snapshot of the allocator's format: torch's own
+    conversion of a CPU profile (torch.cuda._memory_viz._profile_to_snapshot), of a step
+    that allocates 16,000 bytes, then 12,000, frees the first, allocates 20,000 and frees
+    that: its peak is the last two live at once, 32,000 bytes; and where() names an
+    allocation by its innermost frame in Interleaf's code."""
+    sys.path.insert(0, str(ROOT / "bench" / "gpu"))
+    import torch
+    from memory_peak import live_at_peak, where
+    from torch.cuda._memory_viz import _profile_to_snapshot
+
+    def step():
+        first = torch.ones(4000)
+        kept = torch.ones(3000)
+        del first
+        third = torch.ones(5000)
+        del third
+        return kept
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True,
+                                record_shapes=True, with_stack=True) as profile:
+        kept = step()
+    held = live_at_peak(_profile_to_snapshot(profile))
+    assert held["peak_bytes"] - held["baseline_bytes"] == held["step_bytes_at_peak"] == 32_000, held
+    assert sum(g["bytes"] for g in held["live_at_peak"]) + held["others_bytes"] == 32_000
+    assert sum(g["allocations"] for g in held["live_at_peak"]) == 2 and kept.numel() == 3000
+
+    generated = {"filename": "/tmp/torchinductor_root/ab/cab.py", "line": 40, "name": "call"}
+    own = {"filename": "/srv/interleaf/stageserver/model/fused_loss.py", "line": 190, "name": "head_loss"}
+    outer = {"filename": "/srv/interleaf/stageserver/executor.py", "line": 7, "name": "forward"}
+    assert where([generated, own, outer]) == "fused_loss.py:190 head_loss < cab.py:40 call"
+    assert where([own, outer]) == "fused_loss.py:190 head_loss"
+    assert where([generated]) == "cab.py:40 call" and where([]) == "unknown"
+
+
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
 def test_memory_check_of_the_committed_runs_predicts_every_side_within_ten_percent(tmp_path, arch):
     """The GPU run's measured peaks (bench/results/gpu/train_*.json) against today's

@@ -22,6 +22,10 @@ its job's overrides (the eager, compiled and float8 sides of both architectures)
 `--measured-json PATH` for this script's own earlier GPU result. `--device cpu --tiny`: a tiny GPT on the CPU, where no device peak exists, so
 the ledger peak is compared instead (equal to the prediction, as tests/test_memory.py
 holds it); it runs the same client, planning and prediction code in seconds.
+`--peak-breakdown` (a GPU): each case also records its second step's CUDA memory history
+(trace.memory_snapshot) and lists what that step held at its peak, by where it was
+allocated (memory_peak.py), to find what a row above its prediction holds that the model
+does not count.
 
     PYTHONPATH=. python bench/gpu/memory_check.py [--cases gpt2-1.1b,gpt2-1.1b-compiled,gpt2-2.7b-full]
 """
@@ -29,9 +33,11 @@ holds it); it runs the same client, planning and prediction code in seconds.
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import os
 import pathlib
+import pickle
 import sys
 
 import torch
@@ -43,6 +49,7 @@ from interleaf.clients.launcher import LocalCluster  # noqa: E402
 from interleaf.coordinator.config import load_config  # noqa: E402
 from interleaf.coordinator.memory_model import predict, with_temporaries  # noqa: E402
 from interleaf.coordinator.plan import plan_programs  # noqa: E402
+import memory_peak  # noqa: E402 - bench/gpu/memory_peak.py
 from interleaf_run import exit_cleanly_on_sigterm, run_job  # noqa: E402
 
 BOUND = 0.10
@@ -94,8 +101,27 @@ def compared(name: str, overrides: list[str], run: dict, gpu: bool) -> dict:
             "losses": run["losses"]}
 
 
-def check(client, name: str, overrides: list[str], gpu: bool) -> dict:
-    return compared(name, overrides, run_job(client, overrides), gpu)
+SNAPSHOT_STEP = 1
+"""The step whose CUDA memory history --peak-breakdown records: the first the model
+predicts (after the first step, which allocates the optimizer's state)."""
+
+
+def check(client, name: str, overrides: list[str], gpu: bool, peak_breakdown: bool = False) -> dict:
+    """A case run and compared; `peak_breakdown` (a GPU): also what its step
+    SNAPSHOT_STEP held at its peak (memory_peak.py), from that step's memory snapshot,
+    or why there is none (the measurement stands either way)."""
+    recording = [f"trace.steps=[{SNAPSHOT_STEP}]", "trace.memory_snapshot=true"] if peak_breakdown and gpu else []
+    run = run_job(client, overrides + recording)
+    row = compared(name, overrides, run, gpu)
+    if recording:
+        try:
+            traced = client.trace_profile(run["job_id"], SNAPSHOT_STEP, 0)
+            if not traced.memory_snapshot:
+                raise RuntimeError("the traced step's report carries no memory snapshot (over the size bound?)")
+            row["peak_breakdown"] = memory_peak.live_at_peak(pickle.loads(gzip.decompress(traced.memory_snapshot)))
+        except Exception as err:  # noqa: BLE001 - a diagnosis that failed leaves the measurement
+            row["peak_breakdown_error"] = f"{type(err).__name__}: {err}"
+    return row
 
 
 def from_train_json(path: str) -> list[dict]:
@@ -138,6 +164,9 @@ def main() -> None:
                         help="no GPU: the Interleaf sides of these bench/gpu/train.py results")
     parser.add_argument("--measured-json", help="no GPU: this script's earlier GPU result (its --out), its "
                                                 "measured peaks against today's predictions")
+    parser.add_argument("--peak-breakdown", action="store_true",
+                        help=f"a GPU: record step {SNAPSHOT_STEP}'s CUDA memory history and list what it held at its "
+                             f"peak, by where it was allocated (memory_peak.py)")
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "bench/results"), "gpu_memory.json"))
     args = parser.parse_args()
     if args.train_json:
@@ -161,7 +190,8 @@ def main() -> None:
         try:
             for name in names:
                 try:
-                    rows.append(check(client, name, cases[name] + ([] if gpu else ["train.compile=off"]), gpu))
+                    rows.append(check(client, name, cases[name] + ([] if gpu else ["train.compile=off"]), gpu,
+                                      args.peak_breakdown))
                 except Exception as err:  # noqa: BLE001 - a case refused (admission) or failed is recorded; the rest run
                     rows.append({"case": name, "failed": f"{type(err).__name__}: {err}"})
                 print(json.dumps(rows[-1]), flush=True)
@@ -185,6 +215,15 @@ def report(rows: list[dict], out: str) -> None:
     for r in measured:
         print(f"{r['case']:<26}{r['predicted_peak_bytes'] / 2**20:>14.1f}{r['measured_peak_bytes'] / 2**20:>14.1f}"
               f"{r['ledger_peak_bytes'] / 2**20:>12.1f}{r['error']:>+8.1%}")
+    for r in measured:
+        if "peak_breakdown" in r:
+            held = r["peak_breakdown"]
+            print(f"{r['case']}: at its peak, {held['step_bytes_at_peak'] / 2**20:.1f} MiB allocated within the step "
+                  f"over {held['baseline_bytes'] / 2**20:.1f} MiB held before it:")
+            for group in held["live_at_peak"]:
+                print(f"  {group['bytes'] / 2**20:>10.1f} MiB  {group['allocations']:>5}  {group['where']}")
+        elif "peak_breakdown_error" in r:
+            print(f"{r['case']}: no peak breakdown: {r['peak_breakdown_error']}")
     failed = [r for r in rows if "failed" in r]
     for r in failed:
         print(f"{r['case']:<26}FAILED {r['failed'][:300]}")

@@ -21,7 +21,8 @@
 #   planner  bench/planner.py on one GPU server (its predictions against measured steps,
 #            and the planned job's device peak against the memory model), then the memory
 #            cases: compiled selective recompute in bf16 and float8, and the 2.7B one
-#            (admission's refusal on an 80 GB H100, or not).
+#            (admission's refusal on an 80 GB H100, or not), each with what it held at
+#            its peak (memory_check.py --peak-breakdown).
 #
 # Results go to $OUT (the device tool's folder; default bench/results/gpu/session), at
 # most 8 files, as the device tool brings back: session.log, report.md (every result as
@@ -133,7 +134,9 @@ planner() {
             --playoff-rounds 1 --out "$OUT/planner.json"
         # Compiled selective recompute (its blocks compiled with their checkpoints) in bf16
         # and float8, then the 2.7B case admission refused on an 80 GB H100.
-        step memory-cases rest python3 bench/gpu/memory_check.py \
+        # --peak-breakdown: what each held at its peak, by where it was allocated (the
+        # float8 rows exceed the model by 0.6 GiB: docs/gpus.md).
+        step memory-cases rest python3 bench/gpu/memory_check.py --peak-breakdown \
             --cases gpt2-1.1b-compiled-selective,gpt2-1.1b-fp8-compiled-selective,gpt2-2.7b-full \
             --out "$OUT/memory_cases.json"
     fi
