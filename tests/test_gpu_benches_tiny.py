@@ -177,11 +177,14 @@ def test_the_gpu_session_script_runs_every_phase(tmp_path):
     log = (tmp_path / "session.log").read_text()
     assert done.returncode == 0, f"session.sh exited {done.returncode}:\n{log[-5000:]}\n{done.stderr[-2000:]}"
     files = sorted(p.name for p in tmp_path.iterdir())
-    assert files == ["memory_cases.json", "memory_train.json", "planner.json", "report.md", "session.log",
-                     "train_gpt2.json", "train_llama.json"], files
+    assert files == ["fp8_tracking.json", "memory_cases.json", "memory_train.json", "planner.json", "report.md",
+                     "session.log", "train_gpt2.json", "train_llama.json"], files
     report = (tmp_path / "report.md").read_text()
-    assert all(f"### {name}" in report
-               for name in ("train_gpt2.json", "train_llama.json", "memory_train.json", "planner.json"))
+    assert all(f"### {name}" in report for name in ("train_gpt2.json", "train_llama.json", "memory_train.json",
+                                                    "fp8_tracking.json", "planner.json"))
+    tracking = json.loads((tmp_path / "fp8_tracking.json").read_text())  # float8 emulated on the CPU
+    assert tracking["tracks"] and len(tracking["losses"]["fp8"]) == len(tracking["losses"]["bf16"]) == 12
+    assert tracking["losses"]["fp8"] != tracking["losses"]["bf16"]  # the float8 rounding did happen
     # one memory check of both architectures' runs, a row per Interleaf side ("gpt2 interleaf-compile")
     cases = [row["case"] for row in json.loads((tmp_path / "memory_train.json").read_text())]
     assert {case.split()[0] for case in cases} == {"gpt2", "llama"}, cases
@@ -189,7 +192,7 @@ def test_the_gpu_session_script_runs_every_phase(tmp_path):
         result = json.loads((tmp_path / f"train_{arch}.json").read_text())
         assert result["arch"] == arch and not result["failed"], result["failed"]
         assert set(result["interleaf_over_best_peer"]) == {"bf16", "fp8"}
-    assert log.count("rc=0") == 5 and "rc=1" not in log
+    assert log.count("rc=0") == 6 and "rc=1" not in log
 
 
 def test_report_prints_the_committed_run_as_the_docs_tables():

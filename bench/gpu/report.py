@@ -1,9 +1,11 @@
 """A GPU session's results as the Markdown tables docs/gpus.md and docs/benchmarks.md
-print: one table per train.py result, the memory check's, the planner's summary, each
+print: one table per train.py result, the memory check's (with what each case held at
+its peak, where recorded), float8's tracking of bf16, the planner's summary, each
 headed by where and on what tree it was measured. bench/gpu/session.sh runs it at the
 end of each phase, so the tables are in the session's log and need no GPU time to write.
 
-    python bench/gpu/report.py DIR      # DIR: session.sh's $OUT (train_*.json, memory_*.json, planner.json)
+    python bench/gpu/report.py DIR      # DIR: session.sh's $OUT (train_*.json, memory_*.json, fp8_tracking*.json,
+                                        # planner.json)
 
 Worked example: a train.py row {"side": "interleaf-compile", "median_step_seconds":
 0.866, "tokens_per_second": 75712, "mfu_measured_peak": 0.744, "mfu_datasheet_peak":
@@ -66,6 +68,35 @@ def memory_table(cases: list[dict]) -> list[str]:
     return lines
 
 
+def peak_lines(cases: list[dict], top: int = 6) -> list[str]:
+    """What each case with a --peak-breakdown held at its peak (memory_peak.py), its
+    largest groups, or why it has none."""
+    lines = []
+    for case in cases:
+        held = case.get("peak_breakdown")
+        if held is None:
+            if "peak_breakdown_error" in case:
+                lines.append(f"- {case['case']}: no peak breakdown: {case['peak_breakdown_error'][:200]}")
+            continue
+        lines.append(f"- {case['case']}: at its peak {_gib(held['step_bytes_at_peak'])} allocated within the step "
+                     f"over {_gib(held['baseline_bytes'])} held before it; the largest:")
+        lines += [f"  - {group['bytes'] / 2**20:,.0f} MiB in {group['allocations']}: `{group['where']}`"
+                  for group in held["live_at_peak"][:top]]
+    return lines
+
+
+def tracking_lines(result: dict) -> list[str]:
+    """fp8_tracking.py's result: float8's losses against bf16's over a longer run."""
+    losses = result["losses"]
+    return [f"- {result['arch']} (d_model {result['model']['d_model']}, {result['model']['n_layers']} layers), "
+            f"{result['device']}, {result['steps']} steps: bf16 {losses['bf16'][0]:.3f} -> {losses['bf16'][-1]:.3f}, "
+            f"fp8 {losses['fp8'][0]:.3f} -> {losses['fp8'][-1]:.3f}",
+            f"- fp8 against bf16, relative: mean {result['mean']:.2%}, last quarter {result['last_quarter_mean']:.2%}, "
+            f"largest {result['max']:.2%} (bounds {result['bounds']['mean']:.0%}, "
+            f"{result['bounds']['last_quarter_mean']:.0%}, {result['bounds']['max']:.0%}): "
+            f"{'tracks' if result['tracks'] else 'DOES NOT TRACK'}"]
+
+
 def planner_lines(result: dict) -> list[str]:
     """bench/planner.py's summary: the targets it holds."""
     if result.get("partial"):  # cut short: the runs it finished, with their predictions
@@ -91,7 +122,12 @@ def report(folder: pathlib.Path) -> list[str]:
     for path in sorted(folder.glob("train_*.json")):
         lines += [f"### {path.name}", "", *train_table(json.loads(path.read_text())), ""]
     for path in sorted(folder.glob("memory_*.json")):
-        lines += [f"### {path.name}", "", *memory_table(json.loads(path.read_text())), ""]
+        cases = json.loads(path.read_text())
+        lines += [f"### {path.name}", "", *memory_table(cases), ""]
+        held = peak_lines(cases)
+        lines += [*held, ""] if held else []
+    for path in sorted(folder.glob("fp8_tracking*.json")):
+        lines += [f"### {path.name}", "", *tracking_lines(json.loads(path.read_text())), ""]
     planner = folder / "planner.json"
     if planner.exists():
         lines += ["### planner.json", "", *planner_lines(json.loads(planner.read_text())), ""]

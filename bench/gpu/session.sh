@@ -22,13 +22,14 @@
 #            and the planned job's device peak against the memory model), then the memory
 #            cases: compiled selective recompute in bf16 and float8, and the 2.7B one
 #            (admission's refusal on an 80 GB H100, or not), each with what it held at
-#            its peak (memory_check.py --peak-breakdown).
+#            its peak (memory_check.py --peak-breakdown); then float8's losses against
+#            bf16's over 200 steps of a smaller GPT (fp8_tracking.py).
 #
 # Results go to $OUT (the device tool's folder; default bench/results/gpu/session), at
 # most 8 files, as the device tool brings back: session.log, report.md (every result as
 # Markdown tables, bench/gpu/report.py), train_gpt2.json, train_llama.json,
-# memory_train.json, profile.png, profile_breakdown.json in `speed`; planner.json and
-# memory_cases.json in `planner`. The raw profiler traces stay on the
+# memory_train.json, profile.png, profile_breakdown.json in `speed`; planner.json,
+# memory_cases.json and fp8_tracking.json in `planner`. The raw profiler traces stay on the
 # machine (tens of MB); their kernel categories come back.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -127,6 +128,7 @@ planner() {
     if [[ "$tiny" == "--tiny" ]]; then
         step planner 300 python3 bench/planner.py --tiny --out "$OUT/planner.json"
         step memory-cases 300 python3 bench/gpu/memory_check.py --out "$OUT/memory_cases.json" "${device[@]}"
+        step fp8-tracking 300 python3 bench/gpu/fp8_tracking.py --out "$OUT/fp8_tracking.json" "${device[@]}"
     else
         # One round of the grid and one playoff: a GPU's steps vary little between runs,
         # and the lease is short.
@@ -136,9 +138,12 @@ planner() {
         # and float8, then the 2.7B case admission refused on an 80 GB H100.
         # --peak-breakdown: what each held at its peak, by where it was allocated (the
         # float8 rows exceed the model by 0.6 GiB: docs/gpus.md).
-        step memory-cases rest python3 bench/gpu/memory_check.py --peak-breakdown \
+        RESERVE=100 step memory-cases rest python3 bench/gpu/memory_check.py --peak-breakdown \
             --cases gpt2-1.1b-compiled-selective,gpt2-1.1b-fp8-compiled-selective,gpt2-2.7b-full \
             --out "$OUT/memory_cases.json"
+        # Float8's losses against bf16's over 200 steps of a smaller GPT (the speed run's
+        # 8 steps cannot show a drift): about 100 s.
+        step fp8-tracking rest python3 bench/gpu/fp8_tracking.py --out "$OUT/fp8_tracking.json"
     fi
 }
 

@@ -1,0 +1,112 @@
+"""Does float8 training track bf16? The same Interleaf job twice, `train.precision=bf16` and
+`=fp8` (torchao's tensorwise float8 products, compiled blocks), from the same initial
+weights on the same samples in the same order, for long enough that a divergence would
+show, and their losses step by step.
+
+The speed run (train.py) trains 8 steps, too few to tell whether float8's rounding
+drifts a run away from bf16's. Here each side trains `--steps` (default 200) steps of a
+smaller model of the same architecture (12 layers, d_model 1024, 1024-token samples, 4
+microbatches of 8: 32,768 tokens a step, about 0.1 s on an H200), with the learning rate
+warmed up over the first tenth of them, on the builtin corpus (real text, so that the
+loss falls as it does in training). Reported: both loss curves, every step's relative
+difference (fp8 - bf16) / bf16, its mean and largest over the whole run and its mean over
+the last quarter. The run passes when they are within the bounds train.py holds two bf16
+runs to (mean 1%, largest 5%), the last quarter's mean included: where float8 drifted
+away late, that mean shows it, where the whole run's could still hide it.
+
+Both jobs run on one local stage server one after the other, as a user would.
+`--device cpu --tiny`: a 2-layer d_model 64 model for 12 steps, float8 through torchao's
+emulation (train.fp8_emulate), so that the code runs in CI; its bounds are held too.
+
+    PYTHONPATH=. python bench/gpu/fp8_tracking.py [--arch gpt2|llama] [--steps 200] [--out PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import statistics
+import sys
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))  # bench/ siblings
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # and bench/gpu/ ones
+
+from interleaf.clients.launcher import LocalCluster  # noqa: E402
+from interleaf.common.model.config import ModelShape  # noqa: E402
+from interleaf_run import exit_cleanly_on_sigterm, run_job  # noqa: E402
+from train import LOSS_MAX_TOLERANCE, LOSS_MEAN_TOLERANCE, TINY, overrides  # noqa: E402
+
+MODELS = {
+    "gpt2": ModelShape(n_layers=12, d_model=1024, n_heads=16, seq_len=1024, vocab_size=50304),
+    "llama": ModelShape(n_layers=12, d_model=1024, n_heads=16, seq_len=1024, vocab_size=32000, arch="llama",
+                        n_kv_heads=4, ffn_hidden=2816, tie_embeddings=False),
+}
+ROWS = 8
+STEPS, TINY_STEPS = 200, 12
+
+
+def job(model: ModelShape, steps: int, device: str, precision: str) -> list[str]:
+    """train.py's job for this model (its optimizer, clipping, seed and layout), with the
+    learning rate warmed up over the first tenth of the steps (train.py's 100-step
+    warm-up is longer than its runs)."""
+    extra = ["train.compile=on", f"train.warmup_steps={max(1, steps // 10)}"]
+    if precision == "fp8" and device != "cuda":
+        extra.append("train.fp8_emulate=true")
+    return overrides(steps, model, device, precision, ROWS) + extra
+
+
+def compared(bf16: list[float], fp8: list[float]) -> dict:
+    """Step by step relative differences of fp8's losses from bf16's, with the means and
+    largest the bounds hold: every step's, and the last quarter's mean."""
+    differences = [abs(f - b) / abs(b) for b, f in zip(bf16, fp8, strict=True)]
+    last = differences[-max(1, len(differences) // 4):]
+    result = {"relative_differences": differences, "mean": statistics.fmean(differences), "max": max(differences),
+              "last_quarter_mean": statistics.fmean(last)}
+    result["tracks"] = (result["mean"] <= LOSS_MEAN_TOLERANCE and result["last_quarter_mean"] <= LOSS_MEAN_TOLERANCE
+                        and result["max"] <= LOSS_MAX_TOLERANCE)
+    return result
+
+
+def main() -> None:
+    exit_cleanly_on_sigterm()
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--arch", default="gpt2", choices=sorted(MODELS))
+    parser.add_argument("--steps", type=int, default=None, help=f"steps per side (default {STEPS}; tiny "
+                                                                  f"{TINY_STEPS})")
+    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    parser.add_argument("--tiny", action="store_true", help="a 2-layer d_model 64 model (with --device cpu: "
+                                                            "float8 emulated, in about a minute)")
+    parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "bench/results"), "fp8_tracking.json"))
+    args = parser.parse_args()
+    steps = args.steps or (TINY_STEPS if args.tiny else STEPS)
+    if steps < 4:
+        raise SystemExit(f"--steps {steps} must be at least 4: the last quarter must hold a step")
+    model = TINY[args.arch] if args.tiny else MODELS[args.arch]
+    losses = {}
+    with LocalCluster(1, device=args.device, steps_per_call=10, log_dir=os.environ.get("BENCH_LOG_DIR")) as cluster:
+        client = cluster.client()
+        try:
+            for precision in ("bf16", "fp8"):
+                losses[precision] = run_job(client, job(model, steps, args.device, precision))["losses"]
+                print(f"{args.arch} {precision}: losses {losses[precision][0]:.4f} ... {losses[precision][-1]:.4f}",
+                      flush=True)
+        finally:
+            client.close()
+    result = {"arch": args.arch, "device": args.device, "tiny": args.tiny, "steps": steps,
+              "model": {f: getattr(model, f) for f in ("n_layers", "d_model", "seq_len", "vocab_size")},
+              "losses": losses, **compared(losses["bf16"], losses["fp8"]),
+              "bounds": {"mean": LOSS_MEAN_TOLERANCE, "last_quarter_mean": LOSS_MEAN_TOLERANCE,
+                         "max": LOSS_MAX_TOLERANCE}}
+    pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    pathlib.Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    print(f"fp8 against bf16 over {steps} steps: mean {result['mean']:.2%}, last quarter "
+          f"{result['last_quarter_mean']:.2%}, largest {result['max']:.2%} (bounds {LOSS_MEAN_TOLERANCE:.0%}, "
+          f"{LOSS_MEAN_TOLERANCE:.0%}, {LOSS_MAX_TOLERANCE:.0%})")
+    if not result["tracks"]:
+        raise SystemExit("float8's losses do not track bf16's within the bounds")
+
+
+if __name__ == "__main__":
+    main()
