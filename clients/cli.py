@@ -249,13 +249,16 @@ def cmd_plan(args) -> int:
     if args.servers_per_host is not None and args.servers is None:
         raise UsageError(f"--servers-per-host {args.servers_per_host} describes a cluster given by --servers; "
                          f"a coordinator's servers report their own hosts")
+    if args.device is not None and args.servers is None:
+        raise UsageError(f"--device {args.device} picks where a cluster given by --servers is profiled here; a "
+                         f"coordinator's servers are profiled on their own devices")
     try:
         # A signal unwinds through what planning started (the profile's local servers, or
         # the coordinator's profile job, cancelled), as it does through `run`'s cluster.
         with _StopSignals("stopping what the plan started"):
             if args.servers is not None:
                 report, cluster, profile = planning.plan_described(
-                    config, args.servers, args.server_memory, args.servers_per_host, args.device, args.top,
+                    config, args.servers, args.server_memory, args.servers_per_host, args.device or "auto", args.top,
                     args.profile, _stderr)
             else:
                 client = _client(args)
@@ -743,8 +746,8 @@ def _parser() -> argparse.ArgumentParser:
                         "predicted_step_seconds, predicted_peak_bytes, ...")
     p.add_argument("--profile", metavar="FILE",
                    help="device profile JSON to cost with (default: the cache's, else measured)")
-    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
-                   help="with --servers: the device the profile is measured on here")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"),
+                   help="with --servers: the device the profile is measured on here (default auto)")
     p.add_argument("--coordinator", default=DEFAULT_COORDINATOR, metavar="HOST:PORT",
                    help=f"plan for this coordinator's idle servers (default {DEFAULT_COORDINATOR})")
     with_security(p)

@@ -22,7 +22,8 @@ from interleaf.common.model.compile_modes import device_type_of
 from interleaf.coordinator.config import JobConfig
 from interleaf.coordinator.planner.costs import DeviceProfile
 from interleaf.coordinator.planner.explain import explain
-from interleaf.coordinator.planner.search import BUDGET_S, Cluster, SearchReport, search
+from interleaf.coordinator.admission import RUNTIME_RESERVE_BYTES
+from interleaf.coordinator.planner.search import BUDGET_S, Cluster, SearchReport, search, why_unplannable
 
 from interleaf.clients import plan_profile
 
@@ -163,6 +164,22 @@ def search_timed(config: JobConfig, cluster: Cluster, profile: DeviceProfile, to
     return report, profile
 
 
+def check_plannable(config: JobConfig, cluster: Cluster) -> None:
+    """PlanError where no layout of `cluster` passes the rules (search.why_unplannable):
+    asked before the profile is measured, which takes minutes where it runs jobs."""
+    why = why_unplannable(config, cluster)
+    if why:
+        raise PlanError(why)
+
+
+def _amount(size: float) -> str:
+    """Bytes for a person: GiB to two places, MiB below one GiB and bytes below one MiB
+    (where 0.00 GiB would say nothing)."""
+    if size >= 2**30:
+        return f"{size / 2**30:.2f} GiB"
+    return f"{size / 2**20:.1f} MiB" if size >= 2**20 else f"{int(size):,} bytes"
+
+
 def run_search(config: JobConfig, cluster: Cluster, profile: DeviceProfile, top: int) -> SearchReport:
     """The search; where memory refused every layout, again with more microbatches (each
     smaller, so that fewer activations are in flight) than pay off in the bubble."""
@@ -170,27 +187,25 @@ def run_search(config: JobConfig, cluster: Cluster, profile: DeviceProfile, top:
     if not report.plans and report.refused_by_memory and not report.stopped_by_time:
         report = search(config, cluster, profile, top=top, every_microbatch_count=True,
                         budget_s=max(0.0, BUDGET_S - report.seconds))
-    if not report.candidates:
-        m = config.model
-        raise PlanError(f"no layout uses all {cluster.servers} servers: dp·tp·pp = {cluster.servers} needs dp "
-                        f"to divide train.global_batch={config.train.global_batch} (a replica's samples making at "
-                        f"least pp microbatches), tp at most the servers of one host ({cluster.servers_per_host}) "
-                        f"and dividing model.n_heads={m.n_heads}, the key/value heads ({m.n_kv_heads}) and the "
-                        f"MLP's width ({m.ffn_hidden}), and pp at most model.n_layers={m.n_layers}")
+    if not report.candidates or report.refused_by_rules == report.candidates:
+        check_plannable(config, cluster)
     if not report.plans and report.stopped_by_time:
         raise PlanError(f"the search stopped at its {BUDGET_S:g} s budget with {report.unvisited} of "
                         f"{report.candidates} layouts of {cluster.servers} servers unweighed and none of the others "
-                        f"fitting {cluster.memory_bytes / 2**30:.2f} GiB each")
+                        f"fitting {_amount(cluster.memory_bytes)} each")
     if not report.plans:
-        leanest = "; ".join(f"{layout} needs {need / 2**30:.2f} GiB" for need, layout in report.smallest_refused)
-        raise PlanError(f"no layout of {cluster.servers} servers fits {cluster.memory_bytes / 2**30:.2f} GiB each"
-                        + (f" (leanest: {leanest})" if leanest else "")
+        leanest = "; ".join(f"{layout} needs {_amount(need)}" for need, layout in report.smallest_refused)
+        reserve = (f"; admission's runtime reserve alone is {_amount(RUNTIME_RESERVE_BYTES)}"
+                   if cluster.memory_bytes <= RUNTIME_RESERVE_BYTES else "")
+        raise PlanError(f"no layout of {cluster.servers} servers fits {_amount(cluster.memory_bytes)} each"
+                        + (f" (leanest: {leanest})" if leanest else "") + reserve
                         + f"; {report.refused_by_rules} of {report.candidates} candidates broke the config's rules")
     return report
 
 
 def report_text(report: SearchReport, cluster: Cluster, profile: DeviceProfile, config: JobConfig) -> str:
     tokens = config.train.global_batch * config.model.seq_len
+    width = max([48] + [len(plan.layout.describe()) for plan in report.plans])  # the columns stay aligned
     lines = [describe_profile(profile),
              f"{cluster.servers} servers of {cluster.memory_bytes / 2**30:.2f} GiB, {cluster.servers_per_host} per host"
              + (f", computing {cluster.compute_slowdown:.1f}x slower when all are busy (shared cores)"
@@ -201,9 +216,9 @@ def report_text(report: SearchReport, cluster: Cluster, profile: DeviceProfile, 
              f"{report.bounded_out} could not beat the top by their compute alone"
              + (f", {report.unvisited} not weighed: the search stopped at its time budget, so a faster layout "
                 f"may be among them" if report.stopped_by_time else ""),
-             "", f"{'#':>2}  {'layout':<48} {'step s':>9} {'tokens/s':>10} {'bubble':>7} {'peak GiB':>9}"]
+             "", f"{'#':>2}  {'layout':<{width}} {'step s':>9} {'tokens/s':>10} {'bubble':>7} {'peak GiB':>9}"]
     for i, plan in enumerate(report.plans, 1):
-        lines.append(f"{i:>2}  {plan.layout.describe():<48} {plan.step_s:>9.4f} {tokens / plan.step_s:>10,.0f} "
+        lines.append(f"{i:>2}  {plan.layout.describe():<{width}} {plan.step_s:>9.4f} {tokens / plan.step_s:>10,.0f} "
                      f"{plan.bubble:>7.1%} {max(plan.peak_bytes) / 2**30:>9.3f}")
     best = report.plans[0]
     for i, plan in enumerate(report.plans, 1):
@@ -223,12 +238,13 @@ def set_arguments(plan: dict) -> list[str]:
 
 
 def _set_value(value) -> str:
-    """A setting's value as --set takes it: 5,3 for a list (no brackets for a shell to
-    glob), [] when empty; true or false."""
+    """A setting's value as --set takes it: 5,3 for a list, nothing when empty (no
+    brackets for a shell to glob: zsh refuses an unmatched [], bash may expand it); true
+    or false."""
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, (list, tuple)):
-        return ",".join(map(str, value)) if value else "[]"
+        return ",".join(map(str, value))
     return str(value)
 
 
@@ -316,9 +332,11 @@ def plan_described(config: JobConfig, servers: int, memory_bytes: int | None, se
         except ConfigError as err:
             raise PlanError(f"the profile jobs run on this machine's {devices[0]}: {err}") from None
         local = ProfileServers(lambda: local_servers(len(devices), device), len(devices), local_memory)
-    profile = obtain_profile(config, device_kind(devices[0]), profile_path=profile_path, log=log, servers=local)
+    given = obtain_profile(config, "", profile_path=profile_path, log=log, servers=None) if profile_path else None
     cluster = Cluster(servers, memory_bytes or local_memory, servers_per_host=min(servers_per_host or 8, servers),
-                      device_type=device_type_of([profile.device]) if profile_path else device_type_of(devices))
+                      device_type=device_type_of([given.device] if given else devices))
+    check_plannable(config, cluster)  # before the profile's jobs, which take minutes on a large model
+    profile = given or obtain_profile(config, device_kind(devices[0]), log=log, servers=local)
     report, profile = search_timed(config, cluster, profile, top, local, log)
     return report, cluster, profile
 
@@ -331,6 +349,7 @@ def plan_on(client, config: JobConfig, cluster: Cluster, device: str, top: int, 
     given = None if profile_path else ProfileServers(lambda: given_servers(client, cluster.servers), cluster.servers,
                                                      servers_memory_bytes or cluster.memory_bytes,
                                                      cluster.compute_slowdown)
+    check_plannable(config, cluster)  # before the profile's jobs on the servers
     profile = obtain_profile(config, device, profile_path=profile_path, log=log, servers=given)
     return search_timed(config, cluster, profile, top, given, log)
 

@@ -449,13 +449,26 @@ def refine(profile: DeviceProfile, trace: pb.StepTrace, config: JobConfig, slowd
 
 
 def _refined(measured_on: str) -> str:
-    """The profile's provenance with one more traced job counted: "...; refined from 3
-    traced jobs" rather than a clause per job, which would grow without end."""
-    base, _, last = measured_on.rpartition("; refined from ")
-    count = re.fullmatch(r"(\d+) traced jobs?", last)
-    if base and count:
-        return f"{base}; refined from {int(count.group(1)) + 1} traced jobs"
-    return f"{measured_on}; refined from 1 traced job"
+    """The profile's provenance with one more traced job counted."""
+    return counted(measured_on, "refined from", "traced job", 1)
+
+
+def counted(measured_on: str, prefix: str, unit: str, added: int) -> str:
+    """A profile's provenance with `added` more counted in its clause "PREFIX N UNITs",
+    which is added once and then grows in place, never a clause per job.
+
+    Worked example: counted("2 servers", "refined from", "traced job", 1) is "2 servers;
+    refined from 1 traced job"; counted of that with 2 more is "2 servers; refined from 3
+    traced jobs"."""
+    parts = measured_on.split("; ")
+    clause = re.compile(rf"{re.escape(prefix)} (\d+) {re.escape(unit)}s?")
+    for i, part in enumerate(parts):
+        found = clause.fullmatch(part)
+        if found:
+            added += int(found.group(1))
+            parts[i] = f"{prefix} {added} {unit}{'s' if added != 1 else ''}"
+            return "; ".join(parts)
+    return "; ".join(parts + [f"{prefix} {added} {unit}{'s' if added != 1 else ''}"])
 
 
 def measure(client, config: JobConfig, device: str, idle_servers: int, memory_bytes: int | None,
@@ -626,4 +639,4 @@ def measure_shapes(client, config: JobConfig, profile: DeviceProfile, needs: lis
     if not ran:
         return profile
     return fit(profile.observations + seen, profile.device, profile.links,
-               profile.measured_on + f"; chunk shapes of the top plans in {len(ran)} job{'s' if len(ran) > 1 else ''}")
+               counted(profile.measured_on, "chunk shapes of the top plans in", "job", len(ran)))

@@ -47,6 +47,26 @@ def test_candidates_worked_example():
     assert refused == 0
     # tp within a host: one server per host allows no tensor parallelism
     assert all(tp == 1 for _, tp, _ in grids(config, 2, 1))
+    # 12 servers, 6 a host: groups of 4 would straddle the hosts (a host holds one of the three)
+    wide = load_config("", ["model.n_heads=60", "model.n_kv_heads=60", "model.d_model=120", "model.ffn_hidden=480",
+                            "train.global_batch=60"])
+    assert sorted({tp for _, tp, _ in grids(wide, 12, 6)}) == [1, 2, 3, 6]
+    assert sorted({tp for _, tp, _ in grids(wide, 12, 12)}) == [1, 2, 3, 4, 6, 12]
+    assert sorted({tp for _, tp, _ in grids(wide, 10, 6)}) == [1, 2]  # hosts of 6 and 4: groups of 5 do not fit
+    assert sorted({tp for _, tp, _ in grids(wide, 10, 10)}) == [1, 2, 5, 10]
+
+
+def test_a_profiles_provenance_counts_its_jobs_in_one_clause_each():
+    """plan_profile.counted's worked example: shape timings and traced jobs each grow
+    their own clause in place, however many there are."""
+    from interleaf.clients.plan_profile import counted
+
+    once = counted("2 servers", "refined from", "traced job", 1)
+    assert once == "2 servers; refined from 1 traced job"
+    assert counted(once, "refined from", "traced job", 2) == "2 servers; refined from 3 traced jobs"
+    shapes = counted(once, "chunk shapes of the top plans in", "job", 6)
+    assert counted(counted(shapes, "chunk shapes of the top plans in", "job", 1), "refined from", "traced job", 1) \
+        == "2 servers; refined from 2 traced jobs; chunk shapes of the top plans in 7 jobs"
 
 
 def test_every_candidate_is_a_valid_config():
@@ -743,6 +763,24 @@ def test_what_users_tripped_on_is_planned_or_refused_clearly(tmp_path, capsys):
     assert "--local 0 must be at least 1" in capsys.readouterr().err
     assert main(["plan", "--servers-per-host", "4", "--coordinator", "127.0.0.1:1"]) == 2
     assert "--servers-per-host 4 describes a cluster given by --servers" in capsys.readouterr().err
+    assert main(["plan", "--device", "cuda", "--coordinator", "127.0.0.1:1"]) == 2
+    assert "--device cuda picks where a cluster given by --servers is profiled" in capsys.readouterr().err
+    # Every layout refused by a rule: that rule, not memory, named (the float8 widths on GPUs)
+    assert main(["plan", "--servers", "4", "--profile", str(gpu_path), "--server-memory", str(80 * GIB),
+                 "--set", "train.precision=fp8", "--set", "model.d_model=120"]) == 2
+    err = capsys.readouterr().err
+    assert "layouts of 4 servers breaks a rule; the first: train.precision='fp8'" in err, err
+    assert "model.d_model=120 is not" in err and "fits" not in err
+    # Memory below a GiB in bytes or MiB, and admission's reserve named where it alone is more
+    assert main(plan[:-1] + ["--server-memory", "1000"]) == 2
+    err = capsys.readouterr().err
+    assert "fits 1,000 bytes each" in err and "MiB" in err and "runtime reserve alone is 512.0 MiB" in err, err
+    # A global batch of 9 sets elastic's placeholder replicas to 3, not to 2, which does not divide it
+    assert main(plan + ["--set", "parallel.elastic=true", "--set", "train.global_batch=9"]) == 2
+    assert "breaks a rule; the first: parallel.elastic=true needs parallel.dp>=2" in capsys.readouterr().err  # dp=1
+    assert main(["plan", "--servers", "3", "--profile", str(path), "--json", "--set", "parallel.elastic=true",
+                 "--set", "train.global_batch=9"]) == 0
+    assert json.loads(capsys.readouterr().out)[0]["parallel"]["dp"] == 3
     # Valid settings that need more than one server (an uneven split, sequence
     # parallelism, elastic replicas), and blocks rerun whole, which the plan's recompute
     # may not keep: planned, not a traceback from the proxy's one-server config.

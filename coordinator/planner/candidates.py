@@ -1,8 +1,8 @@
 """Every layout the planner weighs for a model on a cluster: pure enumeration, before any
 cost or memory is looked at.
 
-A layout uses every server: dp * tp * pp = servers. tp divides the servers of one host
-(a tensor group talks every layer and stays on one host) and the model's heads, key/value
+A layout uses every server: dp * tp * pp = servers. Each tensor group fits on one host
+(it talks every layer: tensor_groups_fit), and tp divides the model's heads, key/value
 heads and MLP width; pp is at most n_layers. Per (dp, tp, pp): every schedule that runs
 that pp (one chunk per rank for gpipe, 1f1b and zb-h1; vpp 2 to 4 for interleaved-1f1b;
 the V's 2 for zbv; a single stage runs 1f1b), microbatch counts that divide the replica's
@@ -81,18 +81,25 @@ planned: one server, one chunk, one microbatch. The plan's own layout replaces i
 a valid layout.)"""
 
 
+PLACEHOLDER_DPS = (2, 3, 4, 5, 6, 7, 8)
+"""Replicas a placeholder layout may take where parallel.elastic needs dp >= 2: the
+first that divides train.global_batch passes (a global batch of 9 takes 3)."""
+
+
 def load_unplanned(text: str, sets: list[str]) -> JobConfig:
     """The config of `text` and `sets` with its layout set aside (UNPLANNED_LAYOUT), or
     where a rule ties another setting to the layout, with that rule met as well:
     microbatches of one sample (eval.samples must be a multiple of the microbatch's
-    rows, which one sample always is), two replicas (parallel.elastic needs dp >= 2), no
-    blocks rerun whole (train.recompute_layers needs selective recompute, which the plan
-    chooses afresh). ConfigError, the first placeholder's, when the config breaks a rule
-    beyond its layout."""
+    rows, which one sample always is), replicas (parallel.elastic needs dp >= 2; the
+    first of PLACEHOLDER_DPS that divides the global batch), no blocks rerun whole
+    (train.recompute_layers needs selective recompute, which the plan chooses afresh).
+    ConfigError, the first placeholder's, when the config breaks a rule beyond its
+    layout."""
     from interleaf.coordinator.config import load_config
 
     first: ConfigError | None = None
-    for extra in ([], ["parallel.dp=2"], ["train.recompute_layers=0"], ["parallel.dp=2", "train.recompute_layers=0"]):
+    replicas = [[]] + [[f"parallel.dp={dp}"] for dp in PLACEHOLDER_DPS]
+    for extra in [dp + recompute for recompute in ([], ["train.recompute_layers=0"]) for dp in replicas]:
         placeholder = sets + UNPLANNED_LAYOUT + extra
         try:
             return load_config(text, placeholder)
@@ -120,12 +127,22 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def tensor_groups_fit(servers: int, servers_per_host: int, tp: int) -> bool:
+    """Whether every tensor group of `tp` ranks can sit on one host (as grid.place puts
+    them where hosts have room), the servers filling hosts of `servers_per_host` and the
+    last the rest: 12 servers, 6 a host, fit groups of 1, 2, 3 or 6, not of 4 (a host of
+    6 holds one such group, and three are needed)."""
+    full, rest = divmod(servers, servers_per_host)
+    return full * (servers_per_host // tp) + rest // tp >= servers // tp
+
+
 def grids(config: JobConfig, servers: int, servers_per_host: int) -> Iterator[tuple[int, int, int]]:
-    """(dp, tp, pp) using every server, tp within a host and dividing the model's split
-    dimensions, pp at most the layers."""
+    """(dp, tp, pp) using every server, each tensor group within a host and tp dividing
+    the model's split dimensions, pp at most the layers."""
     m = config.model
     for tp in divisors(servers):
-        if tp > servers_per_host or m.n_heads % tp or m.n_kv_heads % tp or m.ffn_hidden % tp:
+        if not tensor_groups_fit(servers, servers_per_host, tp) or m.n_heads % tp or m.n_kv_heads % tp \
+                or m.ffn_hidden % tp:
             continue
         for pp in divisors(servers // tp):
             if pp <= m.n_layers:

@@ -179,6 +179,40 @@ def _runnable_on(device_type: str, valid: list, refused: int) -> tuple[list, int
     return kept, refused
 
 
+def why_unplannable(config: JobConfig, cluster: Cluster) -> str | None:
+    """Why no layout of `cluster` can run `config`, whatever the costs and memory: no
+    layout uses every server, or the config's rules (and the servers' devices') refuse
+    every one, the first one's rule then named. None as soon as one layout passes, so
+    that the planner can say this before it measures any cost (which may take minutes
+    on the servers) and the search need not. Microbatch counts past 8 * pp * vpp are
+    tried too before a refusal (the search's second pass takes them)."""
+    from interleaf.coordinator.config import ConfigError
+    from interleaf.coordinator.plan import check_fp8
+
+    from .candidates import apply, layouts
+
+    seen: set[Layout] = set()
+    first = None
+    for every_count in (False, True):
+        for layout in layouts(config, cluster.servers, cluster.servers_per_host, head_layers(config), every_count):
+            if layout in seen:  # the second pass's layouts include the first's
+                continue
+            seen.add(layout)
+            try:
+                check_fp8(apply(config, layout), [cluster.device_type])
+                return None
+            except ConfigError as err:
+                first = first or err
+    m = config.model
+    if not seen:
+        return (f"no layout uses all {cluster.servers} servers: dp·tp·pp = {cluster.servers} needs dp to divide "
+                f"train.global_batch={config.train.global_batch} (a replica's samples making at least pp "
+                f"microbatches), each tensor group of tp servers on one host ({cluster.servers_per_host} a host) and tp "
+                f"to divide model.n_heads={m.n_heads}, the key/value heads ({m.n_kv_heads}) and the MLP's width "
+                f"({m.ffn_hidden}), and pp at most model.n_layers={m.n_layers}")
+    return f"each of the {len(seen)} layouts of {cluster.servers} servers breaks a rule; the first: {first}"
+
+
 BUDGET_S = 50.0
 """Where the search stops weighing layouts (the report says how many it left): within
 the minute a 7B-class model on 64 servers may take, with the profile read first."""
