@@ -15,6 +15,7 @@ from interleaf.clients.follow import ROW_KINDS, MetricsOut, eval_line, eval_row,
 from interleaf.clients.parent_death import die_with_parent_if_asked
 from interleaf.clients.usage import UsageError
 from interleaf.clients.weights_commands import add_weights_commands
+from interleaf.common import limits
 from interleaf.coordinator.job_store import DEFAULT_KEEP_JOBS
 from interleaf.coordinator.run_logs import RunLogs, check_wandb
 
@@ -246,6 +247,9 @@ def cmd_plan(args) -> int:
                         ("--server-memory", args.server_memory)):
         if value is not None and value < 1:
             raise UsageError(f"{flag} {value} must be at least 1")
+    if args.server_memory is not None and args.server_memory > limits.MAX_SERVER_MEMORY_BYTES:
+        raise UsageError(f"--server-memory {args.server_memory} must be at most {limits.MAX_SERVER_MEMORY_BYTES} "
+                         f"bytes (1 PiB) a server")
     if args.servers_per_host is not None and args.servers is None:
         raise UsageError(f"--servers-per-host {args.servers_per_host} describes a cluster given by --servers; "
                          f"a coordinator's servers report their own hosts")

@@ -67,6 +67,9 @@ of one step over all pipeline ranks, which the coordinator plans and simulates w
 job is submitted (about 5 s at this bound)."""
 MAX_TEXT_CHARS = 4096
 """Any string value (a path: PATH_MAX on Linux)."""
+MAX_SERVER_MEMORY_BYTES = 1 << 50
+"""`interleaf plan --server-memory`: 1 PiB, thousands of times today's largest
+accelerator (141 GB) or host; a figure beyond it is a typo (an extra digit group)."""
 
 
 def violation(section: str, obj) -> str | None:

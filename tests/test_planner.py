@@ -763,6 +763,8 @@ def test_what_users_tripped_on_is_planned_or_refused_clearly(tmp_path, capsys):
     assert "--local 0 must be at least 1" in capsys.readouterr().err
     assert main(["plan", "--servers-per-host", "4", "--coordinator", "127.0.0.1:1"]) == 2
     assert "--servers-per-host 4 describes a cluster given by --servers" in capsys.readouterr().err
+    assert main(plan + ["--server-memory", str(2**50 + 1)]) == 2
+    assert f"--server-memory {2**50 + 1} must be at most {2**50} bytes (1 PiB) a server" in capsys.readouterr().err
     assert main(["plan", "--device", "cuda", "--coordinator", "127.0.0.1:1"]) == 2
     assert "--device cuda picks where a cluster given by --servers is profiled" in capsys.readouterr().err
     # Every layout refused by a rule: that rule, not memory, named (the float8 widths on GPUs)
