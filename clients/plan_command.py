@@ -22,7 +22,7 @@ from interleaf.common.model.compile_modes import device_type_of
 from interleaf.coordinator.config import JobConfig
 from interleaf.coordinator.planner.costs import DeviceProfile
 from interleaf.coordinator.planner.explain import explain
-from interleaf.coordinator.admission import RUNTIME_RESERVE_BYTES
+from interleaf.coordinator.admission import RUNTIME_RESERVE_BYTES, amount_text
 from interleaf.coordinator.planner.search import BUDGET_S, Cluster, SearchReport, search, why_unplannable
 
 from interleaf.clients import plan_profile
@@ -172,19 +172,15 @@ def check_plannable(config: JobConfig, cluster: Cluster) -> None:
         raise PlanError(why)
 
 
-def _amount(size: float) -> str:
-    """Bytes for a person: GiB to two places, MiB below one GiB and bytes below one MiB
-    (where 0.00 GiB would say nothing)."""
-    if size >= 2**30:
-        return f"{size / 2**30:.2f} GiB"
-    return f"{size / 2**20:.1f} MiB" if size >= 2**20 else f"{int(size):,} bytes"
-
-
 def run_search(config: JobConfig, cluster: Cluster, profile: DeviceProfile, top: int) -> SearchReport:
-    """The search; where memory refused every layout, again with more microbatches (each
-    smaller, so that fewer activations are in flight) than pay off in the bubble."""
+    """The search; where memory or the rules refused every layout, again with more
+    microbatches (each smaller, so that fewer activations are in flight) than pay off in
+    the bubble."""
     report = search(config, cluster, profile, top=top)
-    if not report.plans and report.refused_by_memory and not report.stopped_by_time:
+    # Memory refused some, or the rules all: more microbatches are smaller ones, and may
+    # meet a rule on the microbatch's rows (eval.samples) that fewer could not.
+    refused = report.refused_by_memory or report.refused_by_rules == report.candidates
+    if not report.plans and refused and not report.stopped_by_time:
         report = search(config, cluster, profile, top=top, every_microbatch_count=True,
                         budget_s=max(0.0, BUDGET_S - report.seconds))
     if not report.candidates or report.refused_by_rules == report.candidates:
@@ -192,12 +188,12 @@ def run_search(config: JobConfig, cluster: Cluster, profile: DeviceProfile, top:
     if not report.plans and report.stopped_by_time:
         raise PlanError(f"the search stopped at its {BUDGET_S:g} s budget with {report.unvisited} of "
                         f"{report.candidates} layouts of {cluster.servers} servers unweighed and none of the others "
-                        f"fitting {_amount(cluster.memory_bytes)} each")
+                        f"fitting {amount_text(cluster.memory_bytes)} each")
     if not report.plans:
-        leanest = "; ".join(f"{layout} needs {_amount(need)}" for need, layout in report.smallest_refused)
-        reserve = (f"; admission's runtime reserve alone is {_amount(RUNTIME_RESERVE_BYTES)}"
+        leanest = "; ".join(f"{layout} needs {amount_text(need)}" for need, layout in report.smallest_refused)
+        reserve = (f"; admission's runtime reserve alone is {amount_text(RUNTIME_RESERVE_BYTES)}"
                    if cluster.memory_bytes <= RUNTIME_RESERVE_BYTES else "")
-        raise PlanError(f"no layout of {cluster.servers} servers fits {_amount(cluster.memory_bytes)} each"
+        raise PlanError(f"no layout of {cluster.servers} servers fits {amount_text(cluster.memory_bytes)} each"
                         + (f" (leanest: {leanest})" if leanest else "") + reserve
                         + f"; {report.refused_by_rules} of {report.candidates} candidates broke the config's rules")
     return report
@@ -207,7 +203,7 @@ def report_text(report: SearchReport, cluster: Cluster, profile: DeviceProfile, 
     tokens = config.train.global_batch * config.model.seq_len
     width = max([48] + [len(plan.layout.describe()) for plan in report.plans])  # the columns stay aligned
     lines = [describe_profile(profile),
-             f"{cluster.servers} servers of {cluster.memory_bytes / 2**30:.2f} GiB, {cluster.servers_per_host} per host"
+             f"{cluster.servers} servers of {amount_text(cluster.memory_bytes)}, {cluster.servers_per_host} per host"
              + (f", computing {cluster.compute_slowdown:.1f}x slower when all are busy (shared cores)"
                 if cluster.compute_slowdown > 1 else ""),
              f"searched {report.candidates} layouts in {report.seconds:.1f} s: {report.refused_by_rules} broke the "

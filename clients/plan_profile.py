@@ -59,7 +59,7 @@ import time
 from interleaf.clients import link_probe
 from interleaf.common.overlapped_reductions import overlapped_reductions
 from interleaf.common.model.compile_modes import device_type_of
-from interleaf.coordinator.admission import RUNTIME_RESERVE_BYTES
+from interleaf.coordinator.admission import RUNTIME_RESERVE_BYTES, amount_text
 from interleaf.coordinator.config import ConfigError, JobConfig, load_config
 from interleaf.coordinator.memory_model import predict, with_temporaries
 from interleaf.coordinator.partition import partition
@@ -156,9 +156,9 @@ def profile_model(config: JobConfig, device: str, memory_bytes: int | None) -> d
                      n_layers=min(model["n_layers"], PROXY_LAYERS))
     if memory_bytes is not None and not fits(proxy):
         raise ProfileJobFailed(
-            f"no profile job of this model fits a server's {memory_bytes / 2**30:.2f} GiB, not even through a proxy "
+            f"no profile job of this model fits a server's {amount_text(memory_bytes)}, not even through a proxy "
             f"of {proxy['n_layers']} layers of d_model {proxy['d_model']} and {proxy['seq_len']}-token samples "
-            f"(admission keeps a reserve of {RUNTIME_RESERVE_BYTES / 2**30:.1f} GiB); plan with --profile FILE, a "
+            f"(admission keeps a reserve of {amount_text(RUNTIME_RESERVE_BYTES)}); plan with --profile FILE, a "
             "profile measured on larger servers")
     return proxy
 
@@ -626,7 +626,7 @@ def measure_shapes(client, config: JobConfig, profile: DeviceProfile, needs: lis
         job_config = load_config("", overrides)  # shape_jobs makes only valid ones
         need = job_need_bytes(job_config, profile.device)
         if need > memory_bytes:
-            log(f"not timed: {job.describe(pp)} (needs {need / 2**30:.2f} GiB of {memory_bytes / 2**30:.2f})")
+            log(f"not timed: {job.describe(pp)} (needs {amount_text(need)} of {amount_text(memory_bytes)})")
             continue
         try:
             found = _run_traced(client, overrides, job_config, job.describe(pp), profile.device, log)

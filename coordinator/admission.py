@@ -29,8 +29,12 @@ def needed_bytes(config: JobConfig, programs: list[list[Action]], device_type: s
     return [per_stage[grid.coord(rank).pp] for rank in range(grid.world_size)]
 
 
-def _gib(n: int) -> str:
-    return f"{n / (1 << 30):.2f} GiB"
+def amount_text(size: float) -> str:
+    """Bytes for a person: GiB to two places, MiB below one GiB and bytes below one MiB
+    (where 0.00 GiB would say nothing)."""
+    if size >= 2**30:
+        return f"{size / 2**30:.2f} GiB"
+    return f"{size / 2**20:.1f} MiB" if size >= 2**20 else f"{int(size):,} bytes"
 
 
 def check_fits(needs: list[int], offers: list[tuple[str, int]]) -> None:
@@ -45,9 +49,9 @@ def check_fits(needs: list[int], offers: list[tuple[str, int]]) -> None:
     if fitting < len(needs):
         address, memory = max((o for o in offers if o[1] < need), key=lambda o: o[1])
         raise AdmissionError(
-            f"rank {rank} needs {need} bytes ({_gib(need)}: its predicted peak, with the loss's forward temporaries, plus "
-            f"{_gib(RUNTIME_RESERVE_BYTES)} for the process) but server {address} offers {memory} "
-            f"bytes ({_gib(memory)}), and only {fitting} of {len(offers)} servers offer that much "
+            f"rank {rank} needs {need} bytes ({amount_text(need)}: its predicted peak, with the loss's forward temporaries, plus "
+            f"{amount_text(RUNTIME_RESERVE_BYTES)} for the process) but server {address} offers {memory} "
+            f"bytes ({amount_text(memory)}), and only {fitting} of {len(offers)} servers offer that much "
             f"for {len(needs)} ranks; more parallelism, a ZeRO stage or a smaller model would need "
             f"less (`interleaf schedule` shows the prediction)"
         )

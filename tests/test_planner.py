@@ -378,8 +378,8 @@ def test_the_profile_jobs_fit_the_servers_memory():
     assert plan_profile.profile_model(llama, "cpu", int(1.44 * GIB))["d_model"] < 256
     # where nothing fits, the profile says so rather than submit a job admission refuses
     tiny = load_config("", ["model.n_layers=8", "model.d_model=32", "model.n_heads=4", "model.seq_len=16"])
-    with pytest.raises(plan_profile.ProfileJobFailed, match=r"no profile job of this model fits a server's 0\.25 "
-                                                            r"GiB, not even through a proxy of 8 layers of d_model 32"):
+    with pytest.raises(plan_profile.ProfileJobFailed, match=r"no profile job of this model fits a server's 256\.0 "
+                                                            r"MiB, not even through a proxy of 8 layers of d_model 32"):
         plan_profile.profile_model(tiny, "cpu", GIB // 4)
 
 
@@ -763,6 +763,11 @@ def test_what_users_tripped_on_is_planned_or_refused_clearly(tmp_path, capsys):
     assert "--local 0 must be at least 1" in capsys.readouterr().err
     assert main(["plan", "--servers-per-host", "4", "--coordinator", "127.0.0.1:1"]) == 2
     assert "--servers-per-host 4 describes a cluster given by --servers" in capsys.readouterr().err
+    # Only microbatches past 8·pp·vpp meet eval.samples=4 at 64 samples a step on one server:
+    # the search's second pass finds them, where memory refused nothing
+    assert main(["plan", "--servers", "1", "--profile", str(path), "--json", "--set", "eval.every=1", "--set",
+                 "eval.samples=4", "--set", "train.global_batch=64", "--set", "model.n_layers=2"]) == 0
+    assert json.loads(capsys.readouterr().out)[0]["parallel"]["microbatches"] >= 16
     assert main(plan + ["--server-memory", str(2**50 + 1)]) == 2
     assert f"--server-memory {2**50 + 1} must be at most {2**50} bytes (1 PiB) a server" in capsys.readouterr().err
     assert main(["plan", "--device", "cuda", "--coordinator", "127.0.0.1:1"]) == 2

@@ -98,7 +98,7 @@ speed() {
         --profile-dir "$traces/gpt2" --out "$OUT/train_gpt2.json" ${device[@]+"${device[@]}"}
     # The rest of the phase but what the two cheap steps after it need.
     RESERVE=100 step train-llama rest python3 bench/gpu/train.py --arch llama --sides "$sides" --steps 8 --warmup 3 \
-        --out "$OUT/train_llama.json" ${device[@]+"${device[@]}"}
+        --profile-dir "$traces/llama" --out "$OUT/train_llama.json" ${device[@]+"${device[@]}"}
     # Tiny sides ran on the CPU, where no device peak exists: the check then reads the
     # committed GPU run's results, so that its code still runs.
     local results=()
@@ -111,9 +111,12 @@ speed() {
     done
     (( ${#results[@]} )) && step memory 40 python3 bench/gpu/memory_check.py --train-json "${results[@]}" \
         --out "$OUT/memory_train.json"
-    local profiled=()
+    local profiled=()  # the GPT's sides by their names (docs/gpus.md's table), the Llama's prefixed
     for side in interleaf-compile interleaf-fp8; do
         [[ -f "$traces/gpt2/profile_$side.json.gz" ]] && profiled+=("$side=$traces/gpt2/profile_$side.json.gz")
+    done
+    for side in interleaf-compile interleaf-fp8; do
+        [[ -f "$traces/llama/profile_$side.json.gz" ]] && profiled+=("llama $side=$traces/llama/profile_$side.json.gz")
     done
     if [[ "$tiny" == "--tiny" ]]; then
         echo "== profile: skipped, tiny (CPU traces hold no GPU kernels)" | tee -a "$log"
