@@ -73,7 +73,7 @@ def remote_cluster(servers) -> tuple[Cluster, str]:
     for s in idle:
         hosts[s.host] = hosts.get(s.host, 0) + 1
     return Cluster(len(idle), min(s.memory_bytes for s in idle), servers_per_host=max(hosts.values()),
-                   device_type=kinds[0]), kinds[0]
+                   device_type=kinds[0], host_sizes=tuple(sorted(hosts.values(), reverse=True))), kinds[0]
 
 
 def obtain_profile(config: JobConfig, device: str, *, servers: ProfileServers | None,

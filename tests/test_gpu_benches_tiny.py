@@ -142,12 +142,52 @@ def test_memory_peak_lists_what_a_step_held_at_its_peak():
     assert sum(g["bytes"] for g in held["live_at_peak"]) + held["others_bytes"] == 32_000
     assert sum(g["allocations"] for g in held["live_at_peak"]) == 2 and kept.numel() == 3000
 
+    # Frames as torch records them with C++ stacks: the allocator's and unwinder's first
+    unwinder = {"filename": "??", "line": 0, "name": "torch::unwind::unwind()"}
+    allocator = {"filename": "/pytorch/c10/cuda/CUDACachingAllocator.cpp", "line": 1, "name": "malloc"}
     generated = {"filename": "/tmp/torchinductor_root/ab/cab.py", "line": 40, "name": "call"}
     own = {"filename": "/srv/interleaf/stageserver/model/fused_loss.py", "line": 190, "name": "head_loss"}
     outer = {"filename": "/srv/interleaf/stageserver/executor.py", "line": 7, "name": "forward"}
-    assert where([generated, own, outer]) == "fused_loss.py:190 head_loss < cab.py:40 call"
-    assert where([own, outer]) == "fused_loss.py:190 head_loss"
-    assert where([generated]) == "cab.py:40 call" and where([]) == "unknown"
+    assert where([unwinder, allocator, generated, own, outer]) == "fused_loss.py:190 head_loss < cab.py:40 call"
+    assert where([unwinder, own, outer]) == "fused_loss.py:190 head_loss"
+    assert where([allocator, generated]) == "cab.py:40 call" and where([]) == "unknown"
+    backward = {"filename": "??", "line": 0, "name": "torch::autograd::generated::MmBackward0::apply(...)"}
+    assert where([unwinder, allocator, backward]) == "autograd MmBackward0"
+    assert where([unwinder, allocator]) == "no Python frame"
+
+
+def test_memory_peak_counts_what_max_memory_allocated_counts():
+    """The allocator's own cases, in its snapshot's format (CUDACachingAllocator's trace
+    entries and segments): a tensor counts from its alloc to its free_requested (a free
+    still waiting on another stream's use, active_pending_free, no longer counts);
+    what was held before the step is the end's allocated blocks (requested sizes) less
+    the step's net change; the allocator's rounding is reported beside it; the busiest
+    device's trace is the server's."""
+    sys.path.insert(0, str(ROOT / "bench" / "gpu"))
+    from memory_peak import live_at_peak
+
+    def event(action, addr, size):
+        return {"action": action, "addr": addr, "size": size, "stream": 0, "frames": []}
+
+    trace = [event("alloc", 1, 4000), event("free_requested", 9, 1000),  # 9: a block from before the step
+             event("free_completed", 9, 1000), event("alloc", 2, 3000),
+             event("free_requested", 1, 4000),  # 1 waits for another stream: it no longer counts, so
+             event("alloc", 3, 5000),           # the peak is here: 4000 - 1000 + 3000 - 4000 + 5000 = 7000
+             event("free_completed", 1, 4000), event("free_requested", 3, 5000), event("free_completed", 3, 5000)]
+    segments = [{"device": 0, "blocks": [
+        {"size": 2560, "requested_size": 2000, "state": "active_allocated"},  # held before and after the step
+        {"size": 3072, "requested_size": 3000, "state": "active_allocated"},  # 2, made in the step
+        {"size": 512, "requested_size": 500, "state": "active_pending_free"},
+        {"size": 8192, "state": "inactive"}]},
+        {"device": 1, "blocks": [{"size": 1 << 20, "requested_size": 1 << 20, "state": "active_allocated"}]}]
+    held = live_at_peak({"device_traces": [trace, [event("alloc", 7, 1 << 20)]], "segments": segments})
+    # before the step: 2000 + 3000 at the end, less the net 4000 - 1000 + 3000 - 4000 + 5000 - 5000 = 2000
+    assert held["device"] == 0 and held["baseline_bytes"] == 3000
+    assert held["step_bytes_at_peak"] == 7000 and held["peak_bytes"] == 10_000  # counting to free_completed: 11000
+    assert [g["bytes"] for g in held["live_at_peak"]] == [8000] and held["live_at_peak"][0]["allocations"] == 2
+    assert held["rounding_bytes_at_end"] == 560 + 72 and held["events"] == 6 and not held["truncated"]
+    with pytest.raises(ValueError, match="recorded no allocation or free"):
+        live_at_peak({"device_traces": [[]], "segments": segments})
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])

@@ -54,6 +54,24 @@ def test_candidates_worked_example():
     assert sorted({tp for _, tp, _ in grids(wide, 12, 12)}) == [1, 2, 3, 4, 6, 12]
     assert sorted({tp for _, tp, _ in grids(wide, 10, 6)}) == [1, 2]  # hosts of 6 and 4: groups of 5 do not fit
     assert sorted({tp for _, tp, _ in grids(wide, 10, 10)}) == [1, 2, 5, 10]
+    # a coordinator's hosts of 6, 3 and 3: 2 servers a group fit 3 + 1 + 1 of the 6 needed
+    assert sorted({tp for _, tp, _ in grids(wide, 12, 6, (6, 3, 3))}) == [1, 3]
+
+
+def test_a_coordinators_uneven_hosts_keep_tensor_groups_whole():
+    """remote_cluster passes the idle servers' hosts as they are: hosts of 6, 3 and 3 plan
+    no tp=2 (one group would straddle two hosts), where hosts of 6 and 6 would."""
+    def servers(sizes):
+        return [pb.ServerInfo(server_id=f"s{h}-{i}", host=f"h{h}", device="cpu", state="IDLE", memory_bytes=8 * GIB)
+                for h, size in enumerate(sizes) for i in range(size)]
+
+    config = load_config("", ["model.n_heads=6", "model.n_kv_heads=6", "model.d_model=96", "model.ffn_hidden=384",
+                              "model.n_layers=4", "train.global_batch=12"])
+    uneven, _ = plan_command.remote_cluster(servers([3, 6, 3]))
+    assert uneven.host_sizes == (6, 3, 3) and uneven.servers_per_host == 6
+    assert {layout.tp for layout, _ in valid_configs(config, 12, 6, host_sizes=uneven.host_sizes)[0]} == {1, 3}
+    even, _ = plan_command.remote_cluster(servers([6, 6]))
+    assert {layout.tp for layout, _ in valid_configs(config, 12, 6, host_sizes=even.host_sizes)[0]} == {1, 2, 3, 6}
 
 
 def test_a_profiles_provenance_counts_its_jobs_in_one_clause_each():

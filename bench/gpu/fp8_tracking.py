@@ -6,7 +6,7 @@ show, and their losses step by step.
 The speed run (train.py) trains 8 steps, too few to tell whether float8's rounding
 drifts a run away from bf16's. Here each side trains `--steps` (default 200) steps of a
 smaller model of the same architecture (12 layers, d_model 1024, 1024-token samples, 4
-microbatches of 8: 32,768 tokens a step, about 0.1 s on an H200), with the learning rate
+microbatches of 8: 32,768 tokens a step, an estimated 0.1 s on an H200), with the learning rate
 warmed up over the first tenth of them, on the builtin corpus (real text, so that the
 loss falls as it does in training). Reported: both loss curves, every step's relative
 difference (fp8 - bf16) / bf16, its mean and largest over the whole run and its mean over

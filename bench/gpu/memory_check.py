@@ -219,7 +219,8 @@ def report(rows: list[dict], out: str) -> None:
         if "peak_breakdown" in r:
             held = r["peak_breakdown"]
             print(f"{r['case']}: at its peak, {held['step_bytes_at_peak'] / 2**20:.1f} MiB allocated within the step "
-                  f"over {held['baseline_bytes'] / 2**20:.1f} MiB held before it:")
+                  f"over {held['baseline_bytes'] / 2**20:.1f} MiB held before it"
+                  + (" (the history was cut: the peak may be earlier)" if held["truncated"] else "") + ":")
             for group in held["live_at_peak"]:
                 print(f"  {group['bytes'] / 2**20:>10.1f} MiB  {group['allocations']:>5}  {group['where']}")
         elif "peak_breakdown_error" in r:

@@ -4,12 +4,16 @@ grouped by where they were made, to find what the memory model leaves out (the f
 rows of docs/gpus.md exceed it by 0.6 GiB, the bf16 ones by 0.07).
 
 A snapshot (torch.cuda.memory._snapshot) holds the allocator's segments at its end, each
-block with its state, and the events recorded since recording began (device_traces), each
-with its action, address, size and Python frames, innermost first. Replaying the "alloc"
-and "free_completed" events gives the step's allocated bytes over time; what was allocated
-before recording began (parameters, gradients, optimizer state) is the end's allocated
-bytes less the step's net change, so that baseline + the highest running sum is the step's
-peak, which torch.cuda.max_memory_allocated measured too.
+block with its state and requested size, and the events recorded since recording began
+(device_traces, per device), each with its action, address, requested size and frames,
+innermost first. torch.cuda.max_memory_allocated counts a tensor from its "alloc" to its
+"free_requested" (a free waiting on another stream's use, "free_completed" later, no
+longer counts), so replaying those two gives the step's allocated bytes over time; what
+was allocated before recording began (parameters, gradients, optimizer state) is the
+end's allocated bytes less the step's net change, so that baseline + the highest running
+sum is the step's peak. In requested bytes: the allocator rounds each block up (to 512
+bytes, or a cached block's whole size), which max_memory_allocated counts and this does
+not; `rounding_bytes_at_end` says how much that was for the blocks live at the end.
 
 Worked example: a baseline of 100 bytes (an active block of 100 at the end and no net
 change), events alloc A 40 (made in blocks.py), alloc B 30 (made in fused_loss.py), free A,
@@ -25,40 +29,57 @@ from __future__ import annotations
 import argparse
 import json
 import pickle
+import re
 from typing import Any
+
+from interleaf.stageserver.profiling import MAX_HISTORY_ENTRIES  # a trace that long may have lost its oldest
 
 TOP = 15
 OWN_CODE = "interleaf/"
 """A frame in Interleaf's own code (its repository's folders are linked under interleaf/,
 and an installed package is named so): the innermost such frame says which part of a
-chunk made an allocation, where the innermost frame of all is often inductor's generated
+chunk made an allocation, where the innermost Python frame is often inductor's generated
 code or torch's."""
+COUNTED = ("alloc", "free_requested")
 
 
 def where(frames: list[dict]) -> str:
-    """An allocation's origin: its innermost frame in Interleaf's code, and its innermost
-    frame of all where that is another ("fused_loss.py:190 head_loss < output_code.py:40
-    call"); "unknown" without frames."""
+    """An allocation's origin. Recorded with C++ stacks too (torch's default), a trace's
+    frames start with the allocator's and the unwinder's own; the Python frames name it:
+    its innermost in Interleaf's code, and its innermost of all where that is another
+    ("fused_loss.py:190 head_loss < output_code.py:40 call"). An allocation with none (a
+    backward on autograd's own thread) is named by its autograd node
+    ("autograd MmBackward0"); "unknown" without frames."""
     if not frames:
         return "unknown"
 
     def named(frame: dict) -> str:
         return f"{frame['filename'].rsplit('/', 1)[-1]}:{frame['line']} {frame['name']}"
 
-    own = next((f for f in frames if OWN_CODE in f["filename"]), None)
+    python = [f for f in frames if f["filename"].endswith(".py")]
+    if not python:
+        node = next((found.group(0) for f in frames if (found := re.search(r"\w+Backward\w*", f["name"]))), None)
+        return f"autograd {node}" if node else "no Python frame"
+    own = next((f for f in python if OWN_CODE in f["filename"]), None)
     if own is None:
-        return named(frames[0])
-    return named(own) if own is frames[0] else f"{named(own)} < {named(frames[0])}"
+        return named(python[0])
+    return named(own) if own is python[0] else f"{named(own)} < {named(python[0])}"
 
 
 def live_at_peak(snapshot: dict, top: int = TOP) -> dict[str, Any]:
     """The step's peak allocated bytes and what it made that was live then, grouped by
-    `where`, largest first (the module's worked example); None fields where no event was
-    recorded."""
-    events = [e for trace in snapshot.get("device_traces", []) for e in trace
-              if e.get("action") in ("alloc", "free_completed")]
-    allocated_at_end = sum(block["size"] for segment in snapshot.get("segments", [])
-                           for block in segment.get("blocks", []) if block.get("state") in ("active_allocated", "active_pending_free"))
+    `where`, largest first (the module's worked example), on the device whose trace
+    holds the most events (a server computes on one). ValueError where no allocation or
+    free was recorded."""
+    traces = snapshot.get("device_traces", [])
+    device = max(range(len(traces)), key=lambda d: len(traces[d]), default=0)
+    trace = traces[device] if traces else []
+    events = [e for e in trace if e.get("action") in COUNTED]
+    if not events:
+        raise ValueError("the snapshot recorded no allocation or free: was memory history recorded over the step?")
+    live_blocks = [block for segment in snapshot.get("segments", []) if segment.get("device", device) == device
+                   for block in segment.get("blocks", []) if block.get("state") == "active_allocated"]
+    allocated_at_end = sum(block.get("requested_size", block["size"]) for block in live_blocks)
     net = sum(e["size"] if e["action"] == "alloc" else -e["size"] for e in events)
     baseline = allocated_at_end - net
     running, highest, at = 0, 0, -1
@@ -79,10 +100,14 @@ def live_at_peak(snapshot: dict, top: int = TOP) -> dict[str, Any]:
         group[1] += 1
     ranked = sorted(groups.items(), key=lambda item: -item[1][0])
     return {
+        "device": device,
         "baseline_bytes": baseline,
         "peak_bytes": baseline + highest,
         "step_bytes_at_peak": highest,
         "events": len(events),
+        "truncated": len(trace) >= MAX_HISTORY_ENTRIES,
+        "rounding_bytes_at_end": sum(block["size"] - block.get("requested_size", block["size"])
+                                     for block in live_blocks),
         "live_at_peak": [{"where": name, "bytes": size, "allocations": count} for name, (size, count) in ranked[:top]],
         "others_bytes": sum(size for _, (size, _count) in ranked[top:]),
     }

@@ -78,8 +78,9 @@ def peak_lines(cases: list[dict], top: int = 6) -> list[str]:
             if "peak_breakdown_error" in case:
                 lines.append(f"- {case['case']}: no peak breakdown: {case['peak_breakdown_error'][:200]}")
             continue
+        cut = " (the history was cut: the peak may be earlier)" if held.get("truncated") else ""
         lines.append(f"- {case['case']}: at its peak {_gib(held['step_bytes_at_peak'])} allocated within the step "
-                     f"over {_gib(held['baseline_bytes'])} held before it; the largest:")
+                     f"over {_gib(held['baseline_bytes'])} held before it{cut}; the largest:")
         lines += [f"  - {group['bytes'] / 2**20:,.0f} MiB in {group['allocations']}: `{group['where']}`"
                   for group in held["live_at_peak"][:top]]
     return lines

@@ -19,11 +19,11 @@
 #            (profile_breakdown.py); then memory_check.py on both results (no GPU needed:
 #            the sides recorded their device peaks).
 #   planner  bench/planner.py on one GPU server (its predictions against measured steps,
-#            and the planned job's device peak against the memory model), then the memory
+#            and the planned job's device peak against the memory model), float8's losses
+#            against bf16's over 200 steps of a smaller GPT (fp8_tracking.py), then the memory
 #            cases: compiled selective recompute in bf16 and float8, and the 2.7B one
 #            (admission's refusal on an 80 GB H100, or not), each with what it held at
-#            its peak (memory_check.py --peak-breakdown); then float8's losses against
-#            bf16's over 200 steps of a smaller GPT (fp8_tracking.py).
+#            its peak (memory_check.py --peak-breakdown).
 #
 # Results go to $OUT (the device tool's folder; default bench/results/gpu/session), at
 # most 8 files, as the device tool brings back: session.log, report.md (every result as
@@ -137,16 +137,17 @@ planner() {
         # and the lease is short.
         step planner 330 python3 bench/planner.py --device cuda --servers 1 --steps 6 --warmup 2 --rounds 1 \
             --playoff-rounds 1 --out "$OUT/planner.json"
+        # Float8's losses against bf16's over 200 steps of a smaller GPT (the speed run's
+        # 8 steps cannot show a drift): two compilations and 400 steps, about 2 minutes
+        # (not yet timed on a GPU), before the memory cases, which were measured once already.
+        step fp8-tracking 180 python3 bench/gpu/fp8_tracking.py --out "$OUT/fp8_tracking.json"
         # Compiled selective recompute (its blocks compiled with their checkpoints) in bf16
         # and float8, then the 2.7B case admission refused on an 80 GB H100.
         # --peak-breakdown: what each held at its peak, by where it was allocated (the
         # float8 rows exceed the model by 0.6 GiB: docs/gpus.md).
-        RESERVE=100 step memory-cases rest python3 bench/gpu/memory_check.py --peak-breakdown \
+        step memory-cases rest python3 bench/gpu/memory_check.py --peak-breakdown \
             --cases gpt2-1.1b-compiled-selective,gpt2-1.1b-fp8-compiled-selective,gpt2-2.7b-full \
             --out "$OUT/memory_cases.json"
-        # Float8's losses against bf16's over 200 steps of a smaller GPT (the speed run's
-        # 8 steps cannot show a drift): about 100 s.
-        step fp8-tracking rest python3 bench/gpu/fp8_tracking.py --out "$OUT/fp8_tracking.json"
     fi
 }
 

@@ -127,21 +127,26 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def tensor_groups_fit(servers: int, servers_per_host: int, tp: int) -> bool:
+def tensor_groups_fit(servers: int, servers_per_host: int, tp: int, host_sizes: tuple[int, ...] = ()) -> bool:
     """Whether every tensor group of `tp` ranks can sit on one host (as grid.place puts
-    them where hosts have room), the servers filling hosts of `servers_per_host` and the
-    last the rest: 12 servers, 6 a host, fit groups of 1, 2, 3 or 6, not of 4 (a host of
-    6 holds one such group, and three are needed)."""
+    them where hosts have room): on hosts of `host_sizes` servers where known (a
+    coordinator's), else on hosts of `servers_per_host` and a last one of the rest.
+    12 servers, 6 a host, fit groups of 1, 2, 3 or 6, not of 4 (a host of 6 holds one
+    such group, and three are needed); hosts of 6, 3 and 3 fit groups of 1 or 3, not of
+    2 (3 + 1 + 1 of the 6 needed)."""
+    if host_sizes:
+        return sum(size // tp for size in host_sizes) >= servers // tp
     full, rest = divmod(servers, servers_per_host)
     return full * (servers_per_host // tp) + rest // tp >= servers // tp
 
 
-def grids(config: JobConfig, servers: int, servers_per_host: int) -> Iterator[tuple[int, int, int]]:
+def grids(config: JobConfig, servers: int, servers_per_host: int,
+          host_sizes: tuple[int, ...] = ()) -> Iterator[tuple[int, int, int]]:
     """(dp, tp, pp) using every server, each tensor group within a host and tp dividing
     the model's split dimensions, pp at most the layers."""
     m = config.model
     for tp in divisors(servers):
-        if not tensor_groups_fit(servers, servers_per_host, tp) or m.n_heads % tp or m.n_kv_heads % tp \
+        if not tensor_groups_fit(servers, servers_per_host, tp, host_sizes) or m.n_heads % tp or m.n_kv_heads % tp \
                 or m.ffn_hidden % tp:
             continue
         for pp in divisors(servers // tp):
@@ -195,11 +200,12 @@ def head_balanced_split(n_layers: int, chunks: int, head_layers: float) -> tuple
 
 
 def layouts(config: JobConfig, servers: int, servers_per_host: int, head_layers: float = 0.0,
-            every_microbatch_count: bool = False) -> Iterator[Layout]:
+            every_microbatch_count: bool = False, host_sizes: tuple[int, ...] = ()) -> Iterator[Layout]:
     """Every candidate layout, before the config's rules are applied; `head_layers`: the
     head's cost in layers, for the split that evens it out; `every_microbatch_count`:
-    microbatch counts beyond 8 * pp * vpp too (microbatch_counts)."""
-    for dp, tp, pp in grids(config, servers, servers_per_host):
+    microbatch counts beyond 8 * pp * vpp too (microbatch_counts); `host_sizes`: the
+    servers of each host, where known (tensor_groups_fit)."""
+    for dp, tp, pp in grids(config, servers, servers_per_host, host_sizes):
         if config.train.global_batch % dp:
             continue
         for schedule, vpp in pipelines(pp, config.model.n_layers):
@@ -214,10 +220,11 @@ def layouts(config: JobConfig, servers: int, servers_per_host: int, head_layers:
 
 
 def valid_configs(config: JobConfig, servers: int, servers_per_host: int, head_layers: float = 0.0,
-                  every_microbatch_count: bool = False) -> tuple[list[tuple[Layout, JobConfig]], int]:
+                  every_microbatch_count: bool = False,
+                  host_sizes: tuple[int, ...] = ()) -> tuple[list[tuple[Layout, JobConfig]], int]:
     """(layout, its config) for every candidate the rules admit, and how many they refused."""
     kept, refused = [], 0
-    for layout in layouts(config, servers, servers_per_host, head_layers, every_microbatch_count):
+    for layout in layouts(config, servers, servers_per_host, head_layers, every_microbatch_count, host_sizes):
         try:
             kept.append((layout, apply(config, layout)))
         except ConfigError:

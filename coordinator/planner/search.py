@@ -56,6 +56,9 @@ class Cluster:
     device_type: str = "cpu"
     """What the servers compute on, "cpu" or "cuda": whether train.compile="auto"
     compiles their blocks, which then keep less for the backward (the memory model)."""
+    host_sizes: tuple[int, ...] = ()
+    """The servers on each host, where known (a coordinator's, which may differ); empty:
+    hosts of servers_per_host, the last holding the rest. Tensor groups must fit them."""
 
 
 @dataclass(frozen=True)
@@ -194,7 +197,8 @@ def why_unplannable(config: JobConfig, cluster: Cluster) -> str | None:
     seen: set[Layout] = set()
     first = None
     for every_count in (False, True):
-        for layout in layouts(config, cluster.servers, cluster.servers_per_host, head_layers(config), every_count):
+        for layout in layouts(config, cluster.servers, cluster.servers_per_host, head_layers(config), every_count,
+                              cluster.host_sizes):
             if layout in seen:  # the second pass's layouts include the first's
                 continue
             seen.add(layout)
@@ -226,7 +230,7 @@ def search(config: JobConfig, cluster: Cluster, profile: DeviceProfile, top: int
     (candidates.microbatch_counts), where with no more than that nothing fits."""
     started = time.monotonic()
     valid, refused = valid_configs(config, cluster.servers, cluster.servers_per_host, head_layers(config),
-                                   every_microbatch_count)
+                                   every_microbatch_count, cluster.host_sizes)
     valid, refused = _runnable_on(cluster.device_type, valid, refused)
     report = SearchReport([], candidates=len(valid) + refused, refused_by_rules=refused)
     bounded = []
