@@ -61,12 +61,11 @@ def compared(bf16: list[float], fp8: list[float]) -> dict:
     """Step by step relative differences of fp8's losses from bf16's, with the means and
     largest the bounds hold: every step's, and the last quarter's mean."""
     differences = [abs(f - b) / abs(b) for b, f in zip(bf16, fp8, strict=True)]
-    last = differences[-max(1, len(differences) // 4):]
-    result = {"relative_differences": differences, "mean": statistics.fmean(differences), "max": max(differences),
-              "last_quarter_mean": statistics.fmean(last)}
-    result["tracks"] = (result["mean"] <= LOSS_MEAN_TOLERANCE and result["last_quarter_mean"] <= LOSS_MEAN_TOLERANCE
-                        and result["max"] <= LOSS_MAX_TOLERANCE)
-    return result
+    mean, largest = statistics.fmean(differences), max(differences)
+    last_quarter = statistics.fmean(differences[-max(1, len(differences) // 4):])
+    return {"relative_differences": differences, "mean": mean, "max": largest, "last_quarter_mean": last_quarter,
+            "tracks": mean <= LOSS_MEAN_TOLERANCE and last_quarter <= LOSS_MEAN_TOLERANCE
+            and largest <= LOSS_MAX_TOLERANCE}
 
 
 def main() -> None:

@@ -98,7 +98,7 @@ def load_unplanned(text: str, sets: list[str]) -> JobConfig:
     from interleaf.coordinator.config import load_config
 
     first: ConfigError | None = None
-    replicas = [[]] + [[f"parallel.dp={dp}"] for dp in PLACEHOLDER_DPS]
+    replicas: list[list[str]] = [[]] + [[f"parallel.dp={dp}"] for dp in PLACEHOLDER_DPS]
     for extra in [dp + recompute for recompute in ([], ["train.recompute_layers=0"]) for dp in replicas]:
         placeholder = sets + UNPLANNED_LAYOUT + extra
         try:
