@@ -4,7 +4,7 @@ A traced step (RunStepsRequest.trace_steps) already times every action (the exec
 ComputeClock); with these settings the server also runs, over that same step,
 - torch.profiler (CPU operators; CUDA kernels too on a GPU) and exports its Chrome trace;
 - torch.cuda.memory._record_memory_history, and takes torch.cuda.memory._snapshot() at
-  the step's end (the allocator's every allocation and free in the step, with stacks;
+  the step's end (the allocator's every allocation and free in the step, with Python stacks;
   pytorch.org/memory_viz draws the pickle).
 Both travel gzip-compressed in the step's report (StepReport.torch_profile,
 .memory_snapshot) and are kept with the job's traced step: they outlive the job, as
@@ -62,7 +62,11 @@ class StepProfiler:
             yield profiles
             return
         if self.memory_snapshot:
-            torch.cuda.memory._record_memory_history(max_entries=MAX_HISTORY_ENTRIES, device=self.device)
+            # Python stacks: they name the code that allocated (the model's, or inductor's
+            # generated graph); torch's default adds C++ frames, which a snapshot must then
+            # symbolize, for seconds to minutes on a large step, mostly naming the allocator.
+            torch.cuda.memory._record_memory_history(max_entries=MAX_HISTORY_ENTRIES, stacks="python",
+                                                     device=self.device)
         try:
             with self._profiler() as profiler:
                 yield profiles

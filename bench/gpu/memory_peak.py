@@ -44,8 +44,9 @@ COUNTED = ("alloc", "free_requested")
 
 
 def where(frames: list[dict]) -> str:
-    """An allocation's origin. Recorded with C++ stacks too (torch's default), a trace's
-    frames start with the allocator's and the unwinder's own; the Python frames name it:
+    """An allocation's origin. Interleaf records Python stacks (stageserver/profiling.py);
+    one recorded with C++ stacks too (torch's default) starts with the allocator's and the
+    unwinder's own frames. The Python frames name it:
     its innermost in Interleaf's code, and its innermost of all where that is another
     ("fused_loss.py:190 head_loss < output_code.py:40 call"). An allocation with none (a
     backward on autograd's own thread) is named by its autograd node
