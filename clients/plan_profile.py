@@ -65,7 +65,7 @@ from interleaf.coordinator.memory_model import predict, with_temporaries
 from interleaf.coordinator.partition import partition
 from interleaf.coordinator.plan import FLOAT8_MULTIPLE
 from interleaf.coordinator.planner.costs import (DeviceProfile, chunk_forward_flops, chunk_parameters, chunk_shape,
-                                                  normalized)
+                                                  compiled_on, normalized)
 from interleaf.coordinator.planner.fitting import LINK_OBSERVED, SHAPE_OBSERVED, fit
 from interleaf.coordinator.planner.search import programs_for
 from interleaf.protos import interleaf_pb2 as pb
@@ -331,7 +331,8 @@ def observations(trace: pb.StepTrace, config: JobConfig, device: str) -> list[di
     (observe_links) and tensor shards' compute. A CUDA server's collective is only
     queued on a stream when its call returns: it is timed by nobody here."""
     timed = calls_timed(device)
-    return observe(trace, config, calls_timed=timed) + (observe_links(trace, config) if timed else [])
+    return (observe(trace, config, calls_timed=timed, compiled=compiled_on(config, device))
+            + (observe_links(trace, config) if timed else []))
 
 
 def calls_timed(device: str) -> bool:
@@ -340,11 +341,11 @@ def calls_timed(device: str) -> bool:
     return device == "cpu"
 
 
-def observe(trace: pb.StepTrace, config: JobConfig, calls_timed: bool = True) -> list[dict]:
+def observe(trace: pb.StepTrace, config: JobConfig, calls_timed: bool = True, compiled: bool = False) -> list[dict]:
     """(kind, FLOPs, seconds) of every traced compute of a step of `config`, and
     (update, parameters, seconds) of every update; without recompute, each compute also
-    as one timing of its chunk's shape ("shape:<kind>", costs.chunk_shape), its
-    group's calls inside. A tensor-parallel step's computes hold
+    as one timing of its chunk's shape ("shape:<kind>", costs.chunk_shape, `compiled`
+    where its blocks ran so), its group's calls inside. A tensor-parallel step's computes hold
     their group's collectives, which the laws leave to the links: they count only
     together, per server, less its tensor group's calls (_tp_compute), where those are
     `calls_timed`, made only inside computes (no sequence parallelism, whose partial
@@ -354,7 +355,7 @@ def observe(trace: pb.StepTrace, config: JobConfig, calls_timed: bool = True) ->
     rows = config.train.global_batch // (p.dp * p.microbatches)
     chunks = partition(config.model.n_layers, p.pp, p.vpp, p.schedule, p.layers)
     flops = [chunk_forward_flops(config, c, rows) for c in chunks]
-    shapes = [chunk_shape(config, c, rows) for c in chunks]
+    shapes = [chunk_shape(config, c, rows, compiled) for c in chunks]
     stages = {info.rank: info.coordinates.pp for info in trace.ranks}
     armed = _armed_backwards(trace) if p.overlap_grad_reduce else {}
     found = []
@@ -565,7 +566,8 @@ def untimed_shapes(configs: list[JobConfig], profile: DeviceProfile) -> list[Chu
         split = p.schedule in SPLIT_SCHEDULES
         kinds = ("forward", "input_grad", "weight_grad") if split else ("forward", "backward")
         for chunk in partition(config.model.n_layers, p.pp, p.vpp, p.schedule, p.layers):
-            if not set(kinds) <= set(profile.shapes.get(chunk_shape(config, chunk, rows), {})):
+            if not set(kinds) <= set(profile.shapes.get(chunk_shape(config, chunk, rows,
+                                                                    compiled_on(config, profile.device)), {})):
                 needs[ChunkNeed(len(chunk.layers), chunk.has_embedding, chunk.has_head, rows, split, p.tp,
                                 p.sequence_parallel)] = None
     return list(needs)

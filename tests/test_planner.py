@@ -670,6 +670,20 @@ def test_a_timed_shape_is_priced_at_what_it_took():
     # the plan's other shapes are still untimed; this one only for its backward
     needs = plan_profile.untimed_shapes([config], fitted)
     assert [(n.layers, n.embedding, n.head, n.rows) for n in needs] == [(4, True, False, 8), (4, False, True, 8)]
+    # On a GPU, 1F1B's blocks run compiled (train.compile=auto) and zb-h1's eager: a shape
+    # timed one way is not the other's, and a CPU's shapes are never compiled
+    gpu = dataclasses.replace(fitted, device="cuda (NVIDIA H100 80GB HBM3)")
+    zb = dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, schedule="zb-h1"))
+    assert costs_module.compiled_on(config, gpu.device) and not costs_module.compiled_on(zb, gpu.device)
+    assert not costs_module.compiled_on(config, "cpu")
+    assert layout_costs(config, gpu, slowdown=2.0).forward_s[0] == laws.forward_s[0]  # the eager timing is not used
+    compiled_key = costs_module.chunk_shape(config, chunks[0], 8, compiled=True)
+    assert compiled_key == key + ", compiled"
+    gpu_timed = dataclasses.replace(gpu, shapes={compiled_key: {"forward": 0.125}})
+    assert layout_costs(config, gpu_timed, slowdown=2.0).forward_s[0] == pytest.approx(0.25)
+    # zb-h1's eager blocks take the eager timing, and the laws where only the compiled one exists
+    assert layout_costs(zb, gpu, slowdown=2.0).forward_s[0] == pytest.approx(0.25)
+    assert layout_costs(zb, gpu_timed, slowdown=2.0).forward_s[0] == laws.forward_s[0]
 
 
 def base_observations() -> list[dict]:

@@ -41,6 +41,7 @@ and an installed package is named so): the innermost such frame says which part 
 chunk made an allocation, where the innermost Python frame is often inductor's generated
 code or torch's."""
 COUNTED = ("alloc", "free_requested")
+NO_PYTHON = "no Python frame (autograd's thread: an eager backward, gradients accumulated)"
 
 
 def where(frames: list[dict]) -> str:
@@ -48,11 +49,11 @@ def where(frames: list[dict]) -> str:
     one recorded with C++ stacks too (torch's default) starts with the allocator's and the
     unwinder's own frames. The Python frames name it:
     its innermost in Interleaf's code, and its innermost of all where that is another
-    ("fused_loss.py:190 head_loss < output_code.py:40 call"). An allocation with none (a
-    backward on autograd's own thread) is named by its autograd node
-    ("autograd MmBackward0"); "unknown" without frames."""
+    ("fused_loss.py:190 head_loss < output_code.py:40 call"). An allocation with none was
+    made on a thread without Python: autograd's own, running an eager backward (with C++
+    frames, named by its node: "autograd MmBackward0")."""
     if not frames:
-        return "unknown"
+        return NO_PYTHON
 
     def named(frame: dict) -> str:
         return f"{frame['filename'].rsplit('/', 1)[-1]}:{frame['line']} {frame['name']}"
@@ -60,7 +61,7 @@ def where(frames: list[dict]) -> str:
     python = [f for f in frames if f["filename"].endswith(".py")]
     if not python:
         node = next((found.group(0) for f in frames if (found := re.search(r"\w+Backward\w*", f["name"]))), None)
-        return f"autograd {node}" if node else "no Python frame"
+        return f"autograd {node}" if node else NO_PYTHON
     own = next((f for f in python if OWN_CODE in f["filename"]), None)
     if own is None:
         return named(python[0])

@@ -122,10 +122,11 @@ def main() -> None:
     draw(rows, args.png)
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps({"categories_ms": rows, "top_kernels": tops}, indent=2) + "\n")
-    print(f"{'ms':<14}" + "".join(f"{label:>22}" for label in rows))
+    width = max([18] + [len(label) + 2 for label in rows])
+    print(f"{'ms':<18}" + "".join(f"{label:>{width}}" for label in rows))
     for name in (*CATEGORIES, "total"):
         values = [sum(r.values()) if name == "total" else r[name] for r in rows.values()]
-        print(f"{name:<18}" + "".join(f"{v:>18.1f}" for v in values))
+        print(f"{name:<18}" + "".join(f"{v:>{width}.1f}" for v in values))
     for label, kernels in tops.items():
         print(f"\n{label}: the costliest kernels")
         for k in kernels:

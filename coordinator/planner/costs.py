@@ -172,19 +172,29 @@ def chunk_forward_flops(config: JobConfig, chunk: Chunk, rows: int) -> float:
     return flops
 
 
-def chunk_shape(config: JobConfig, chunk: Chunk, rows: int) -> str:
+def chunk_shape(config: JobConfig, chunk: Chunk, rows: int, compiled: bool = False) -> str:
     """What a chunk's compute on its server depends on beside the model and precision, as
     the key of DeviceProfile.shapes: its layers, whether it holds the embedding and the
     head, the microbatch's rows, its forward FLOPs on one tensor rank (which tell a
-    proxy's chunks from the model's), and over a tensor group its size and whether its
-    calls are sequence parallelism's. Recompute is not part of it: a shape is timed
-    without, and a rerun is priced on top of what its forward took."""
+    proxy's chunks from the model's), over a tensor group its size and whether its
+    calls are sequence parallelism's, and whether its blocks are `compiled` (compiled_on:
+    on a GPU 1F1B's are and zb-h1's are not, and take other times). Recompute is not part
+    of it: a shape is timed without, and a rerun is priced on top of what its forward took."""
     p = config.parallel
     parts = [f"{len(chunk.layers)} layers"] + ["embedding"] * chunk.has_embedding + ["head"] * chunk.has_head
     key = " + ".join(parts) + f", {rows} rows, {chunk_forward_flops(config, chunk, rows):.6g} FLOPs"
     if p.tp > 1:
         key += f", tp{p.tp}" + (" sp" if p.sequence_parallel else "")
-    return key
+    return key + (", compiled" if compiled else "")
+
+
+def compiled_on(config: JobConfig, device: str) -> bool:
+    """Whether `config`'s blocks run compiled on servers of `device` (cpu, cuda, or a
+    profile's device kind): train.compile as the servers read it (compile_modes.compiles;
+    "auto" compiles on GPUs), never under a schedule that splits its backwards."""
+    from interleaf.common.model.compile_modes import compiles, device_type_of
+
+    return compiles(config.train.compile, device_type_of([device]), config.parallel.schedule in ("zb-h1", "zbv"))
 
 
 def head_layers(config: JobConfig) -> float:
@@ -258,8 +268,8 @@ def layout_costs(config: JobConfig, profile: DeviceProfile, slowdown: float = 1.
         tp_b = len(chunk.layers) * tp_backward + ends_b
         # a shape run on the servers is priced at what its computes took (the group's calls
         # inside them), the laws price the rest
-        timed = {kind: seconds * slowdown for kind, seconds in profile.shapes.get(chunk_shape(config, chunk, rows),
-                                                                                   {}).items()}
+        shape = chunk_shape(config, chunk, rows, compiled_on(config, profile.device))
+        timed = {kind: seconds * slowdown for kind, seconds in profile.shapes.get(shape, {}).items()}
         share = _recompute_share(config, chunk, profile.selective_share)
         # the rerun's arithmetic at the law's rate (what selective_share was measured against)
         rerun = share * (flops / profile.forward.rate * stretch + (blocks_f if whole_reruns else 0.0))
