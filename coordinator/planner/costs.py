@@ -190,11 +190,12 @@ def chunk_shape(config: JobConfig, chunk: Chunk, rows: int, compiled: bool = Fal
 
 def compiled_on(config: JobConfig, device: str) -> bool:
     """Whether `config`'s blocks run compiled on servers of `device` (cpu, cuda, or a
-    profile's device kind): train.compile as the servers read it (compile_modes.compiles;
-    "auto" compiles on GPUs), never under a schedule that splits its backwards."""
-    from interleaf.common.model.compile_modes import compiles, device_type_of
+    profile's device kind): JobConfig.compiles_on, the answer the memory model and the
+    driver share ("auto" compiles on GPUs, never under a schedule that splits its
+    backwards)."""
+    from interleaf.common.model.compile_modes import device_type_of
 
-    return compiles(config.train.compile, device_type_of([device]), config.parallel.schedule in ("zb-h1", "zbv"))
+    return config.compiles_on(device_type_of([device]))
 
 
 def head_layers(config: JobConfig) -> float:
