@@ -23,7 +23,8 @@ from interleaf.coordinator.config import JobConfig
 from interleaf.coordinator.planner.costs import DeviceProfile
 from interleaf.coordinator.planner.explain import explain
 from interleaf.coordinator.admission import RUNTIME_RESERVE_BYTES, amount_text
-from interleaf.coordinator.planner.search import BUDGET_S, Cluster, SearchReport, search, why_unplannable
+from interleaf.coordinator.planner.search import (BUDGET_S, Cluster, SearchReport, hosts_text, search,
+                                                  why_unplannable)
 
 from interleaf.clients import plan_profile
 
@@ -203,7 +204,7 @@ def report_text(report: SearchReport, cluster: Cluster, profile: DeviceProfile, 
     tokens = config.train.global_batch * config.model.seq_len
     width = max([48] + [len(plan.layout.describe()) for plan in report.plans])  # the columns stay aligned
     lines = [describe_profile(profile),
-             f"{cluster.servers} servers of {amount_text(cluster.memory_bytes)}, {cluster.servers_per_host} per host"
+             f"{cluster.servers} servers of {amount_text(cluster.memory_bytes)}, {hosts_text(cluster)}"
              + (f", computing {cluster.compute_slowdown:.1f}x slower when all are busy (shared cores)"
                 if cluster.compute_slowdown > 1 else ""),
              f"searched {report.candidates} layouts in {report.seconds:.1f} s: {report.refused_by_rules} broke the "

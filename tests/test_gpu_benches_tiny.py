@@ -184,7 +184,7 @@ def test_memory_peak_counts_what_max_memory_allocated_counts():
     held = live_at_peak({"device_traces": [trace, [event("alloc", 7, 1 << 20)]], "segments": segments})
     # before the step: 2000 + 3000 at the end, less the net 4000 - 1000 + 3000 - 4000 + 5000 - 5000 = 2000
     assert held["device"] == 0 and held["baseline_bytes"] == 3000
-    assert held["step_bytes_at_peak"] == 7000 and held["peak_bytes"] == 10_000  # counting to free_completed: 11000
+    assert held["step_bytes_at_peak"] == 7000 and held["peak_bytes"] == 10_000  # step bytes to free_completed: 11000
     assert [g["bytes"] for g in held["live_at_peak"]] == [8000] and held["live_at_peak"][0]["allocations"] == 2
     assert held["rounding_bytes_at_end"] == 560 + 72 and held["events"] == 6 and not held["truncated"]
     with pytest.raises(ValueError, match="recorded no allocation or free"):

@@ -69,6 +69,8 @@ def test_a_coordinators_uneven_hosts_keep_tensor_groups_whole():
                               "model.n_layers=4", "train.global_batch=12"])
     uneven, _ = plan_command.remote_cluster(servers([3, 6, 3]))
     assert uneven.host_sizes == (6, 3, 3) and uneven.servers_per_host == 6
+    from interleaf.coordinator.planner.search import hosts_text
+    assert hosts_text(uneven) == "hosts of 6, 3 and 3" and hosts_text(Cluster(4, GIB, 4)) == "4 a host"
     assert {layout.tp for layout, _ in valid_configs(config, 12, 6, host_sizes=uneven.host_sizes)[0]} == {1, 3}
     even, _ = plan_command.remote_cluster(servers([6, 6]))
     assert {layout.tp for layout, _ in valid_configs(config, 12, 6, host_sizes=even.host_sizes)[0]} == {1, 2, 3, 6}
@@ -681,6 +683,14 @@ def test_a_timed_shape_is_priced_at_what_it_took():
     assert compiled_key == key + ", compiled"
     gpu_timed = dataclasses.replace(gpu, shapes={compiled_key: {"forward": 0.125}})
     assert layout_costs(config, gpu_timed, slowdown=2.0).forward_s[0] == pytest.approx(0.25)
+    # A GPU profile written before shape keys told compiled from eager is read without its
+    # shape timings (they may mix the two); a CPU's, or a current one, keeps them
+    old_gpu = {k: v for k, v in gpu.to_json().items() if k != "shape_keys"}
+    assert DeviceProfile.from_json(old_gpu).shapes == {} and not any(
+        o["kind"].startswith("shape:") for o in DeviceProfile.from_json(old_gpu).observations)
+    assert DeviceProfile.from_json(gpu.to_json()).shapes == gpu.shapes != {}
+    old_cpu = {k: v for k, v in fitted.to_json().items() if k != "shape_keys"}
+    assert DeviceProfile.from_json(old_cpu).shapes == fitted.shapes
     # zb-h1's eager blocks take the eager timing, and the laws where only the compiled one exists
     assert layout_costs(zb, gpu, slowdown=2.0).forward_s[0] == pytest.approx(0.25)
     assert layout_costs(zb, gpu_timed, slowdown=2.0).forward_s[0] == laws.forward_s[0]

@@ -108,7 +108,7 @@ class DeviceProfile:
     what a chunk of that shape is priced at in place of the laws."""
 
     def to_json(self) -> dict:
-        return dataclasses.asdict(self)
+        return {**dataclasses.asdict(self), "shape_keys": SHAPE_KEYS}
 
     def link(self, kind: str) -> Law:
         """The law of `kind`; where it was not measured, its group's all-reduce's (the
@@ -134,11 +134,31 @@ class DeviceProfile:
         if not isinstance(data["links"], dict) or not {"p2p", "allreduce"} <= set(data["links"]):
             raise ValueError(f"links={data['links']!r} must be an object with at least p2p and allreduce laws")
         _finite("update_s_per_param", data["update_s_per_param"], minimum=0.0)
+        observations, shapes = _shape_timings(data)
         return cls(device=data["device"], links={k: _law(f"links.{k}", v) for k, v in data["links"].items()},
                    update_s_per_param=data["update_s_per_param"], measured_on=data.get("measured_on", ""),
                    selective_share=data.get("selective_share"), tp_compute_factor=data.get("tp_compute_factor"),
-                   observations=list(data.get("observations", [])), shapes=dict(data.get("shapes", {})),
-                   **laws)
+                   observations=observations, shapes=shapes, **laws)
+
+
+SHAPE_KEYS = 2
+"""Of a profile's chunk shape keys (chunk_shape): 2 tell a shape timed with compiled blocks
+from one timed eager. A GPU profile of older keys may have timed both under one key (on a
+GPU, 1F1B's blocks compile and zb-h1's do not), so its shape timings are set aside when it
+is read (_shape_timings); a CPU's never compiled by default, and keep theirs."""
+
+
+def _shape_timings(data: dict) -> tuple[list[dict], dict[str, dict[str, float]]]:
+    """A profile file's observations and shapes, the GPU shape timings of older keys left
+    out (SHAPE_KEYS): the laws are fitted to its other observations, and the shapes the
+    plans need are timed again."""
+    from .fitting import SHAPE_OBSERVED
+
+    observations, shapes = list(data.get("observations", [])), dict(data.get("shapes", {}))
+    if data.get("shape_keys", 1) < SHAPE_KEYS and str(data["device"]).startswith("cuda"):
+        observations = [o for o in observations if not str(o.get("kind", "")).startswith(SHAPE_OBSERVED)]
+        shapes = {}
+    return observations, shapes
 
 
 @dataclass(frozen=True)
@@ -260,6 +280,7 @@ def layout_costs(config: JobConfig, profile: DeviceProfile, slowdown: float = 1.
     # a block rerun whole (full recompute, or selective's every K-th) calls its forward's
     # collectives again; selective's rerun replays them (collective_replay.py)
     whole_reruns = t.recompute == "full" or (t.recompute == "selective" and t.recompute_layers > 0)
+    compiled = compiled_on(config, profile.device)
     for chunk in chunks:
         flops = chunk_forward_flops(config, chunk, rows)
         ends_f, ends_b = _tp_chunk_seconds(config, profile, chunk, hidden)
@@ -269,7 +290,7 @@ def layout_costs(config: JobConfig, profile: DeviceProfile, slowdown: float = 1.
         tp_b = len(chunk.layers) * tp_backward + ends_b
         # a shape run on the servers is priced at what its computes took (the group's calls
         # inside them), the laws price the rest
-        shape = chunk_shape(config, chunk, rows, compiled_on(config, profile.device))
+        shape = chunk_shape(config, chunk, rows, compiled)
         timed = {kind: seconds * slowdown for kind, seconds in profile.shapes.get(shape, {}).items()}
         share = _recompute_share(config, chunk, profile.selective_share)
         # the rerun's arithmetic at the law's rate (what selective_share was measured against)

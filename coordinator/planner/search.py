@@ -182,6 +182,15 @@ def _runnable_on(device_type: str, valid: list, refused: int) -> tuple[list, int
     return kept, refused
 
 
+def hosts_text(cluster: Cluster) -> str:
+    """The cluster's hosts as the planner's messages name them: "6 a host", or a
+    coordinator's as they are, "hosts of 6, 3 and 3"."""
+    if not cluster.host_sizes:
+        return f"{cluster.servers_per_host} a host"
+    sizes = [str(size) for size in cluster.host_sizes]
+    return "hosts of " + (f"{', '.join(sizes[:-1])} and {sizes[-1]}" if len(sizes) > 1 else sizes[0])
+
+
 def why_unplannable(config: JobConfig, cluster: Cluster) -> str | None:
     """Why no layout of `cluster` can run `config`, whatever the costs and memory: no
     layout uses every server, or the config's rules (and the servers' devices') refuse
@@ -211,7 +220,7 @@ def why_unplannable(config: JobConfig, cluster: Cluster) -> str | None:
     if not seen:
         return (f"no layout uses all {cluster.servers} servers: dp·tp·pp = {cluster.servers} needs dp to divide "
                 f"train.global_batch={config.train.global_batch} (a replica's samples making at least pp "
-                f"microbatches), each tensor group of tp servers on one host ({cluster.servers_per_host} a host) and tp "
+                f"microbatches), each tensor group of tp servers on one host ({hosts_text(cluster)}) and tp "
                 f"to divide model.n_heads={m.n_heads}, the key/value heads ({m.n_kv_heads}) and the MLP's width "
                 f"({m.ffn_hidden}), and pp at most model.n_layers={m.n_layers}")
     return f"each of the {len(seen)} layouts of {cluster.servers} servers breaks a rule; the first: {first}"
