@@ -50,6 +50,7 @@ from interleaf.coordinator.config import load_config  # noqa: E402
 from interleaf.coordinator.memory_model import predict, with_temporaries  # noqa: E402
 from interleaf.coordinator.plan import plan_programs  # noqa: E402
 import memory_peak  # noqa: E402 - bench/gpu/memory_peak.py
+from report import peak_lines  # noqa: E402 - bench/gpu/report.py
 from interleaf_run import exit_cleanly_on_sigterm, run_job  # noqa: E402
 
 BOUND = 0.10
@@ -215,16 +216,9 @@ def report(rows: list[dict], out: str) -> None:
     for r in measured:
         print(f"{r['case']:<26}{r['predicted_peak_bytes'] / 2**20:>14.1f}{r['measured_peak_bytes'] / 2**20:>14.1f}"
               f"{r['ledger_peak_bytes'] / 2**20:>12.1f}{r['error']:>+8.1%}")
-    for r in measured:
-        if "peak_breakdown" in r:
-            held = r["peak_breakdown"]
-            print(f"{r['case']}: at its peak, {held['step_bytes_at_peak'] / 2**20:.1f} MiB allocated within the step "
-                  f"over {held['baseline_bytes'] / 2**20:.1f} MiB held before it"
-                  + (" (the history was cut: the peak may be earlier)" if held["truncated"] else "") + ":")
-            for group in held["live_at_peak"]:
-                print(f"  {group['bytes'] / 2**20:>10.1f} MiB  {group['allocations']:>5}  {group['where']}")
-        elif "peak_breakdown_error" in r:
-            print(f"{r['case']}: no peak breakdown: {r['peak_breakdown_error']}")
+    held = peak_lines(measured)  # report.py's lines, which the session's report.md prints too
+    if held:
+        print("\n".join(held))
     failed = [r for r in rows if "failed" in r]
     for r in failed:
         print(f"{r['case']:<26}FAILED {r['failed'][:300]}")

@@ -134,10 +134,10 @@ def tensor_groups_fit(servers: int, servers_per_host: int, tp: int, host_sizes: 
     12 servers, 6 a host, fit groups of 1, 2, 3 or 6, not of 4 (a host of 6 holds one
     such group, and three are needed); hosts of 6, 3 and 3 fit groups of 1 or 3, not of
     2 (3 + 1 + 1 of the 6 needed)."""
-    if host_sizes:
-        return sum(size // tp for size in host_sizes) >= servers // tp
-    full, rest = divmod(servers, servers_per_host)
-    return full * (servers_per_host // tp) + rest // tp >= servers // tp
+    if not host_sizes:
+        full, rest = divmod(servers, servers_per_host)
+        host_sizes = (servers_per_host,) * full + (rest,)
+    return sum(size // tp for size in host_sizes) >= servers // tp
 
 
 def grids(config: JobConfig, servers: int, servers_per_host: int,
