@@ -5,6 +5,7 @@ tmp_path."""
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import pathlib
@@ -36,6 +37,11 @@ def test_train(tmp_path):
     for side in ("interleaf", "interleaf-fp8"):  # each Interleaf side's profiled last step and its spans
         assert (tmp_path / f"profile_{side}.json.gz").stat().st_size > 0
         assert {s["kind"] for s in result["runs"][side]["spans"]} >= {"forward", "backward", "update"}
+    for side in TINY_SIDES.split(","):  # every side's last step profiled, and left out of its step times
+        trace = json.loads(gzip.decompress((tmp_path / f"profile_{side}.json.gz").read_bytes()))
+        assert any(e.get("name") == "aten::mm" for e in trace["traceEvents"]), side  # the step's products, traced
+        assert len(result["runs"][side]["step_seconds"]) == result["steps"] - 1, side
+    assert len(result["runs"]["plain (after)"]["step_seconds"]) == result["steps"]  # the drift run: not profiled
     assert [r["side"] for r in result["sides"]] == [*TINY_SIDES.split(","), "plain (after)"]
     plain = result["sides"][0]["losses"]
     assert len(plain) == result["steps"] == 3
@@ -113,6 +119,32 @@ def test_profile_breakdown_sums_each_category_and_counts_idle_over_the_union():
     top = top_kernels({"traceEvents": repeated}, 2)
     assert top == [{"name": "triton_poi_fused_gelu", "category": "inductor fused", "calls": 2, "ms": 0.065},
                    {"name": "nvjet_sm90_tst_128x256", "category": "matrix products", "calls": 1, "ms": 0.05}]
+
+
+def test_profile_breakdown_sets_a_trace_against_its_peers_kernel_by_kernel():
+    """--against: per category and per kernel name, one trace's milliseconds less its
+    peer's, the kernels that differ most first; one that only one side ran counts the
+    other's as 0. A label --against names must be one of the traces'."""
+    sys.path.insert(0, str(ROOT / "bench" / "gpu"))
+    from profile_breakdown import breakdown, pairs, per_name, versus
+
+    def trace(*kernels):
+        return {"traceEvents": [{"ph": "X", "cat": "kernel", "name": n, "ts": t, "dur": d} for n, t, d in kernels]}
+
+    ours = trace(("nvjet_a", 0, 500), ("triton_loss", 500, 30), ("nvjet_a", 530, 500))
+    peer = trace(("nvjet_a", 0, 520), ("nvjet_a", 520, 520), ("cross_entropy_kernel", 1040, 90))
+    d = versus(breakdown(ours), per_name(ours), "peer", breakdown(peer), per_name(peer), 2)
+    assert d["peer"] == "peer"
+    assert d["categories_ms"]["matrix products"] == -0.04 and d["categories_ms"]["inductor fused"] == 0.03
+    assert d["categories_ms"]["other elementwise"] == -0.09
+    assert d["kernels"] == [  # the peer's cross-entropy first (90 us), then the products (40 us); the loss's 30 us cut
+        {"name": "cross_entropy_kernel", "category": "other elementwise", "ms": 0.0, "peer_ms": 0.09,
+         "difference_ms": -0.09},
+        {"name": "nvjet_a", "category": "matrix products", "ms": 1.0, "peer_ms": 1.04, "difference_ms": -0.04}]
+    assert pairs(["ours,peer"], ["ours", "peer"]) == [("ours", "peer")]
+    for bad in ("ours", "ours,other", "ours,ours"):
+        with pytest.raises(SystemExit, match=f"--against '{bad}' must be LABEL,PEER"):
+            pairs([bad], ["ours", "peer"])
 
 
 def test_memory_peak_lists_what_a_step_held_at_its_peak():
@@ -234,6 +266,10 @@ def test_the_gpu_session_script_runs_every_phase(tmp_path):
         assert result["arch"] == arch and not result["failed"], result["failed"]
         assert set(result["interleaf_over_best_peer"]) == {"bf16", "fp8"}
     assert log.count("rc=0") == 6 and "rc=1" not in log
+    # every side of both architectures profiled, each Interleaf side paired with its peer
+    assert ("== profile: skipped, tiny (CPU traces hold no GPU kernels): 10 traces, --against "
+            "interleaf-compile,compile --against interleaf-fp8,fsdp2-compile-fp8 --against llama "
+            "interleaf-compile,llama compile --against llama interleaf-fp8,llama fsdp2-compile-fp8") in log
 
 
 def test_report_prints_the_committed_run_as_the_docs_tables():

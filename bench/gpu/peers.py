@@ -19,6 +19,10 @@ memory and parameter count:
   linears multiplying in float8 through torchao (tensorwise), converted first.
 
 Step time is host wall time per step, after the step's final synchronization on CUDA.
+With `profile_to`, the last step runs under torch's profiler, as Interleaf's traced step
+does (stageserver/profiling.py's settings: CPU operators, CUDA kernels on a GPU, shapes),
+its gzip-compressed Chrome trace written there, and leaves the step times: the peer's
+kernels beside Interleaf's (profile_breakdown.py) say where the two steps differ.
 Peak memory is `torch.cuda.max_memory_allocated` from the model's construction on; on
 the CPU it is not measured (None).
 """
@@ -27,7 +31,11 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import gzip
+import os
+import pathlib
 import socket
+import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -70,19 +78,19 @@ class Workload:
     """torch.compile's backend: inductor on a GPU; aot_eager keeps CPU tiny runs to seconds."""
 
 
-def plain(w: Workload) -> dict:
+def plain(w: Workload, profile_to: str | None = None) -> dict:
     """The PyTorch user's eager loop."""
-    return _train(w, _model(w), autocast=True)
+    return _train(w, _model(w), autocast=True, profile_to=profile_to)
 
 
-def compiled(w: Workload) -> dict:
+def compiled(w: Workload, profile_to: str | None = None) -> dict:
     """The eager loop with every transformer block compiled."""
     model = _model(w)
     _compile_blocks(model, w.compile_backend)
-    return _train(w, model, autocast=True)
+    return _train(w, model, autocast=True, profile_to=profile_to)
 
 
-def fsdp2_compiled(w: Workload, float8: bool = False) -> dict:
+def fsdp2_compiled(w: Workload, profile_to: str | None = None, float8: bool = False) -> dict:
     """torchtitan's FSDP2 + per-block compile recipe, on one rank. `float8`: its float8
     recipe, the blocks converted first (tensorwise scaling). torchtitan converts nn.Linear
     modules (torchao's convert_to_float8_training); this model's linears take the same
@@ -97,12 +105,12 @@ def fsdp2_compiled(w: Workload, float8: bool = False) -> dict:
         for block in model.h.values():
             fully_shard(block, mp_policy=policy)
         fully_shard(model, mp_policy=policy)
-        return _train(w, model, autocast=False)
+        return _train(w, model, autocast=False, profile_to=profile_to)
 
 
-def fsdp2_compiled_fp8(w: Workload) -> dict:
+def fsdp2_compiled_fp8(w: Workload, profile_to: str | None = None) -> dict:
     """torchtitan's float8 recipe on one rank (fsdp2_compiled's float8 variant)."""
-    return fsdp2_compiled(w, float8=True)
+    return fsdp2_compiled(w, profile_to, float8=True)
 
 
 def _model(w: Workload) -> ModelChunk:
@@ -134,14 +142,15 @@ def _world_of_one(device: str) -> Iterator[None]:
         dist.destroy_process_group()
 
 
-def _train(w: Workload, model: ModelChunk, autocast: bool) -> dict:
+def _train(w: Workload, model: ModelChunk, autocast: bool, profile_to: str | None = None) -> dict:
     parameters = sum(p.numel() for p in model.parameters())
     optimizer = torch.optim.AdamW(param_groups([model], WEIGHT_DECAY), lr=LR, betas=BETAS, eps=EPS, fused=True)
     schedule = Schedule(LR, WARMUP_STEPS, w.steps)
     sampler = Sampler(resolve_source("builtin"), SEED, w.model.seq_len, w.rows * w.microbatches, w.microbatches)
     cast = autocast and w.dtype != torch.float32
     seconds, losses = [], []
-    for step in range(w.steps):
+
+    def one_step(step: int) -> None:
         _synchronize(w.device)
         t0 = time.perf_counter()
         total = torch.zeros((), device=w.device)
@@ -158,12 +167,39 @@ def _train(w: Workload, model: ModelChunk, autocast: bool) -> dict:
         optimizer.zero_grad(set_to_none=True)
         losses.append(total.item())  # .item() synchronizes: the step's time includes its kernels
         seconds.append(time.perf_counter() - t0)
+
+    for step in range(w.steps - 1 if profile_to else w.steps):
+        one_step(step)
+    if profile_to:
+        with _profiler(w.device) as profiler:
+            one_step(w.steps - 1)
+        _write_chrome_trace(profiler, profile_to)
+        seconds.pop()  # the profiled step, slowed by the profiler, leaves the median as Interleaf's does
     peak = torch.cuda.max_memory_allocated() if w.device == "cuda" else None
     del model, optimizer
     gc.collect()
     if w.device == "cuda":
         torch.cuda.empty_cache()
     return {"step_seconds": seconds, "losses": losses, "max_memory_allocated_bytes": peak, "parameters": parameters}
+
+
+def _profiler(device: str) -> torch.profiler.profile:
+    """What Interleaf's traced step runs under (stageserver/profiling.py), so that the two
+    traces count the same things."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    return torch.profiler.profile(activities=activities, record_shapes=True)
+
+
+def _write_chrome_trace(profiler: torch.profiler.profile, path: str) -> None:
+    """The trace, gzip-compressed as a stage server sends its own (train.py writes those
+    to the same folder)."""
+    with tempfile.TemporaryDirectory() as folder:
+        plain_trace = os.path.join(folder, "trace.json")
+        profiler.export_chrome_trace(plain_trace)
+        with open(plain_trace, "rb") as f:
+            pathlib.Path(path).write_bytes(gzip.compress(f.read(), compresslevel=6))
 
 
 def _synchronize(device: str) -> None:

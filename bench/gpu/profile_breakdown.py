@@ -16,10 +16,19 @@ Beside the categories, each trace's costliest kernels by name (--kernels of them
 calls and summed time): what the next change to the step should look at first, since
 the categories say how much goes where but not which operations it is.
 
+Against a peer (--against LABEL,PEER, the peer's trace taken as train.py takes it): per
+category and per kernel name, LABEL's milliseconds less PEER's, the kernels that differ
+most first - what one step runs that the other does not (Interleaf's fused loss against
+a peer's [tokens x vocabulary] cross-entropy, bf16 parameters against autocast's casts),
+which is where a ratio between the two comes from, since their blocks are the same model.
+
     python bench/gpu/profile_breakdown.py LABEL=TRACE.json.gz ... --png OUT.png [--json OUT.json] [--kernels 25]
+        [--against LABEL,PEER ...]
 
 The JSON: {"categories_ms": {label: {category: ms}}, "top_kernels": {label: [{"name",
-"category", "calls", "ms"}, ...]}}.
+"category", "calls", "ms"}, ...]}, "against": {label: {"peer": PEER, "categories_ms":
+{category: ms}, "kernels": [{"name", "category", "ms", "peer_ms", "difference_ms"}, ...]}}}
+("against" only with --against).
 """
 
 from __future__ import annotations
@@ -59,15 +68,47 @@ def _kernels(trace: dict) -> list[dict]:
 
 def top_kernels(trace: dict, count: int) -> list[dict]:
     """The `count` kernel names with the most summed time, each with its category, calls
-    and milliseconds (names cut to 160 characters: templated ones run to thousands)."""
-    totals: dict[str, list] = {}
-    for e in _kernels(trace):
-        entry = totals.setdefault(e["name"], [0, 0.0])
-        entry[0] += 1
-        entry[1] += e["dur"] / 1e3
-    ranked = sorted(totals.items(), key=lambda item: -item[1][1])[:count]
-    return [{"name": name[:160], "category": category(name), "calls": calls, "ms": round(ms, 3)}
+    and milliseconds."""
+    ranked = sorted(per_name(trace).items(), key=lambda item: -item[1][1])[:count]
+    return [{"name": name, "category": category(name), "calls": calls, "ms": round(ms, 3)}
             for name, (calls, ms) in ranked]
+
+
+def per_name(trace: dict) -> dict[str, tuple[int, float]]:
+    """(calls, milliseconds) per kernel name, names cut to 160 characters: templated ones
+    run to thousands."""
+    totals: dict[str, tuple[int, float]] = {}
+    for e in _kernels(trace):
+        calls, ms = totals.get(e["name"][:160], (0, 0.0))
+        totals[e["name"][:160]] = (calls + 1, ms + e["dur"] / 1e3)
+    return totals
+
+
+def versus(rows: dict[str, float], kernels: dict[str, tuple[int, float]], peer: str, peer_rows: dict[str, float],
+           peer_kernels: dict[str, tuple[int, float]], count: int) -> dict:
+    """One trace (its breakdown and per_name) against a peer's: per category and per
+    kernel name, its milliseconds less the peer's; the `count` kernels whose times differ
+    most, largest first (a kernel only one of them ran counts the other's as 0)."""
+    ms = {name: value for name, (_, value) in kernels.items()}
+    peer_ms = {name: value for name, (_, value) in peer_kernels.items()}
+    names = sorted(set(ms) | set(peer_ms), key=lambda n: (-abs(ms.get(n, 0.0) - peer_ms.get(n, 0.0)), n))[:count]
+    return {"peer": peer,
+            "categories_ms": {name: round(rows[name] - peer_rows[name], 3) for name in CATEGORIES},
+            "kernels": [{"name": n, "category": category(n), "ms": round(ms.get(n, 0.0), 3),
+                         "peer_ms": round(peer_ms.get(n, 0.0), 3),
+                         "difference_ms": round(ms.get(n, 0.0) - peer_ms.get(n, 0.0), 3)} for n in names]}
+
+
+def pairs(values: list[str], labels: list[str]) -> list[tuple[str, str]]:
+    """--against's LABEL,PEER values, each naming two of the traces' labels."""
+    found = []
+    for value in values:
+        label, _, peer = value.partition(",")
+        if not peer or label not in labels or peer not in labels or label == peer:
+            raise SystemExit(f"--against {value!r} must be LABEL,PEER: two different labels of the traces given "
+                             f"({', '.join(labels)})")
+        found.append((label, peer))
+    return found
 
 
 def breakdown(trace: dict) -> dict[str, float]:
@@ -113,15 +154,21 @@ def main() -> None:
     parser.add_argument("--png", required=True)
     parser.add_argument("--json")
     parser.add_argument("--kernels", type=int, default=25, help="how many of each trace's costliest kernels to list")
+    parser.add_argument("--against", action="append", default=[], metavar="LABEL,PEER",
+                        help="LABEL's trace against PEER's, per category and per kernel (repeatable)")
     args = parser.parse_args()
-    rows, tops = {}, {}
+    against = pairs(args.against, [item.rpartition("=")[0] for item in args.traces])  # before any trace is read
+    rows, tops, names = {}, {}, {}
     for item in args.traces:
         label, _, path = item.rpartition("=")  # a label may hold "=" (train.compile=on), a path not
         trace = json.loads(gzip.decompress(pathlib.Path(path).read_bytes()))
-        rows[label], tops[label] = breakdown(trace), top_kernels(trace, args.kernels)
+        rows[label], tops[label], names[label] = breakdown(trace), top_kernels(trace, args.kernels), per_name(trace)
+    differences = {label: versus(rows[label], names[label], peer, rows[peer], names[peer], args.kernels)
+                   for label, peer in against}
     draw(rows, args.png)
     if args.json:
-        pathlib.Path(args.json).write_text(json.dumps({"categories_ms": rows, "top_kernels": tops}, indent=2) + "\n")
+        result = {"categories_ms": rows, "top_kernels": tops, **({"against": differences} if differences else {})}
+        pathlib.Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
     width = max([18] + [len(label) + 2 for label in rows])
     print(f"{'ms':<18}" + "".join(f"{label:>{width}}" for label in rows))
     for name in (*CATEGORIES, "total"):
@@ -131,6 +178,12 @@ def main() -> None:
         print(f"\n{label}: the costliest kernels")
         for k in kernels:
             print(f"{k['ms']:>10.2f} ms {k['calls']:>6} calls  {k['category']:<18} {k['name'][:100]}")
+    for label, d in differences.items():
+        print(f"\n{label} against {d['peer']}, ms (more in {label} when positive)")
+        print("  " + ", ".join(f"{name} {ms:+.1f}" for name, ms in d["categories_ms"].items()))
+        for k in d["kernels"]:
+            print(f"{k['difference_ms']:>+10.2f} ms ({k['ms']:.2f} against {k['peer_ms']:.2f})  {k['category']:<18} "
+                  f"{k['name'][:90]}")
 
 
 if __name__ == "__main__":

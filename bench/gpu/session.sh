@@ -15,9 +15,10 @@
 #   speed    bench/gpu/train.py, the 1.11B GPT then the 1.10B Llama, Interleaf's compiled
 #            bf16 and float8 sides against the strongest peer of each precision (per-block
 #            compile, torchtitan's FSDP2+compile recipe and its float8 one), the profile of
-#            each Interleaf side's last step, reduced here to its kernel categories
-#            (profile_breakdown.py); then memory_check.py on both results (no GPU needed:
-#            the sides recorded their device peaks).
+#            every side's last step, reduced here to its kernel categories and each
+#            Interleaf side's kernels against its peer's (profile_breakdown.py); then
+#            memory_check.py on both results (no GPU needed: the sides recorded their
+#            device peaks).
 #   planner  bench/planner.py on one GPU server (its predictions against measured steps,
 #            and the planned job's device peak against the memory model), float8's losses
 #            against bf16's over 200 steps of a smaller GPT (fp8_tracking.py), then the memory
@@ -97,8 +98,8 @@ speed() {
     step train-gpt2 "$(limit 300)" python3 bench/gpu/train.py --arch gpt2 --sides "$sides" --steps 8 --warmup 3 \
         --profile-dir "$traces/gpt2" --out "$OUT/train_gpt2.json" ${device[@]+"${device[@]}"}
     # The rest of the phase but what the two cheap steps after it need (8 and 3 s on the
-    # last H200 run).
-    RESERVE=45 step train-llama rest python3 bench/gpu/train.py --arch llama --sides "$sides" --steps 8 --warmup 3 \
+    # last H200 run, when two traces were reduced where now ten are).
+    RESERVE=60 step train-llama rest python3 bench/gpu/train.py --arch llama --sides "$sides" --steps 8 --warmup 3 \
         --profile-dir "$traces/llama" --out "$OUT/train_llama.json" ${device[@]+"${device[@]}"}
     # Tiny sides ran on the CPU, where no device peak exists: the check then reads the
     # committed GPU run's results, so that its code still runs.
@@ -112,18 +113,27 @@ speed() {
     done
     (( ${#results[@]} )) && step memory 40 python3 bench/gpu/memory_check.py --train-json "${results[@]}" \
         --out "$OUT/memory_train.json"
-    local profiled=()  # the GPT's sides by their names (docs/gpus.md's table), the Llama's prefixed
-    for side in interleaf-compile interleaf-fp8; do
-        [[ -f "$traces/gpt2/profile_$side.json.gz" ]] && profiled+=("$side=$traces/gpt2/profile_$side.json.gz")
-    done
-    for side in interleaf-compile interleaf-fp8; do
-        [[ -f "$traces/llama/profile_$side.json.gz" ]] && profiled+=("llama $side=$traces/llama/profile_$side.json.gz")
+    # Every side's profiled step, the GPT's by their names (docs/gpus.md's table), the
+    # Llama's prefixed; each Interleaf side also against the peer it was ranked with last
+    # time, kernel by kernel (profile_breakdown.py --against).
+    local profiled=() against=()
+    for arch in gpt2 llama; do
+        local prefix=""
+        [[ $arch == llama ]] && prefix="llama "
+        for side in ${sides//,/ }; do
+            [[ -f "$traces/$arch/profile_$side.json.gz" ]] && profiled+=("$prefix$side=$traces/$arch/profile_$side.json.gz")
+        done
+        for pair in interleaf-compile,compile interleaf-fp8,fsdp2-compile-fp8; do
+            [[ -f "$traces/$arch/profile_${pair%,*}.json.gz" && -f "$traces/$arch/profile_${pair#*,}.json.gz" ]] \
+                && against+=(--against "$prefix${pair%,*},$prefix${pair#*,}")
+        done
     done
     if [[ "$tiny" == "--tiny" ]]; then
-        echo "== profile: skipped, tiny (CPU traces hold no GPU kernels)" | tee -a "$log"
+        echo "== profile: skipped, tiny (CPU traces hold no GPU kernels): ${#profiled[@]} traces," \
+             "${against[*]-no pairs}" | tee -a "$log"
     elif (( ${#profiled[@]} )); then
-        step profile 60 python3 bench/gpu/profile_breakdown.py "${profiled[@]}" --png "$OUT/profile.png" \
-            --json "$OUT/profile_breakdown.json"
+        step profile 90 python3 bench/gpu/profile_breakdown.py "${profiled[@]}" ${against[@]+"${against[@]}"} \
+            --png "$OUT/profile.png" --json "$OUT/profile_breakdown.json"
     fi
 }
 

@@ -36,6 +36,10 @@ best tokens/s over the best peer's, naming that peer. The run fails if a side's 
 disagree with that side's
 beyond bf16's tolerance (the same function, rounded differently).
 
+`--profile-dir`: every side's last step (a peer's first run) also runs under torch's
+profiler, its trace written there and its time left out of the median; the peers' traces
+beside Interleaf's show, kernel by kernel, where the steps differ (profile_breakdown.py).
+
 `--device cpu --tiny`: a 2-layer d_model 64 model, 3 steps, bf16 as on a GPU (autocast,
 a bf16 MixedPrecisionPolicy, train.precision=bf16), transport gloo, torch.compile's
 aot_eager backend: the same code in seconds, so a broken client, flag or
@@ -130,9 +134,9 @@ def interleaf(w: peers.Workload, compile_override: str | None, profile_to: str |
 
 
 def run_side(side: str, w: peers.Workload, profile_dir: str | None = None) -> dict:
-    if side in PEERS:
-        return PEERS[side](w)
     profile = profile_dir and os.path.join(profile_dir, f"profile_{side}.json.gz")
+    if side in PEERS:
+        return PEERS[side](w, profile)
     if side == "interleaf-compile":
         return interleaf(w, "on", profile)
     if side == "interleaf-fp8":  # float8 products (tensorwise), compiled blocks: torchao's fast path
@@ -181,8 +185,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, help="default 12 (tiny: 3)")
     parser.add_argument("--warmup", type=int, help="steps left out of the median; default 3 (tiny: 1)")
     parser.add_argument("--compile-backend", help="torch.compile's backend; default inductor (tiny: aot_eager)")
-    parser.add_argument("--profile-dir", help="torch profiler trace of each Interleaf side's last step, written "
-                        "here as profile_SIDE.json.gz (gzip Chrome trace); that step leaves the median")
+    parser.add_argument("--profile-dir", help="torch profiler trace of each side's last step (a peer's "
+                        "under the settings a stage server profiles with), written here as profile_SIDE.json.gz "
+                        "(gzip Chrome trace); that step leaves the median")
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "bench/results"), "gpu_train.json"))
     args = parser.parse_args()
     for flag, value, least in (("--steps", args.steps, 1), ("--warmup", args.warmup, 0)):
@@ -228,7 +233,8 @@ def main() -> None:
     for i, side in enumerate(order):
         label = f"{side} (after)" if side in runs or side in failed else side
         try:
-            runs[label] = run_side(side, w, args.profile_dir)
+            # plain's second run (its drift) is not profiled again
+            runs[label] = run_side(side, w, args.profile_dir if label == side else None)
         except Exception as err:  # noqa: BLE001 - one side's failure is reported; the others still run
             failed[label] = f"{type(err).__name__}: {err}"
             print(f"  {label}: FAILED {failed[label][:2000]}", flush=True)
