@@ -368,7 +368,7 @@ def plan_for_run(client, config: JobConfig, cluster: Cluster, device: str, log) 
     report, profile = plan_on(client, config, cluster, device, 1, None, log)
     best = report.plans[0]
     log(f"planned: {best.layout.describe()}, predicted {best.step_s:.4f} s a step, bubble {best.bubble:.1%}, "
-        f"peak {max(best.peak_bytes) / 2**30:.3f} GiB (best of {report.candidates} layouts of "
+        f"peak {amount_text(max(best.peak_bytes))} (best of {report.candidates} layouts of "
         f"{cluster.servers} servers" + (f"; {report.unvisited} left unweighed at the search's time budget"
                                         if report.stopped_by_time else "") + ")")
     for line in explain(best):

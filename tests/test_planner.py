@@ -225,7 +225,7 @@ def test_the_explanation_says_why_each_variant_lost():
                 programs = programs_for(cfg)
                 need = max(needed_bytes(cfg, programs))
                 if verdict.startswith("does not fit"):
-                    assert need > tight and f"needs {mib(need - tight)} more" in verdict
+                    assert verdict == f"does not fit: needs {mib(need - tight)} more than a server's {tight / GIB:.2f} GiB"
                 else:
                     step = simulate_layout(cfg, programs, layout_costs(cfg, profile())).makespan_s
                     slower = step / plan.step_s - 1
@@ -233,6 +233,8 @@ def test_the_explanation_says_why_each_variant_lost():
                                                          f"{mib(need - plan_need, '+')} peak")
                     assert slower > -VARIANT_TIE and (slower != 0 or need >= plan_need)
                 verdicts.append(verdict.split(":")[0])
+        peak = max(plan.peak_bytes)  # in MiB under a GiB (where "0.05 GiB" would hide a tenth of it)
+        assert f"peak memory {mib(peak)} (+0.5 GiB process reserve)" in "\n".join(explain(plan))
     assert "does not fit" in verdicts and any("step" in v for v in verdicts)
 
 

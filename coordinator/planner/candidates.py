@@ -219,14 +219,27 @@ def layouts(config: JobConfig, servers: int, servers_per_host: int, head_layers:
                                 yield Layout(dp, tp, pp, vpp, schedule, microbatches, zero, recompute, sp, split)
 
 
+def checked(config: JobConfig, layout: Layout, device_type: str | None = None) -> JobConfig:
+    """`config` under `layout`, or ConfigError where the config's rules refuse it - and,
+    given the servers' `device_type`, where their devices do (float8 tensor cores need
+    microbatch tokens that are multiples of 16: plan.check_fp8)."""
+    from interleaf.coordinator.plan import check_fp8  # plan imports the planner
+
+    cfg = apply(config, layout)
+    if device_type is not None:
+        check_fp8(cfg, [device_type])
+    return cfg
+
+
 def valid_configs(config: JobConfig, servers: int, servers_per_host: int, head_layers: float = 0.0,
-                  every_microbatch_count: bool = False,
-                  host_sizes: tuple[int, ...] = ()) -> tuple[list[tuple[Layout, JobConfig]], int]:
-    """(layout, its config) for every candidate the rules admit, and how many they refused."""
+                  every_microbatch_count: bool = False, host_sizes: tuple[int, ...] = (),
+                  device_type: str | None = None) -> tuple[list[tuple[Layout, JobConfig]], int]:
+    """(layout, its config) for every candidate the rules (and, given, the devices:
+    `checked`) admit, and how many they refused."""
     kept, refused = [], 0
     for layout in layouts(config, servers, servers_per_host, head_layers, every_microbatch_count, host_sizes):
         try:
-            kept.append((layout, apply(config, layout)))
+            kept.append((layout, checked(config, layout, device_type)))
         except ConfigError:
             refused += 1
     return kept, refused

@@ -3,10 +3,10 @@ it fared against its variants, the same layout with another ZeRO stage, recomput
 or sequence parallelism, as the search weighed them (search.py records an Outcome for
 every candidate it looked at).
 
-Worked example (docs/planning.md, 4 servers of 0.56 GiB, an 8-layer d_model 256 GPT):
+Worked example (docs/planning.md, 4 servers of 572.2 MiB, an 8-layer d_model 256 GPT):
 the dp2·tp1·pp2 1f1b m=8 plan keeps ZeRO stage 1, and its explanation says why:
 
-    zero=1, against: zero0 does not fit: needs 5.9 MiB more than a server's 0.56 GiB;
+    zero=1, against: zero0 does not fit: needs 5.9 MiB more than a server's 572.2 MiB;
     zero2 +0.00% step, +6.2 MiB peak; zero3 does not fit: needs 5.9 MiB more than ...
 
 Stage 0 and stage 3 do not fit; stage 2 is as fast and holds more. Every such claim is
@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from interleaf.coordinator.admission import RUNTIME_RESERVE_BYTES
+from interleaf.coordinator.admission import RUNTIME_RESERVE_BYTES, amount_text
 from interleaf.coordinator.partition import partition
 
 from .candidates import RECOMPUTE_ORDER, Layout
@@ -86,7 +86,7 @@ def _against(outcome: Outcome, step_s: float, peak_bytes: int, memory_bytes: int
         return f"{slower:+.{1 if abs(slower) >= 0.01 else 2}%} step, {_size(outcome.needed_bytes - peak_bytes, '+')} peak"
     if outcome.kind == "refused":
         return (f"does not fit: needs {_size(outcome.needed_bytes - memory_bytes)} more than a server's "
-                f"{memory_bytes / GIB:.2f} GiB")
+                f"{amount_text(memory_bytes)}")
     return "not weighed (the search's time budget ran out)"
 
 
@@ -127,7 +127,7 @@ def explain(plan, best=None) -> list[str]:
     sizes = sorted({len(c.layers) for c in chunks})
     if len(sizes) > 1:
         lines.append(f"uneven split: chunks hold {sizes[0]}-{sizes[-1]} layers")
-    lines.append(f"peak memory {max(plan.peak_bytes) / GIB:.2f} GiB (+{RUNTIME_RESERVE_BYTES / GIB:.1f} GiB "
+    lines.append(f"peak memory {amount_text(max(plan.peak_bytes))} (+{RUNTIME_RESERVE_BYTES / GIB:.1f} GiB "
                  f"process reserve) on pipeline rank {plan.peak_bytes.index(max(plan.peak_bytes))}")
     if best is not None and best is not plan:
         lines.append(f"{plan.step_s / best.step_s - 1:+.1%} against the best")

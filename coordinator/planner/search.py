@@ -23,13 +23,13 @@ import time
 from dataclasses import dataclass, field
 
 from interleaf.coordinator.admission import RUNTIME_RESERVE_BYTES
-from interleaf.coordinator.config import JobConfig
+from interleaf.coordinator.config import ConfigError, JobConfig
 from interleaf.coordinator.memory_model import predict, with_temporaries
 from interleaf.coordinator.schedule import CostModel, SimResult, build_programs, simulate
 from interleaf.coordinator.schedule.placement import chunk_ranks
 from interleaf.protos.actions import COMPUTE, Action, Kind
 
-from .candidates import RECOMPUTE_ORDER, Layout, valid_configs
+from .candidates import RECOMPUTE_ORDER, Layout, checked, layouts, valid_configs
 from .costs import DeviceProfile, LayoutCosts, head_layers, layout_costs
 from .explain import Outcome, explain, variant_lines
 
@@ -166,22 +166,6 @@ def _compute_s(costs: LayoutCosts, action: Action) -> float:
     return table[action.kind][action.chunk]
 
 
-def _runnable_on(device_type: str, valid: list, refused: int) -> tuple[list, int]:
-    """The candidates the servers' devices take (float8 tensor cores need microbatch
-    tokens that are multiples of 16: plan.check_fp8), and the count refused, with those."""
-    from interleaf.coordinator.config import ConfigError
-    from interleaf.coordinator.plan import check_fp8
-
-    kept = []
-    for layout, cfg in valid:
-        try:
-            check_fp8(cfg, [device_type])
-            kept.append((layout, cfg))
-        except ConfigError:
-            refused += 1
-    return kept, refused
-
-
 def hosts_text(cluster: Cluster) -> str:
     """The cluster's hosts as the planner's messages name them: "6 a host", or a
     coordinator's as they are, "hosts of 6, 3 and 3"."""
@@ -198,11 +182,6 @@ def why_unplannable(config: JobConfig, cluster: Cluster) -> str | None:
     that the planner can say this before it measures any cost (which may take minutes
     on the servers) and the search need not. Microbatch counts past 8 * pp * vpp are
     tried too before a refusal (the search's second pass takes them)."""
-    from interleaf.coordinator.config import ConfigError
-    from interleaf.coordinator.plan import check_fp8
-
-    from .candidates import apply, layouts
-
     seen: set[Layout] = set()
     first = None
     for every_count in (False, True):
@@ -212,7 +191,7 @@ def why_unplannable(config: JobConfig, cluster: Cluster) -> str | None:
                 continue
             seen.add(layout)
             try:
-                check_fp8(apply(config, layout), [cluster.device_type])
+                checked(config, layout, cluster.device_type)
                 return None
             except ConfigError as err:
                 first = first or err
@@ -239,8 +218,7 @@ def search(config: JobConfig, cluster: Cluster, profile: DeviceProfile, top: int
     (candidates.microbatch_counts), where with no more than that nothing fits."""
     started = time.monotonic()
     valid, refused = valid_configs(config, cluster.servers, cluster.servers_per_host, head_layers(config),
-                                   every_microbatch_count, cluster.host_sizes)
-    valid, refused = _runnable_on(cluster.device_type, valid, refused)
+                                   every_microbatch_count, cluster.host_sizes, cluster.device_type)
     report = SearchReport([], candidates=len(valid) + refused, refused_by_rules=refused)
     bounded = []
     for layout, cfg in valid:
