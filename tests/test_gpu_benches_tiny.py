@@ -274,9 +274,10 @@ def test_the_gpu_session_script_runs_every_phase(tmp_path):
 
 def test_report_prints_the_committed_run_as_the_docs_tables():
     """bench/gpu/report.py on the committed H200 run: the row docs/gpus.md's speed table
-    holds for it, and the memory check's."""
+    holds for it, the memory check's, and the profile's categories (with a side set
+    against its peer)."""
     sys.path.insert(0, str(ROOT / "bench" / "gpu"))
-    from report import memory_table, train_table
+    from report import memory_table, profile_lines, train_table
     lines = train_table(json.loads((ROOT / "bench/results/gpu/train_gpt2.json").read_text()))
     assert "| interleaf-compile | 0.866 s | 75,712 | 74.4% | 58.7% | 37.6 GiB | 7.7e-04 |" in lines
     assert lines[-2:] == ["- bf16: interleaf-compile / compile tokens/s = **1.068**",
@@ -284,6 +285,20 @@ def test_report_prints_the_committed_run_as_the_docs_tables():
     cases = json.loads((ROOT / "bench/results/gpu/memory_cases.json").read_text())
     assert memory_table(cases)[-1] == \
         "| gpt2-2.7b-full | 80.7 GiB | 80.8 GiB | torch.cuda.max_memory_allocated | +0.2% |"
+    profile = json.loads((ROOT / "bench/results/gpu/profile_breakdown.json").read_text())
+    lines = profile_lines(profile)  # docs/gpus.md's "Where the time goes", its compiled columns
+    assert lines[:3] == ["| ms in one step | interleaf-compile | interleaf-fp8 |", "| --- | --- | --- |",
+                         "| matrix products | 587.1 | 317.7 |"]
+    assert lines[-1] == "| **step** | 863.9 | 852.4 |"
+    kernel = {"name": "cross_entropy_kernel", "category": "other elementwise", "ms": 0.0, "peer_ms": 40.0,
+              "difference_ms": -40.0}
+    profile["against"] = {"interleaf-compile": {"peer": "compile", "categories_ms": {
+        **dict.fromkeys(profile["categories_ms"]["interleaf-compile"], 0.0), "other elementwise": -40.0},
+        "kernels": [kernel]}}
+    assert profile_lines(profile)[-2:] == [
+        "- interleaf-compile against compile: -40.0 ms in all (matrix products +0.0, attention +0.0, inductor fused "
+        "+0.0, other elementwise -40.0, copies +0.0, optimizer +0.0, idle +0.0); the kernels that differ most:",
+        "  - -40.0 ms (0.0 against 40.0), other elementwise: `cross_entropy_kernel`"]
 
 
 def _children(pid: int) -> list[int]:

@@ -1,11 +1,12 @@
 """A GPU session's results as the Markdown tables docs/gpus.md and docs/benchmarks.md
 print: one table per train.py result, the memory check's (with what each case held at
-its peak, where recorded), float8's tracking of bf16, the planner's summary, each
+its peak, where recorded), where the profiled steps' GPU time went (and where each
+Interleaf side's differs from its peer's), float8's tracking of bf16, the planner's summary, each
 headed by where and on what tree it was measured. bench/gpu/session.sh runs it at the
 end of each phase, so the tables are in the session's log and need no GPU time to write.
 
-    python bench/gpu/report.py DIR      # DIR: session.sh's $OUT (train_*.json, memory_*.json, fp8_tracking*.json,
-                                        # planner.json)
+    python bench/gpu/report.py DIR      # DIR: session.sh's $OUT (train_*.json, memory_*.json,
+                                        # profile_breakdown.json, fp8_tracking*.json, planner.json)
 
 Worked example: a train.py row {"side": "interleaf-compile", "median_step_seconds":
 0.866, "tokens_per_second": 75712, "mfu_measured_peak": 0.744, "mfu_datasheet_peak":
@@ -98,6 +99,26 @@ def tracking_lines(result: dict) -> list[str]:
             f"{'tracks' if result['tracks'] else 'DOES NOT TRACK'}"]
 
 
+def profile_lines(result: dict, top: int = 8) -> list[str]:
+    """profile_breakdown.py's result: milliseconds per kernel category, a column per
+    profiled side, as docs/gpus.md's table; then, for each side set against its peer
+    (--against), where the two steps differ most, kernel by kernel."""
+    categories = result["categories_ms"]
+    labels = list(categories)
+    names = list(next(iter(categories.values()))) if categories else []
+    lines = [f"| ms in one step | {' | '.join(labels)} |", f"| --- |{' --- |' * len(labels)}"]
+    lines += [f"| {name} | {' | '.join(f'{categories[label][name]:.1f}' for label in labels)} |" for name in names]
+    lines.append(f"| **step** | {' | '.join(f'{sum(categories[label].values()):.1f}' for label in labels)} |")
+    for label, versus in result.get("against", {}).items():
+        total = sum(versus["categories_ms"].values())
+        by_category = ", ".join(f"{name} {ms:+.1f}" for name, ms in versus["categories_ms"].items())
+        lines += ["", f"- {label} against {versus['peer']}: {total:+.1f} ms in all ({by_category}); the kernels "
+                      f"that differ most:"]
+        lines += [f"  - {k['difference_ms']:+.1f} ms ({k['ms']:.1f} against {k['peer_ms']:.1f}), {k['category']}: "
+                  f"`{k['name'][:100]}`" for k in versus["kernels"][:top]]
+    return lines
+
+
 def planner_lines(result: dict) -> list[str]:
     """bench/planner.py's summary: the targets it holds."""
     if result.get("partial"):  # cut short: the runs it finished, with their predictions
@@ -127,6 +148,9 @@ def report(folder: pathlib.Path) -> list[str]:
         lines += [f"### {path.name}", "", *memory_table(cases), ""]
         held = peak_lines(cases)
         lines += [*held, ""] if held else []
+    profile = folder / "profile_breakdown.json"
+    if profile.exists():
+        lines += ["### profile_breakdown.json", "", *profile_lines(json.loads(profile.read_text())), ""]
     for path in sorted(folder.glob("fp8_tracking*.json")):
         lines += [f"### {path.name}", "", *tracking_lines(json.loads(path.read_text())), ""]
     planner = folder / "planner.json"
