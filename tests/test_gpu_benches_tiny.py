@@ -145,6 +145,17 @@ def test_profile_breakdown_sets_a_trace_against_its_peers_kernel_by_kernel():
     for bad in ("ours", "ours,other", "ours,ours"):
         with pytest.raises(SystemExit, match=f"--against '{bad}' must be LABEL,PEER"):
             pairs([bad], ["ours", "peer"])
+    with pytest.raises(SystemExit, match="ours is set against peer already"):
+        pairs(["ours,peer", "ours,other"], ["ours", "peer", "other"])
+    # Two casts whose names part past character 180, as torch's do: two kernels, each
+    # categorised by its whole name, the same as the categories count them.
+    stem = "void at::native::unrolled_elementwise_kernel<" + "x" * 150
+    casts = trace((stem + "direct_copy_kernel_cuda{lambda(float)#1}", 0, 30),
+                  (stem + "direct_copy_kernel_cuda{lambda(c10::BFloat16)#1}", 30, 20))
+    d = versus(breakdown(casts), per_name(casts), "peer", breakdown(peer), per_name(peer), 5)
+    cast_rows = [k for k in d["kernels"] if k["name"].startswith(stem)]
+    assert [(k["ms"], k["category"]) for k in cast_rows] == [(0.03, "copies"), (0.02, "copies")]
+    assert breakdown(casts)["copies"] == 0.05
 
 
 def test_memory_peak_lists_what_a_step_held_at_its_peak():

@@ -20,7 +20,7 @@ from interleaf.coordinator.planner import costs as costs_module, fitting
 from interleaf.coordinator.planner.candidates import Layout, apply, grids, head_balanced_split, pipelines, valid_configs
 from interleaf.coordinator.planner.costs import (DeviceProfile, Law, LayoutCosts, chunk_forward_flops,
                                                 chunk_parameters, collective_s, layout_costs, normalized)
-from interleaf.coordinator.planner.explain import explain
+from interleaf.coordinator.planner.explain import Outcome, explain, variant_lines
 from interleaf.protos import interleaf_pb2 as pb
 from interleaf.coordinator.planner.search import (VARIANT_TIE, Cluster, compute_bound, programs_for, search,
                                                   simulate_layout)
@@ -225,7 +225,8 @@ def test_the_explanation_says_why_each_variant_lost():
                 programs = programs_for(cfg)
                 need = max(needed_bytes(cfg, programs))
                 if verdict.startswith("does not fit"):
-                    assert verdict == f"does not fit: needs {mib(need - tight)} more than a server's {tight / GIB:.2f} GiB"
+                    assert verdict == f"does not fit: needs {mib(need - tight)} more than a server's " \
+                                      f"{tight / GIB:.2f} GiB"
                 else:
                     step = simulate_layout(cfg, programs, layout_costs(cfg, profile())).makespan_s
                     slower = step / plan.step_s - 1
@@ -236,6 +237,11 @@ def test_the_explanation_says_why_each_variant_lost():
         peak = max(plan.peak_bytes)  # in MiB under a GiB (where "0.05 GiB" would hide a tenth of it)
         assert f"peak memory {mib(peak)} (+0.5 GiB process reserve)" in "\n".join(explain(plan))
     assert "does not fit" in verdicts and any("step" in v for v in verdicts)
+    # a server under a GiB is named in MiB too (docs/planning.md's 600,000,000-byte servers)
+    layout = Layout(2, 1, 1, 1, "1f1b", 1, 1, "none", False, ())
+    refused = Outcome("refused", needed_bytes=600_000_000 + 6_186_598)
+    assert variant_lines(layout, 1.0, 0, 600_000_000, {dataclasses.replace(layout, zero=0): refused}) == [
+        "zero=1, against: zero0 does not fit: needs 5.9 MiB more than a server's 572.2 MiB"]
 
 
 def test_a_shape_ranks_its_leanest_variant_within_the_tie_of_its_fastest():

@@ -19,10 +19,11 @@ memory and parameter count:
   linears multiplying in float8 through torchao (tensorwise), converted first.
 
 Step time is host wall time per step, after the step's final synchronization on CUDA.
-With `profile_to`, the last step runs under torch's profiler, as Interleaf's traced step
-does (stageserver/profiling.py's settings: CPU operators, CUDA kernels on a GPU, shapes),
-its gzip-compressed Chrome trace written there, and leaves the step times: the peer's
-kernels beside Interleaf's (profile_breakdown.py) say where the two steps differ.
+With `profile_to`, the last step runs under the stage server's own profiler
+(stageserver/profiling.py's StepProfiler: CPU operators, CUDA kernels on a GPU, shapes),
+its gzip-compressed Chrome trace written there (empty where over the size a server's
+report keeps), and leaves the step times: the peer's kernels beside Interleaf's
+(profile_breakdown.py) say where the two steps differ.
 Peak memory is `torch.cuda.max_memory_allocated` from the model's construction on; on
 the CPU it is not measured (None).
 """
@@ -31,11 +32,8 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import gzip
-import os
 import pathlib
 import socket
-import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -51,6 +49,7 @@ from interleaf.stageserver.model import full_model
 from interleaf.stageserver.model.chunk import ModelChunk
 from interleaf.stageserver.model.fp8 import convert_blocks_to_fp8
 from interleaf.stageserver.optim import BETAS, EPS
+from interleaf.stageserver.profiling import StepProfiler
 from torch_training import param_groups  # bench/torch_training.py: Interleaf's weight-decay groups
 
 SEED = 1
@@ -171,9 +170,9 @@ def _train(w: Workload, model: ModelChunk, autocast: bool, profile_to: str | Non
     for step in range(w.steps - 1 if profile_to else w.steps):
         one_step(step)
     if profile_to:
-        with _profiler(w.device) as profiler:
+        with StepProfiler(torch_profiler=True, memory_snapshot=False, device=torch.device(w.device)).over(True) as got:
             one_step(w.steps - 1)
-        _write_chrome_trace(profiler, profile_to)
+        pathlib.Path(profile_to).write_bytes(got.torch_profile)  # gzip-compressed, as a server's report carries it
         seconds.pop()  # the profiled step, slowed by the profiler, leaves the median as Interleaf's does
     peak = torch.cuda.max_memory_allocated() if w.device == "cuda" else None
     del model, optimizer
@@ -181,25 +180,6 @@ def _train(w: Workload, model: ModelChunk, autocast: bool, profile_to: str | Non
     if w.device == "cuda":
         torch.cuda.empty_cache()
     return {"step_seconds": seconds, "losses": losses, "max_memory_allocated_bytes": peak, "parameters": parameters}
-
-
-def _profiler(device: str) -> torch.profiler.profile:
-    """What Interleaf's traced step runs under (stageserver/profiling.py), so that the two
-    traces count the same things."""
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    if device == "cuda":
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
-    return torch.profiler.profile(activities=activities, record_shapes=True)
-
-
-def _write_chrome_trace(profiler: torch.profiler.profile, path: str) -> None:
-    """The trace, gzip-compressed as a stage server sends its own (train.py writes those
-    to the same folder)."""
-    with tempfile.TemporaryDirectory() as folder:
-        plain_trace = os.path.join(folder, "trace.json")
-        profiler.export_chrome_trace(plain_trace)
-        with open(plain_trace, "rb") as f:
-            pathlib.Path(path).write_bytes(gzip.compress(f.read(), compresslevel=6))
 
 
 def _synchronize(device: str) -> None:

@@ -66,21 +66,26 @@ def _kernels(trace: dict) -> list[dict]:
     return kernels
 
 
-def top_kernels(trace: dict, count: int) -> list[dict]:
+NAME_CHARACTERS = 240
+"""Where a kernel's name is cut in the output: templated ones run to thousands, while
+casts to and from bf16 differ only past character 180. Kernels are told apart and
+categorised by their whole names."""
+
+
+def top_kernels(trace: dict, count: int, names: dict[str, tuple[int, float]] | None = None) -> list[dict]:
     """The `count` kernel names with the most summed time, each with its category, calls
-    and milliseconds."""
-    ranked = sorted(per_name(trace).items(), key=lambda item: -item[1][1])[:count]
-    return [{"name": name, "category": category(name), "calls": calls, "ms": round(ms, 3)}
+    and milliseconds; `names`: the trace's per_name, where made already."""
+    ranked = sorted((names or per_name(trace)).items(), key=lambda item: -item[1][1])[:count]
+    return [{"name": name[:NAME_CHARACTERS], "category": category(name), "calls": calls, "ms": round(ms, 3)}
             for name, (calls, ms) in ranked]
 
 
 def per_name(trace: dict) -> dict[str, tuple[int, float]]:
-    """(calls, milliseconds) per kernel name, names cut to 160 characters: templated ones
-    run to thousands."""
+    """(calls, milliseconds) per kernel name."""
     totals: dict[str, tuple[int, float]] = {}
     for e in _kernels(trace):
-        calls, ms = totals.get(e["name"][:160], (0, 0.0))
-        totals[e["name"][:160]] = (calls + 1, ms + e["dur"] / 1e3)
+        calls, ms = totals.get(e["name"], (0, 0.0))
+        totals[e["name"]] = (calls + 1, ms + e["dur"] / 1e3)
     return totals
 
 
@@ -91,22 +96,26 @@ def versus(rows: dict[str, float], kernels: dict[str, tuple[int, float]], peer: 
     most, largest first (a kernel only one of them ran counts the other's as 0)."""
     ms = {name: value for name, (_, value) in kernels.items()}
     peer_ms = {name: value for name, (_, value) in peer_kernels.items()}
-    names = sorted(set(ms) | set(peer_ms), key=lambda n: (-abs(ms.get(n, 0.0) - peer_ms.get(n, 0.0)), n))[:count]
+    difference = {n: round(ms.get(n, 0.0) - peer_ms.get(n, 0.0), 3) for n in set(ms) | set(peer_ms)}
+    names = sorted(difference, key=lambda n: (-abs(difference[n]), n))[:count]  # as printed: equal ones by name
     return {"peer": peer,
             "categories_ms": {name: round(rows[name] - peer_rows[name], 3) for name in CATEGORIES},
-            "kernels": [{"name": n, "category": category(n), "ms": round(ms.get(n, 0.0), 3),
-                         "peer_ms": round(peer_ms.get(n, 0.0), 3),
-                         "difference_ms": round(ms.get(n, 0.0) - peer_ms.get(n, 0.0), 3)} for n in names]}
+            "kernels": [{"name": n[:NAME_CHARACTERS], "category": category(n), "ms": round(ms.get(n, 0.0), 3),
+                         "peer_ms": round(peer_ms.get(n, 0.0), 3), "difference_ms": difference[n]} for n in names]}
 
 
 def pairs(values: list[str], labels: list[str]) -> list[tuple[str, str]]:
-    """--against's LABEL,PEER values, each naming two of the traces' labels."""
+    """--against's LABEL,PEER values, each naming two of the traces' labels (labels hold
+    no comma), each LABEL set against one peer."""
     found = []
     for value in values:
         label, _, peer = value.partition(",")
         if not peer or label not in labels or peer not in labels or label == peer:
             raise SystemExit(f"--against {value!r} must be LABEL,PEER: two different labels of the traces given "
                              f"({', '.join(labels)})")
+        if label in dict(found):
+            raise SystemExit(f"--against {value!r}: {label} is set against {dict(found)[label]} already (one peer "
+                             f"a label)")
         found.append((label, peer))
     return found
 
@@ -155,14 +164,16 @@ def main() -> None:
     parser.add_argument("--json")
     parser.add_argument("--kernels", type=int, default=25, help="how many of each trace's costliest kernels to list")
     parser.add_argument("--against", action="append", default=[], metavar="LABEL,PEER",
-                        help="LABEL's trace against PEER's, per category and per kernel (repeatable)")
+                        help="LABEL's trace against PEER's, per category and per kernel (repeatable, one PEER "
+                        "a LABEL; labels hold no comma)")
     args = parser.parse_args()
     against = pairs(args.against, [item.rpartition("=")[0] for item in args.traces])  # before any trace is read
     rows, tops, names = {}, {}, {}
     for item in args.traces:
         label, _, path = item.rpartition("=")  # a label may hold "=" (train.compile=on), a path not
         trace = json.loads(gzip.decompress(pathlib.Path(path).read_bytes()))
-        rows[label], tops[label], names[label] = breakdown(trace), top_kernels(trace, args.kernels), per_name(trace)
+        names[label] = per_name(trace)
+        rows[label], tops[label] = breakdown(trace), top_kernels(trace, args.kernels, names[label])
     differences = {label: versus(rows[label], names[label], peer, rows[peer], names[peer], args.kernels)
                    for label, peer in against}
     draw(rows, args.png)
@@ -183,7 +194,7 @@ def main() -> None:
         print("  " + ", ".join(f"{name} {ms:+.1f}" for name, ms in d["categories_ms"].items()))
         for k in d["kernels"]:
             print(f"{k['difference_ms']:>+10.2f} ms ({k['ms']:.2f} against {k['peer_ms']:.2f})  {k['category']:<18} "
-                  f"{k['name'][:90]}")
+                  f"{k['name']}")
 
 
 if __name__ == "__main__":

@@ -115,7 +115,7 @@ def profile_lines(result: dict, top: int = 8) -> list[str]:
         lines += ["", f"- {label} against {versus['peer']}: {total:+.1f} ms in all ({by_category}); the kernels "
                       f"that differ most:"]
         lines += [f"  - {k['difference_ms']:+.1f} ms ({k['ms']:.1f} against {k['peer_ms']:.1f}), {k['category']}: "
-                  f"`{k['name'][:100]}`" for k in versus["kernels"][:top]]
+                  f"`{k['name']}`" for k in versus["kernels"][:top]]
     return lines
 
 

@@ -121,10 +121,10 @@ speed() {
         local prefix=""
         [[ $arch == llama ]] && prefix="llama "
         for side in ${sides//,/ }; do
-            [[ -f "$traces/$arch/profile_$side.json.gz" ]] && profiled+=("$prefix$side=$traces/$arch/profile_$side.json.gz")
+            [[ -s "$traces/$arch/profile_$side.json.gz" ]] && profiled+=("$prefix$side=$traces/$arch/profile_$side.json.gz")
         done
         for pair in interleaf-compile,compile interleaf-fp8,fsdp2-compile-fp8; do
-            [[ -f "$traces/$arch/profile_${pair%,*}.json.gz" && -f "$traces/$arch/profile_${pair#*,}.json.gz" ]] \
+            [[ -s "$traces/$arch/profile_${pair%,*}.json.gz" && -s "$traces/$arch/profile_${pair#*,}.json.gz" ]] \
                 && against+=(--against "$prefix${pair%,*},$prefix${pair#*,}")
         done
     done

@@ -59,7 +59,14 @@ import pathlib
 import statistics
 import sys
 
-import torch
+# The peers run in this process, one after another, and a profiled one's last step could
+# otherwise leave NVIDIA's profiling library (CUPTI) attached to the process, slowing
+# the sides after it by 10-20% (pytorch/pytorch#144455): Kineto detaches it at a
+# profile's end where this is 1 (newer Kineto by default on CUDA 12.6+; torch turns it off
+# only for CUDA graphs, which no side uses). Set before torch loads Kineto.
+os.environ.setdefault("TEARDOWN_CUPTI", "1")
+
+import torch  # noqa: E402
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))  # bench/ siblings
 
@@ -136,7 +143,7 @@ def interleaf(w: peers.Workload, compile_override: str | None, profile_to: str |
 def run_side(side: str, w: peers.Workload, profile_dir: str | None = None) -> dict:
     profile = profile_dir and os.path.join(profile_dir, f"profile_{side}.json.gz")
     if side in PEERS:
-        return PEERS[side](w, profile)
+        return {**PEERS[side](w, profile), **({"profile": profile} if profile else {})}
     if side == "interleaf-compile":
         return interleaf(w, "on", profile)
     if side == "interleaf-fp8":  # float8 products (tensorwise), compiled blocks: torchao's fast path
@@ -204,8 +211,10 @@ def main() -> None:
                        dtype=torch.bfloat16,
                        compile_backend=args.compile_backend or ("aot_eager" if args.tiny else "inductor"))
     warmup = args.warmup if args.warmup is not None else (1 if args.tiny else 3)
-    if warmup >= w.steps:
-        parser.error(f"--warmup {warmup} must be less than --steps {w.steps}: the median is of the steps after it")
+    timed = w.steps - (1 if args.profile_dir else 0)  # the profiled last step leaves the median
+    if warmup >= timed:
+        parser.error(f"--warmup {warmup} must be less than --steps {w.steps}"
+                     f"{' less the profiled step' if args.profile_dir else ''}: the median is of the steps after it")
     device_name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     peak = bf16_matmul_peak(256 if args.tiny else 8192, args.device)
     print(f"{device_name}: measured bf16 matmul peak {peak / 1e12:.3f} TFLOP/s")

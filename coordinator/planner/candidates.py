@@ -25,6 +25,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from interleaf.coordinator.config import ConfigError, JobConfig
+from interleaf.coordinator.plan import check_fp8
 
 SINGLE_CHUNK = ("gpipe", "1f1b", "zb-h1")
 MAX_VPP = 4
@@ -223,8 +224,6 @@ def checked(config: JobConfig, layout: Layout, device_type: str | None = None) -
     """`config` under `layout`, or ConfigError where the config's rules refuse it - and,
     given the servers' `device_type`, where their devices do (float8 tensor cores need
     microbatch tokens that are multiples of 16: plan.check_fp8)."""
-    from interleaf.coordinator.plan import check_fp8  # plan imports the planner
-
     cfg = apply(config, layout)
     if device_type is not None:
         check_fp8(cfg, [device_type])
