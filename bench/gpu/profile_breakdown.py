@@ -107,7 +107,7 @@ def versus(rows: dict[str, float], kernels: dict[str, tuple[int, float]], peer: 
 def pairs(values: list[str], labels: list[str]) -> list[tuple[str, str]]:
     """--against's LABEL,PEER values, each naming two of the traces' labels (labels hold
     no comma), each LABEL set against one peer."""
-    found = []
+    found: list[tuple[str, str]] = []
     for value in values:
         label, _, peer = value.partition(",")
         if not peer or label not in labels or peer not in labels or label == peer:
