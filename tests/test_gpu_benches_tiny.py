@@ -269,6 +269,10 @@ def test_the_gpu_session_script_runs_every_phase(tmp_path):
     tracking = json.loads((tmp_path / "fp8_tracking.json").read_text())  # float8 emulated on the CPU
     assert tracking["tracks"] and len(tracking["losses"]["fp8"]) == len(tracking["losses"]["bf16"]) == 12
     assert tracking["losses"]["fp8"] != tracking["losses"]["bf16"]  # the float8 rounding did happen
+    # each side a memory case too: on the CPU its ledger peak, which the model predicts exactly
+    assert [(row["case"], row["measured"], row["error"]) for row in tracking["memory"]] == [
+        ("gpt2 2x64 bf16", "ledger peak_bytes", 0.0), ("gpt2 2x64 fp8", "ledger peak_bytes", 0.0)]
+    assert "| gpt2 2x64 fp8 |" in report
     # one memory check of both architectures' runs, a row per Interleaf side ("gpt2 interleaf-compile")
     cases = [row["case"] for row in json.loads((tmp_path / "memory_train.json").read_text())]
     assert {case.split()[0] for case in cases} == {"gpt2", "llama"}, cases

@@ -14,7 +14,11 @@ the last quarter. The run passes when they are within the bounds train.py holds 
 runs to (mean 1%, largest 5%), the last quarter's mean included: where float8 drifted
 away late, that mean shows it, where the whole run's could still hide it.
 
-Both jobs run on one local stage server one after the other, as a user would.
+Both jobs run on one local stage server one after the other, as a user would, and each is
+also a memory case (memory_check.py's): its predicted peak against the device's
+measured one, and on a GPU what its second step held at its peak (memory_peak.py), so
+that float8's bytes beyond the memory model show at this size too, whatever time a GPU
+session has left for memory_check.py's own cases.
 `--device cpu --tiny`: a 2-layer d_model 64 model for 12 steps, float8 through torchao's
 emulation (train.fp8_emulate), so that the code runs in CI; its bounds are held too.
 
@@ -35,7 +39,8 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # and bench/gp
 
 from interleaf.clients.launcher import LocalCluster  # noqa: E402
 from interleaf.common.model.config import ModelShape  # noqa: E402
-from interleaf_run import exit_cleanly_on_sigterm, run_job  # noqa: E402
+from interleaf_run import exit_cleanly_on_sigterm  # noqa: E402
+from memory_check import check as memory_case  # noqa: E402 - bench/gpu/memory_check.py
 from train import LOSS_MAX_TOLERANCE, LOSS_MEAN_TOLERANCE, TINY, overrides  # noqa: E402
 
 MODELS = {
@@ -83,19 +88,24 @@ def main() -> None:
     if steps < 4:
         raise SystemExit(f"--steps {steps} must be at least 4: the last quarter must hold a step")
     model = TINY[args.arch] if args.tiny else MODELS[args.arch]
-    losses = {}
+    losses, memory = {}, []
+    gpu = args.device == "cuda"
     with LocalCluster(1, device=args.device, steps_per_call=10, log_dir=os.environ.get("BENCH_LOG_DIR")) as cluster:
         client = cluster.client()
         try:
             for precision in ("bf16", "fp8"):
-                losses[precision] = run_job(client, job(model, steps, args.device, precision))["losses"]
-                print(f"{args.arch} {precision}: losses {losses[precision][0]:.4f} ... {losses[precision][-1]:.4f}",
-                      flush=True)
+                name = f"{args.arch} {model.n_layers}x{model.d_model} {precision}"
+                memory.append(memory_case(client, name, job(model, steps, args.device, precision), gpu,
+                                          peak_breakdown=gpu))
+                losses[precision] = memory[-1].pop("losses")
+                print(f"{args.arch} {precision}: losses {losses[precision][0]:.4f} ... {losses[precision][-1]:.4f}; "
+                      f"peak {memory[-1]['measured_peak_bytes'] / 2**30:.2f} GiB against "
+                      f"{memory[-1]['predicted_peak_bytes'] / 2**30:.2f} GiB predicted", flush=True)
         finally:
             client.close()
     result = {"arch": args.arch, "device": args.device, "tiny": args.tiny, "steps": steps,
               "model": {f: getattr(model, f) for f in ("n_layers", "d_model", "seq_len", "vocab_size")},
-              "losses": losses, **compared(losses["bf16"], losses["fp8"]),
+              "losses": losses, **compared(losses["bf16"], losses["fp8"]), "memory": memory,
               "bounds": {"mean": LOSS_MEAN_TOLERANCE, "last_quarter_mean": LOSS_MEAN_TOLERANCE,
                          "max": LOSS_MAX_TOLERANCE}}
     pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)

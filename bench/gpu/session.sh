@@ -150,8 +150,10 @@ planner() {
             --playoff-rounds 1 --out "$OUT/planner.json"
         # Float8's losses against bf16's over 200 steps of a smaller GPT (the speed run's
         # 8 steps cannot show a drift): two compilations and 400 steps, about 2 minutes
-        # (not yet timed on a GPU), before the memory cases, which were measured once already.
-        step fp8-tracking 180 python3 bench/gpu/fp8_tracking.py --out "$OUT/fp8_tracking.json"
+        # (not yet timed on a GPU), before the memory cases, which were measured once
+        # already; each job also records what its second step held at its peak, in case
+        # no time is left for the memory cases.
+        step fp8-tracking 210 python3 bench/gpu/fp8_tracking.py --out "$OUT/fp8_tracking.json"
         # Compiled selective recompute (its blocks compiled with their checkpoints) in bf16
         # and float8, then the 2.7B case admission refused on an 80 GB H100.
         # --peak-breakdown: what each held at its peak, by where it was allocated (the
