@@ -272,6 +272,8 @@ def test_the_gpu_session_script_runs_every_phase(tmp_path):
     # each side a memory case too: on the CPU its ledger peak, which the model predicts exactly
     assert [(row["case"], row["measured"], row["error"]) for row in tracking["memory"]] == [
         ("gpt2 2x64 bf16", "ledger peak_bytes", 0.0), ("gpt2 2x64 fp8", "ledger peak_bytes", 0.0)]
+    bf16_row, fp8_row = tracking["memory"]  # predicted for each job's own precision (float8 blocks keep less)
+    assert fp8_row["predicted_peak_bytes"] != bf16_row["predicted_peak_bytes"]
     assert "| gpt2 2x64 fp8 |" in report
     # one memory check of both architectures' runs, a row per Interleaf side ("gpt2 interleaf-compile")
     cases = [row["case"] for row in json.loads((tmp_path / "memory_train.json").read_text())]
@@ -292,7 +294,7 @@ def test_report_prints_the_committed_run_as_the_docs_tables():
     holds for it, the memory check's, and the profile's categories (with a side set
     against its peer)."""
     sys.path.insert(0, str(ROOT / "bench" / "gpu"))
-    from report import memory_table, profile_lines, train_table
+    from report import memory_table, profile_lines, tracking_lines, train_table
     lines = train_table(json.loads((ROOT / "bench/results/gpu/train_gpt2.json").read_text()))
     assert "| interleaf-compile | 0.866 s | 75,712 | 74.4% | 58.7% | 37.6 GiB | 7.7e-04 |" in lines
     assert lines[-2:] == ["- bf16: interleaf-compile / compile tokens/s = **1.068**",
@@ -310,6 +312,19 @@ def test_report_prints_the_committed_run_as_the_docs_tables():
     profile["against"] = {"interleaf-compile": {"peer": "compile", "categories_ms": {
         **dict.fromkeys(profile["categories_ms"]["interleaf-compile"], 0.0), "other elementwise": -40.0},
         "kernels": [kernel]}}
+    # float8 tracking cut short after its bf16 job: that job's memory row, with what it held at its peak
+    row = {"case": "gpt2 12x1024 bf16", "predicted_peak_bytes": 10 * 2**30, "measured_peak_bytes": 11 * 2**30,
+           "measured": "torch.cuda.max_memory_allocated", "error": 0.1,
+           "peak_breakdown": {"step_bytes_at_peak": 2**30, "baseline_bytes": 10 * 2**30, "truncated": False,
+                              "live_at_peak": [{"bytes": 512 * 2**20, "allocations": 3, "where": "fp8.py:12"}]}}
+    partial = {"arch": "gpt2", "model": {"d_model": 1024, "n_layers": 12}, "device": "cuda", "partial": True,
+               "losses": {"bf16": [11.0, 9.0]}, "memory": [row]}
+    assert tracking_lines(partial) == [
+        "- gpt2 (d_model 1024, 12 layers), cuda: cut short after bf16; no comparison", "",
+        "| case | predicted | measured | what was measured | error |", "| --- | --- | --- | --- | --- |",
+        "| gpt2 12x1024 bf16 | 10.0 GiB | 11.0 GiB | torch.cuda.max_memory_allocated | +10.0% |",
+        "- gpt2 12x1024 bf16: at its peak 1.0 GiB allocated within the step over 10.0 GiB held before it; the "
+        "largest:", "  - 512 MiB in 3: `fp8.py:12`"]
     assert profile_lines(profile)[-2:] == [
         "- interleaf-compile against compile: -40.0 ms in all (matrix products +0.0, attention +0.0, inductor fused "
         "+0.0, other elementwise -40.0, copies +0.0, optimizer +0.0, idle +0.0); the kernels that differ most:",

@@ -91,14 +91,17 @@ def tracking_lines(result: dict) -> list[str]:
     """fp8_tracking.py's result: float8's losses against bf16's over a longer run, and
     each side's peak against the memory model (with what it held at its peak, on a GPU)."""
     losses = result["losses"]
+    memory = ["", *memory_table(result["memory"]), *peak_lines(result["memory"])] if result.get("memory") else []
+    if result.get("partial"):  # cut short after the bf16 job
+        return [f"- {result['arch']} (d_model {result['model']['d_model']}, {result['model']['n_layers']} layers), "
+                f"{result['device']}: cut short after {', '.join(losses)}; no comparison", *memory]
     return [f"- {result['arch']} (d_model {result['model']['d_model']}, {result['model']['n_layers']} layers), "
             f"{result['device']}, {result['steps']} steps: bf16 {losses['bf16'][0]:.3f} -> {losses['bf16'][-1]:.3f}, "
             f"fp8 {losses['fp8'][0]:.3f} -> {losses['fp8'][-1]:.3f}",
             f"- fp8 against bf16, relative: mean {result['mean']:.2%}, last quarter {result['last_quarter_mean']:.2%}, "
             f"largest {result['max']:.2%} (bounds {result['bounds']['mean']:.0%}, "
             f"{result['bounds']['last_quarter_mean']:.0%}, {result['bounds']['max']:.0%}): "
-            f"{'tracks' if result['tracks'] else 'DOES NOT TRACK'}",
-            *(["", *memory_table(result["memory"]), *peak_lines(result["memory"])] if result.get("memory") else [])]
+            f"{'tracks' if result['tracks'] else 'DOES NOT TRACK'}", *memory]
 
 
 def profile_lines(result: dict, top: int = 8) -> list[str]:

@@ -155,7 +155,9 @@ planner() {
         # no time is left for the memory cases.
         step fp8-tracking 210 python3 bench/gpu/fp8_tracking.py --out "$OUT/fp8_tracking.json"
         # Compiled selective recompute (its blocks compiled with their checkpoints) in bf16
-        # and float8, then the 2.7B case admission refused on an 80 GB H100.
+        # and float8, then the 2.7B case admission refused on an 80 GB H100: with what the
+        # two steps above leave of the phase, which is little where they take their limits
+        # (a skipped step counts as failed).
         # --peak-breakdown: what each held at its peak, by where it was allocated (the
         # float8 rows exceed the model by 0.6 GiB: docs/gpus.md).
         step memory-cases rest python3 bench/gpu/memory_check.py --peak-breakdown \
