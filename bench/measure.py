@@ -14,6 +14,7 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 
 import torch
 
@@ -148,16 +149,32 @@ def write_json(path: str, payload: dict) -> None:
 
 
 def machine() -> dict:
-    """When and where a run was made. The load average shows whether other processes
-    competed for the cores: taken before a benchmark starts, anything well above 0
-    means they did; taken after, the benchmark's own two busy processes count ~2."""
+    """When, where and on what tree a run was made. The load average shows whether other
+    processes competed for the cores: taken before a benchmark starts, anything well
+    above 0 means they did; taken after, the benchmark's own two busy processes count ~2.
+    The tree: the checkout's commit, "+changes" where files differ from it (None outside
+    a git checkout)."""
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "cpus": os.cpu_count(),
         "load_average_1m": round(os.getloadavg()[0], 2),
         "python": platform.python_version(),
         "torch": torch.__version__,
+        "tree": _tree(),
     }
+
+
+def _tree() -> str | None:
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", root, *args], capture_output=True, text=True, check=True,
+                              timeout=10).stdout.strip()
+    try:
+        commit = git("rev-parse", "--short", "HEAD")
+        return commit + ("+changes" if git("status", "--porcelain", "--untracked-files=no") else "")
+    except (OSError, subprocess.SubprocessError):
+        return None
 
 
 def arguments(description: str, name: str, more=None) -> argparse.Namespace:
