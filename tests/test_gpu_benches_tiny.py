@@ -158,6 +158,26 @@ def test_profile_breakdown_sets_a_trace_against_its_peers_kernel_by_kernel():
     assert breakdown(casts)["copies"] == 0.05
 
 
+def test_profile_breakdown_runs_as_a_script_on_two_traces_against_each_other(tmp_path):
+    """The command session.sh runs, on two small traces: its JSON holds the pair, and its
+    output is report.py's table (the GPU traces it is meant for exist on a GPU only)."""
+    def trace(name: str, *kernels) -> str:
+        path = tmp_path / f"{name}.json.gz"
+        path.write_bytes(gzip.compress(json.dumps({"traceEvents": [
+            {"ph": "X", "cat": "kernel", "name": n, "ts": t, "dur": d} for n, t, d in kernels]}).encode()))
+        return f"{name}={path}"
+
+    out = tmp_path / "breakdown.json"
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu" / "profile_breakdown.py"),
+                           trace("ours", ("nvjet_a", 0, 500), ("triton_loss", 500, 30)),
+                           trace("peer", ("nvjet_a", 0, 520), ("cross_entropy_kernel", 520, 90)),
+                           "--against", "ours,peer", "--png", str(tmp_path / "p.png"), "--json", str(out)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(out.read_text())["against"]["ours"]["kernels"][0]["name"] == "cross_entropy_kernel"
+    assert "| **step** | 0.5 | 0.6 |" in done.stdout and "- ours against peer: -0.1 ms in all" in done.stdout
+
+
 def test_memory_peak_lists_what_a_step_held_at_its_peak():
     """bench/gpu/memory_peak.py on a real snapshot of the allocator's format: torch's own
     conversion of a CPU profile (torch.cuda._memory_viz._profile_to_snapshot), of a step

@@ -38,6 +38,8 @@ import gzip
 import json
 import pathlib
 
+from report import profile_lines  # bench/gpu/report.py: this script's directory is on the path
+
 CATEGORIES = ("matrix products", "attention", "inductor fused", "other elementwise", "copies", "optimizer", "idle")
 COLOURS = ("#4c72b0", "#8172b2", "#55a868", "#dd8452", "#937860", "#c44e52", "#dddddd")
 
@@ -107,17 +109,16 @@ def versus(rows: dict[str, float], kernels: dict[str, tuple[int, float]], peer: 
 def pairs(values: list[str], labels: list[str]) -> list[tuple[str, str]]:
     """--against's LABEL,PEER values, each naming two of the traces' labels (labels hold
     no comma), each LABEL set against one peer."""
-    found: list[tuple[str, str]] = []
+    found: dict[str, str] = {}
     for value in values:
         label, _, peer = value.partition(",")
         if not peer or label not in labels or peer not in labels or label == peer:
             raise SystemExit(f"--against {value!r} must be LABEL,PEER: two different labels of the traces given "
                              f"({', '.join(labels)})")
-        if label in dict(found):
-            raise SystemExit(f"--against {value!r}: {label} is set against {dict(found)[label]} already (one peer "
-                             f"a label)")
-        found.append((label, peer))
-    return found
+        if label in found:
+            raise SystemExit(f"--against {value!r}: {label} is set against {found[label]} already (one peer a label)")
+        found[label] = peer
+    return list(found.items())
 
 
 def breakdown(trace: dict) -> dict[str, float]:
@@ -177,25 +178,15 @@ def main() -> None:
     differences = {label: versus(rows[label], names[label], peer, rows[peer], names[peer], args.kernels)
                    for label, peer in against}
     draw(rows, args.png)
+    result = {"categories_ms": rows, "top_kernels": tops, **({"against": differences} if differences else {})}
     if args.json:
-        result = {"categories_ms": rows, "top_kernels": tops, **({"against": differences} if differences else {})}
         pathlib.Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
-    width = max([18] + [len(label) + 2 for label in rows])
-    print(f"{'ms':<18}" + "".join(f"{label:>{width}}" for label in rows))
-    for name in (*CATEGORIES, "total"):
-        values = [sum(r.values()) if name == "total" else r[name] for r in rows.values()]
-        print(f"{name:<18}" + "".join(f"{v:>{width}.1f}" for v in values))
+    # The categories and each pair's differences as report.py prints them in a session's report.md
+    print("\n".join(profile_lines(result, top=args.kernels)))
     for label, kernels in tops.items():
         print(f"\n{label}: the costliest kernels")
         for k in kernels:
             print(f"{k['ms']:>10.2f} ms {k['calls']:>6} calls  {k['category']:<18} {k['name'][:100]}")
-    for label, d in differences.items():
-        print(f"\n{label} against {d['peer']}, ms (more in {label} when positive)")
-        print("  " + ", ".join(f"{name} {ms:+.1f}" for name, ms in d["categories_ms"].items()))
-        for k in d["kernels"]:
-            print(f"{k['difference_ms']:>+10.2f} ms ({k['ms']:.2f} against {k['peer_ms']:.2f})  {k['category']:<18} "
-                  f"{k['name']}")
-
 
 if __name__ == "__main__":
     main()
