@@ -612,6 +612,54 @@ def test_tensor_parallel_shards_are_priced_at_their_measured_rate():
         assert stretched.forward_s == pytest.approx(expected)
 
 
+def test_the_update_is_an_overhead_and_a_rate_fitted_without_its_wait_for_the_slowest_rank():
+    """An update costs more than its parameters' share (on the benchmark's CPU 1.6M, 3.2M
+    and 6.4M parameters took 7.5, 13 and 21 ms): a line through them, where one rate per
+    parameter priced the smaller ones low, a ZeRO shard's or a pipeline rank's against a
+    data-parallel replica's whole update. A rank's update span also holds its wait in the gradient norm's all-reduce for
+    the slowest rank (the world group's calls): taken out where calls are timed, it
+    prices no update; sequence parallelism's update, which sums gradients over the tensor
+    group, is no observation."""
+    updates = [{"kind": "update", "amount": n, "seconds": s}
+               for n, s in ((1.6e6, 7.5e-3), (3.2e6, 13e-3), (6.4e6, 21e-3)) for _ in range(3)]
+    computes = [{"kind": k, "amount": a, "seconds": a / 1e9} for k in ("forward", "backward") for a in (1e9, 2e9)]
+    fitted = fitting.fit(computes + updates, "cpu", profile().links, "synthetic")
+    line = fitting.fit_line([(o["amount"], o["seconds"]) for o in updates])
+    assert fitted.update_overhead_s == pytest.approx(line.overhead_s) and fitted.update_overhead_s > 2e-3
+    assert fitted.update_s_per_param == pytest.approx(1 / line.rate)
+    whole = fitted.update_overhead_s + fitted.update_s_per_param * 6.4e6
+    assert whole == pytest.approx(21e-3, rel=0.05)
+    # one size measured (a single server's profile): a rate through the origin, as before
+    single = fitting.fit(computes + updates[3:6], "cpu", profile().links, "synthetic")
+    assert (single.update_overhead_s, single.update_s_per_param) == (0.0, pytest.approx(13e-3 / 3.2e6))
+    assert fitting.fit(computes, "cpu", profile().links, "synthetic").update_s_per_param == 0.0
+    # layout_costs prices each rank's update with it
+    config = load_config("", SMALL + ["parallel.dp=2", "parallel.pp=1", "parallel.vpp=1", "parallel.schedule=1f1b",
+                                      "parallel.microbatches=2"])
+    held = sum(chunk_parameters(config, c) for c in partition(8, 1, 1, "1f1b"))
+    assert layout_costs(config, fitted).update_s == pytest.approx(
+        [fitted.update_overhead_s + fitted.update_s_per_param * held])
+    # the traced update less its world calls
+    pipelined = load_config("", SMALL + ["parallel.pp=2", "parallel.vpp=1", "parallel.schedule=1f1b",
+                                         "parallel.microbatches=2"])
+    trace = pb.StepTrace(
+        ranks=[pb.RankInfo(rank=r, coordinates=pb.Coordinates(pp=r)) for r in (0, 1)],
+        reports=[pb.StepReport(rank=r, spans=[pb.ActionSpan(action="OPT", kind="update", start_seconds=1.0,
+                                                            end_seconds=1.0 + 0.01 + wait)],
+                               comm=[pb.CommStat(op="all_reduce", group="world", seconds=wait, bytes=8, calls=1)])
+                 for r, wait in ((0, 0.001), (1, 0.09))])
+    seen = [o for o in plan_profile.observe(trace, pipelined) if o["kind"] == "update"]
+    assert [o["seconds"] for o in seen] == [pytest.approx(0.01), pytest.approx(0.01)]
+    untimed = [o for o in plan_profile.observe(trace, pipelined, calls_timed=False) if o["kind"] == "update"]
+    assert [o["seconds"] for o in untimed] == [pytest.approx(0.011), pytest.approx(0.1)]  # a GPU's: as spanned
+    sp = load_config("", SMALL + ["parallel.tp=2", "parallel.pp=1", "parallel.vpp=1", "parallel.schedule=1f1b",
+                                  "parallel.microbatches=2", "parallel.sequence_parallel=true"])
+    one = pb.StepTrace(ranks=[pb.RankInfo(rank=0, coordinates=pb.Coordinates(pp=0))], reports=trace.reports[:1])
+    assert [o for o in plan_profile.observe(one, sp) if o["kind"] == "update"] == []
+    assert [o for o in plan_profile.observe(one, dataclasses.replace(
+        sp, parallel=dataclasses.replace(sp.parallel, sequence_parallel=False))) if o["kind"] == "update"] != []
+
+
 def test_shape_jobs_worked_example():
     need = plan_profile.ChunkNeed
     needs = [need(3, True, False, 1, False), need(2, False, False, 1, False),

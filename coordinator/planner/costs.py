@@ -8,7 +8,7 @@ A `DeviceProfile` holds the fitted laws of one device kind running one model fam
     ... of the halves I and W                = the same law with their own constants
     a message of n bytes                     = latency_s + n / bytes_per_s
     a collective of n bytes over 2 members   = latency_s + n / bytes_per_s   (per group kind and op)
-    the weight update                        = update_s_per_param * parameters the rank steps
+    the weight update                        = update_overhead_s + update_s_per_param * parameters the rank steps
 
 The overheads are what a compute costs beyond its arithmetic (the executor's work, kernel
 launches); on small models they dominate, which is why the law is affine and not FLOPs
@@ -92,6 +92,9 @@ class DeviceProfile:
     "dp_reduce_scatter" and "dp_all_gather" ZeRO's, "tp_reduce_scatter" and
     "tp_all_gather" the tensor group's under sequence parallelism."""
     update_s_per_param: float
+    update_overhead_s: float = 0.0
+    """What a rank's update costs beyond its parameters' share; 0 in profiles fitted before
+    it was (format 3), which priced every parameter alike."""
     selective_share: float | None = None
     """Selective recompute's rerun as a share of the forward's arithmetic, measured;
     None: estimated from the FLOPs it reruns."""
@@ -134,9 +137,11 @@ class DeviceProfile:
         if not isinstance(data["links"], dict) or not {"p2p", "allreduce"} <= set(data["links"]):
             raise ValueError(f"links={data['links']!r} must be an object with at least p2p and allreduce laws")
         _finite("update_s_per_param", data["update_s_per_param"], minimum=0.0)
+        _finite("update_overhead_s", data.get("update_overhead_s", 0.0), minimum=0.0)
         observations, shapes = _shape_timings(data)
         return cls(device=data["device"], links={k: _law(f"links.{k}", v) for k, v in data["links"].items()},
-                   update_s_per_param=data["update_s_per_param"], measured_on=data.get("measured_on", ""),
+                   update_s_per_param=data["update_s_per_param"],
+                   update_overhead_s=data.get("update_overhead_s", 0.0), measured_on=data.get("measured_on", ""),
                    selective_share=data.get("selective_share"), tp_compute_factor=data.get("tp_compute_factor"),
                    observations=observations, shapes=shapes, **laws)
 
@@ -311,7 +316,7 @@ def layout_costs(config: JobConfig, profile: DeviceProfile, slowdown: float = 1.
     update_s = []
     for rank in range(p.pp):
         held = sum(n for n, c in zip(params, chunks) if c.pipeline_rank == rank)
-        seconds = profile.update_s_per_param * held / (p.dp if p.zero else 1) * slowdown
+        seconds = (profile.update_overhead_s + profile.update_s_per_param * held / (p.dp if p.zero else 1)) * slowdown
         if p.zero in (1, 2):  # the stepped shards are gathered back into every replica
             seconds += collective_s(gather, p.dp, held * act_bytes)
         update_s.append(seconds)
