@@ -70,13 +70,16 @@ phases=0
 begin_phase() { deadline=$(( (phases++ ? SECONDS : 0) + PHASE_SECONDS )); }
 
 step() {  # step NAME SECONDS COMMAND...: runs COMMAND within SECONDS (and the phase's
-          # deadline; "rest": all of what is left but RESERVE seconds), logs its rc and time
+          # deadline; "rest": all of what is left but RESERVE seconds), logs its rc and time;
+          # skipped where less than MINIMUM seconds are left, which would end it before it
+          # wrote anything (a device second spent for nothing)
     local name=$1 seconds=$2; shift 2
     local left=$((deadline - SECONDS - KILL_AFTER))
     [[ "$seconds" == rest ]] && seconds=$((left - RESERVE))
     (( seconds > left )) && seconds=$left
-    if (( seconds < 10 )); then
-        echo "== $name: skipped, $((deadline - SECONDS)) s left of the phase" | tee -a "$log"
+    if (( seconds < ${MINIMUM:-10} )); then
+        echo "== $name: skipped, $((deadline - SECONDS)) s left of the phase, $name needs ${MINIMUM:-10}" \
+            | tee -a "$log"
         failed+=("$name")
         return
     fi
@@ -95,12 +98,15 @@ speed() {
     # bf16 and float8, each Interleaf side against the strongest peers of its precision
     # (docs/gpus.md#speed): per-block compile and torchtitan's recipes.
     local sides=compile,fsdp2-compile,interleaf-compile,fsdp2-compile-fp8,interleaf-fp8
+    # Every side's last step profiled on the GPT only: each profile's export and gzip
+    # take seconds the Llama run, which took 214 s unprofiled on the last H200, cannot
+    # spare, and the GPT's sides answer where Interleaf's step differs from its peers'.
     step train-gpt2 "$(limit 300)" python3 bench/gpu/train.py --arch gpt2 --sides "$sides" --steps 8 --warmup 3 \
         --profile-dir "$traces/gpt2" --out "$OUT/train_gpt2.json" ${device[@]+"${device[@]}"}
     # The rest of the phase but what the two cheap steps after it need (8 and 3 s on the
-    # last H200 run, when two traces were reduced where now ten are).
-    RESERVE=60 step train-llama rest python3 bench/gpu/train.py --arch llama --sides "$sides" --steps 8 --warmup 3 \
-        --profile-dir "$traces/llama" --out "$OUT/train_llama.json" ${device[@]+"${device[@]}"}
+    # last H200 run, when two traces were reduced where now five are).
+    RESERVE=45 step train-llama rest python3 bench/gpu/train.py --arch llama --sides "$sides" --steps 8 --warmup 3 \
+        --out "$OUT/train_llama.json" ${device[@]+"${device[@]}"}
     # Tiny sides ran on the CPU, where no device peak exists: the check then reads the
     # committed GPU run's results, so that its code still runs.
     local results=()
@@ -113,20 +119,16 @@ speed() {
     done
     (( ${#results[@]} )) && step memory 40 python3 bench/gpu/memory_check.py --train-json "${results[@]}" \
         --out "$OUT/memory_train.json"
-    # Every side's profiled step, the GPT's by their names (docs/gpus.md's table), the
-    # Llama's prefixed; each Interleaf side also against the peer it was ranked with last
-    # time, kernel by kernel (profile_breakdown.py --against).
+    # Every side's profiled step by its name (docs/gpus.md's table); each Interleaf side
+    # also against the peer it was ranked with last time, kernel by kernel
+    # (profile_breakdown.py --against).
     local profiled=() against=()
-    for arch in gpt2 llama; do
-        local prefix=""
-        [[ $arch == llama ]] && prefix="llama "
-        for side in ${sides//,/ }; do
-            [[ -s "$traces/$arch/profile_$side.json.gz" ]] && profiled+=("$prefix$side=$traces/$arch/profile_$side.json.gz")
-        done
-        for pair in interleaf-compile,compile interleaf-fp8,fsdp2-compile-fp8; do
-            [[ -s "$traces/$arch/profile_${pair%,*}.json.gz" && -s "$traces/$arch/profile_${pair#*,}.json.gz" ]] \
-                && against+=(--against "$prefix${pair%,*},$prefix${pair#*,}")
-        done
+    for side in ${sides//,/ }; do
+        [[ -s "$traces/gpt2/profile_$side.json.gz" ]] && profiled+=("$side=$traces/gpt2/profile_$side.json.gz")
+    done
+    for pair in interleaf-compile,compile interleaf-fp8,fsdp2-compile-fp8; do
+        [[ -s "$traces/gpt2/profile_${pair%,*}.json.gz" && -s "$traces/gpt2/profile_${pair#*,}.json.gz" ]] \
+            && against+=(--against "$pair")
     done
     if [[ "$tiny" == "--tiny" ]]; then
         echo "== profile: skipped, tiny (CPU traces hold no GPU kernels): ${#profiled[@]} traces," \
@@ -153,14 +155,17 @@ planner() {
         # (not yet timed on a GPU), before the memory cases, which were measured once
         # already; each job also records what its second step held at its peak, in case
         # no time is left for the memory cases.
-        step fp8-tracking 210 python3 bench/gpu/fp8_tracking.py --out "$OUT/fp8_tracking.json"
+        # Its first result is written after the bf16 job (a compilation and 200 steps):
+        # with less than MINIMUM left it would be cut before.
+        MINIMUM=100 step fp8-tracking 210 python3 bench/gpu/fp8_tracking.py --out "$OUT/fp8_tracking.json"
         # Compiled selective recompute (its blocks compiled with their checkpoints) in bf16
         # and float8, then the 2.7B case admission refused on an 80 GB H100: with what the
         # two steps above leave of the phase, which is little where they take their limits
         # (a skipped step counts as failed).
         # --peak-breakdown: what each held at its peak, by where it was allocated (the
         # float8 rows exceed the model by 0.6 GiB: docs/gpus.md).
-        step memory-cases rest python3 bench/gpu/memory_check.py --peak-breakdown \
+        # One case took 25-40 s on the last H200 run.
+        MINIMUM=45 step memory-cases rest python3 bench/gpu/memory_check.py --peak-breakdown \
             --cases gpt2-1.1b-compiled-selective,gpt2-1.1b-fp8-compiled-selective,gpt2-2.7b-full \
             --out "$OUT/memory_cases.json"
     fi
