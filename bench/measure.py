@@ -142,10 +142,20 @@ def fail_on_loss_disagreement(labelled: list[tuple[str, dict]]) -> None:
 
 
 def write_json(path: str, payload: dict) -> None:
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(payload, f, indent=2)
-        f.write("\n")
+    write_atomically(path, json.dumps(payload, indent=2) + "\n")
+
+
+def write_atomically(path, data: str | bytes) -> None:
+    """`data` as the file at `path`, whole or not at all: written beside it, then renamed
+    over it, so that a bench killed mid-write (a GPU lease's `timeout`) leaves the
+    previous version rather than a truncated file that breaks everything reading the
+    results after it."""
+    path = os.path.abspath(path)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    partial = f"{path}.partial"
+    with open(partial, "wb") as f:
+        f.write(data.encode() if isinstance(data, str) else data)
+    os.replace(partial, path)
 
 
 def machine() -> dict:

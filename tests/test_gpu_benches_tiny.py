@@ -309,6 +309,31 @@ def test_the_gpu_session_script_runs_every_phase(tmp_path):
             "interleaf-compile,compile --against interleaf-fp8,fsdp2-compile-fp8\n") in log
 
 
+def test_a_result_cut_mid_write_is_one_line_of_the_report_and_never_half_a_file(tmp_path):
+    """A step killed while it writes (a GPU lease's timeout) must not cost the session's
+    other results: report.py says which file it could not read and renders the rest
+    (before, one truncated JSON raised and report.md came back empty), and the benches
+    write whole files or none (measure.write_atomically: a rename over the old one)."""
+    sys.path.insert(0, str(ROOT / "bench" / "gpu"))
+    sys.path.insert(0, str(ROOT / "bench"))
+    from measure import write_atomically
+    from report import report
+    good = (ROOT / "bench/results/gpu/train_gpt2.json").read_text()
+    (tmp_path / "train_gpt2.json").write_text(good)
+    (tmp_path / "train_llama.json").write_text(good[:len(good) // 2])  # cut mid-write
+    (tmp_path / "memory_train.json").write_text("[]")
+    lines = report(tmp_path)
+    assert "### train_llama.json" in lines
+    cut = lines[lines.index("### train_llama.json") + 2]
+    assert cut.startswith("not reported: JSONDecodeError"), cut
+    assert "| interleaf-compile | 0.866 s | 75,712 | 74.4% | 58.7% | 37.6 GiB | 7.7e-04 |" in lines
+    assert "### memory_train.json" in lines
+    target = tmp_path / "sub" / "trace.json.gz"
+    write_atomically(target, b"first")
+    write_atomically(target, "second")
+    assert target.read_text() == "second" and sorted(p.name for p in target.parent.iterdir()) == ["trace.json.gz"]
+
+
 def test_report_prints_the_committed_run_as_the_docs_tables():
     """bench/gpu/report.py on the committed H200 run: the row docs/gpus.md's speed table
     holds for it, the memory check's, and the profile's categories (with a side set

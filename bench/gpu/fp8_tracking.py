@@ -44,6 +44,7 @@ from interleaf.clients.launcher import LocalCluster  # noqa: E402
 from interleaf.common.model.config import ModelShape  # noqa: E402
 from interleaf.coordinator.admission import amount_text  # noqa: E402
 from interleaf_run import exit_cleanly_on_sigterm  # noqa: E402
+from measure import write_atomically  # noqa: E402
 from memory_check import check as memory_case  # noqa: E402 - bench/gpu/memory_check.py
 from train import LOSS_MAX_TOLERANCE, LOSS_MEAN_TOLERANCE, TINY, overrides  # noqa: E402
 
@@ -98,8 +99,7 @@ def main() -> None:
                  "model": {f: getattr(model, f) for f in ("n_layers", "d_model", "seq_len", "vocab_size")}}
 
     def write(result: dict) -> None:
-        pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        pathlib.Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+        write_atomically(args.out, json.dumps(result, indent=1) + "\n")
 
     with LocalCluster(1, device=args.device, steps_per_call=10, log_dir=os.environ.get("BENCH_LOG_DIR")) as cluster:
         client = cluster.client()

@@ -52,6 +52,7 @@ from interleaf.coordinator.plan import plan_programs  # noqa: E402
 import memory_peak  # noqa: E402 - bench/gpu/memory_peak.py
 from report import peak_lines  # noqa: E402 - bench/gpu/report.py
 from interleaf_run import exit_cleanly_on_sigterm, run_job  # noqa: E402
+from measure import write_atomically  # noqa: E402
 
 BOUND = 0.10
 STEPS = 3
@@ -203,8 +204,7 @@ def main() -> None:
 
 
 def write_rows(rows: list[dict], out: str) -> None:
-    pathlib.Path(out).parent.mkdir(parents=True, exist_ok=True)
-    pathlib.Path(out).write_text(json.dumps(rows, indent=2) + "\n")
+    write_atomically(out, json.dumps(rows, indent=2) + "\n")
 
 
 def report(rows: list[dict], out: str) -> None:

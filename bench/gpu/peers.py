@@ -51,6 +51,7 @@ from interleaf.stageserver.model.fp8 import convert_blocks_to_fp8
 from interleaf.stageserver.optim import BETAS, EPS
 from interleaf.stageserver.profiling import StepProfiler
 from torch_training import param_groups  # bench/torch_training.py: Interleaf's weight-decay groups
+from measure import write_atomically  # bench/measure.py
 
 SEED = 1
 LR, WARMUP_STEPS, WEIGHT_DECAY, CLIP = 3e-4, 100, 0.1, 1.0
@@ -172,7 +173,7 @@ def _train(w: Workload, model: ModelChunk, autocast: bool, profile_to: str | Non
     if profile_to:
         with StepProfiler(torch_profiler=True, memory_snapshot=False, device=torch.device(w.device)).over(True) as got:
             one_step(w.steps - 1)
-        pathlib.Path(profile_to).write_bytes(got.torch_profile)  # gzip-compressed, as a server's report carries it
+        write_atomically(profile_to, got.torch_profile)  # gzip-compressed, as a server's report carries it
         seconds.pop()  # the profiled step, slowed by the profiler, leaves the median as Interleaf's does
     peak = torch.cuda.max_memory_allocated() if w.device == "cuda" else None
     del model, optimizer

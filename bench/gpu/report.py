@@ -144,23 +144,29 @@ def planner_lines(result: dict) -> list[str]:
             f"- the planned job's peak against the memory model: {peak}"]
 
 
+def _memory_lines(cases: list[dict]) -> list[str]:
+    held = peak_lines(cases)
+    return [*memory_table(cases), *([""] + held if held else [])]
+
+
+RENDERERS = (("train_*.json", train_table), ("memory_*.json", _memory_lines),
+             ("profile_breakdown.json", profile_lines), ("fp8_tracking*.json", tracking_lines),
+             ("planner.json", planner_lines))
+"""Each result file session.sh's steps write, and its section of the report, in order."""
+
+
 def report(folder: pathlib.Path) -> list[str]:
+    """Every result in `folder` as its section; a file that cannot be read or rendered
+    (a step killed mid-write, a result of an older shape) is one line saying so, and the
+    others are still reported: the report is what a GPU lease brings back."""
     lines: list[str] = []
-    for path in sorted(folder.glob("train_*.json")):
-        lines += [f"### {path.name}", "", *train_table(json.loads(path.read_text())), ""]
-    for path in sorted(folder.glob("memory_*.json")):
-        cases = json.loads(path.read_text())
-        lines += [f"### {path.name}", "", *memory_table(cases), ""]
-        held = peak_lines(cases)
-        lines += [*held, ""] if held else []
-    profile = folder / "profile_breakdown.json"
-    if profile.exists():
-        lines += ["### profile_breakdown.json", "", *profile_lines(json.loads(profile.read_text())), ""]
-    for path in sorted(folder.glob("fp8_tracking*.json")):
-        lines += [f"### {path.name}", "", *tracking_lines(json.loads(path.read_text())), ""]
-    planner = folder / "planner.json"
-    if planner.exists():
-        lines += ["### planner.json", "", *planner_lines(json.loads(planner.read_text())), ""]
+    for pattern, render in RENDERERS:
+        for path in sorted(folder.glob(pattern)):
+            try:
+                section = render(json.loads(path.read_text()))
+            except (ValueError, KeyError, TypeError, IndexError) as err:
+                section = [f"not reported: {type(err).__name__}: {err}"]
+            lines += [f"### {path.name}", "", *section, ""]
     return lines
 
 

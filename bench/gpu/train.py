@@ -76,6 +76,7 @@ from interleaf.clients.launcher import LocalCluster  # noqa: E402
 from interleaf.common.model.config import ModelShape  # noqa: E402
 from interleaf.coordinator.flops import flops_per_token, matrix_parameters  # noqa: E402
 from interleaf_run import exit_cleanly_on_sigterm, run_job  # noqa: E402
+from measure import write_atomically  # noqa: E402
 
 ARCHS = {
     "gpt2": ModelShape(n_layers=20, d_model=2048, n_heads=16, seq_len=2048, vocab_size=50304),
@@ -127,7 +128,7 @@ def interleaf(w: peers.Workload, compile_override: str | None, profile_to: str |
             run = run_job(client, job)
             if profile_to:
                 report = client.trace_profile(run["job_id"], w.steps - 1, 0)
-                pathlib.Path(profile_to).write_bytes(report.torch_profile)  # gzip-compressed Chrome trace
+                write_atomically(profile_to, report.torch_profile)  # gzip-compressed Chrome trace
                 # Every action's span in that step: per-chunk forward and backward times for
                 # docs/gpus.md's expectations of larger layouts (the simulator's costs).
                 run["spans"] = [{"action": a.action, "kind": a.kind, "start": a.start_seconds, "end": a.end_seconds}
@@ -235,8 +236,7 @@ def main() -> None:
                   "dtype": str(w.dtype), "compile_backend": w.compile_backend,
                   "measured_bf16_peak_flops": peak, "steps": w.steps, "warmup": warmup, "sides": rows,
                   "runs": runs, "failed": failed, "interleaf_over_best_peer": best_ratios(rows)}
-        pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        pathlib.Path(args.out).write_text(json.dumps(result, indent=2, default=str) + "\n")
+        write_atomically(args.out, json.dumps(result, indent=2, default=str) + "\n")
         return result
 
     for i, side in enumerate(order):
