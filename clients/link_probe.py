@@ -6,7 +6,10 @@ collectives the profile's jobs could not measure on the servers: coordinator/pla
 
 from __future__ import annotations
 
+import contextlib
+import signal
 import socket
+import threading
 import time
 
 from interleaf.coordinator.planner.costs import Law
@@ -46,6 +49,24 @@ def _link_worker(rank: int, port: int, out) -> None:
     dist.destroy_process_group()
 
 
+@contextlib.contextmanager
+def _children_ignore_ctrl_c():
+    """Processes started inside ignore SIGINT: a terminal's Ctrl-C reaches its whole
+    foreground group, and each worker would print its own KeyboardInterrupt traceback
+    (deep in torch's imports, or in its loop) beside the command's one-line message; the
+    probe stops them instead. An ignored signal stays ignored across exec, and Python
+    installs its SIGINT handler only where SIGINT is at its default. (Outside the main
+    thread no handler can be set, nor can Ctrl-C be taken there.)"""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def measure_links() -> dict[str, Law]:
     """Latency and bandwidth of a gloo message and all-reduce between two processes."""
     import torch.multiprocessing as mp
@@ -55,7 +76,17 @@ def measure_links() -> dict[str, Law]:
         port = s.getsockname()[1]
     context = mp.get_context("spawn")
     out = context.SimpleQueue()
-    mp.start_processes(_link_worker, args=(port, out), nprocs=2, join=True, start_method="spawn")
+    with _children_ignore_ctrl_c():
+        workers = mp.start_processes(_link_worker, args=(port, out), nprocs=2, join=False, start_method="spawn")
+    try:
+        while not workers.join():
+            pass
+    except BaseException:  # Ctrl-C, or a worker's failure: neither worker outlives the probe
+        for process in workers.processes:
+            if process.is_alive():
+                process.terminate()
+            process.join()
+        raise
     results = out.get()
     return {kind: fit_line([(size, seconds) for size in SIZES for seconds in results[(kind, size)]])
             for kind in ("p2p", "allreduce")}

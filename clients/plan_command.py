@@ -204,7 +204,8 @@ def report_text(report: SearchReport, cluster: Cluster, profile: DeviceProfile, 
     tokens = config.train.global_batch * config.model.seq_len
     width = max([48] + [len(plan.layout.describe()) for plan in report.plans])  # the columns stay aligned
     lines = [describe_profile(profile),
-             f"{cluster.servers} servers of {amount_text(cluster.memory_bytes)}, {hosts_text(cluster)}"
+             f"{cluster.servers} server{'s' if cluster.servers != 1 else ''} of {amount_text(cluster.memory_bytes)}, "
+             f"{hosts_text(cluster)}"
              + (f", computing {cluster.compute_slowdown:.1f}x slower when all are busy (shared cores)"
                 if cluster.compute_slowdown > 1 else ""),
              f"searched {report.candidates} layouts in {report.seconds:.1f} s: {report.refused_by_rules} broke the "
@@ -213,10 +214,16 @@ def report_text(report: SearchReport, cluster: Cluster, profile: DeviceProfile, 
              f"{report.bounded_out} could not beat the top by their compute alone"
              + (f", {report.unvisited} not weighed: the search stopped at its time budget, so a faster layout "
                 f"may be among them" if report.stopped_by_time else ""),
-             "", f"{'#':>2}  {'layout':<{width}} {'step s':>9} {'tokens/s':>10} {'bubble':>7} {'peak GiB':>9}"]
-    for i, plan in enumerate(report.plans, 1):
-        lines.append(f"{i:>2}  {plan.layout.describe():<{width}} {plan.step_s:>9.4f} {tokens / plan.step_s:>10,.0f} "
-                     f"{plan.bubble:>7.1%} {max(plan.peak_bytes) / 2**30:>9.3f}")
+             ""]
+    rows = [[str(i), plan.layout.describe(), f"{plan.step_s:.4f}", f"{tokens / plan.step_s:,.0f}",
+             f"{plan.bubble:.1%}", f"{max(plan.peak_bytes) / 2**30:.3f}"] for i, plan in enumerate(report.plans, 1)]
+    header = ["#", "layout", "step s", "tokens/s", "bubble", "peak GiB"]
+    # each column at least as wide as it always was, wider where an entry is (a 7B
+    # model's step of 10,000 s or more)
+    widths = [max([least] + [len(row[c]) for row in rows]) for c, least in enumerate((2, width, 9, 10, 7, 9))]
+    for row in [header] + rows:
+        cells = [row[c].ljust(widths[c]) if c == 1 else row[c].rjust(widths[c]) for c in range(6)]
+        lines.append(f"{cells[0]}  {' '.join(cells[1:])}")
     best = report.plans[0]
     for i, plan in enumerate(report.plans, 1):
         lines.append(f"\n{i}. {plan.layout.describe()}")

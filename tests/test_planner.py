@@ -287,6 +287,15 @@ def test_json_and_text_reports():
     text = plan_command.report_text(report, Cluster(4, 2_000_000_000, 4), profile(), config)
     assert "searched" in text and "run the best: --set parallel.dp=" in text
     assert text.count("lower bound") == 4
+    assert "\n4 servers of 1.86 GiB, 4 a host\n" in text
+    # the table's columns end where their headers do, however long a step (a 7B model's
+    # 29,679.8436 s ran one character past its column), and one server is one
+    slow = dataclasses.replace(report, plans=[dataclasses.replace(report.plans[0], step_s=29679.8436)])
+    text = plan_command.report_text(slow, Cluster(1, 2_000_000_000, 1), profile(), config)
+    header, row = [line for line in text.splitlines() if line.startswith((" #", " 1  "))]
+    assert header.index("step s") + len("step s") == row.index("29679.8436") + len("29679.8436"), (header, row)
+    assert len(header) == len(row), (header, row)  # the last column, right-aligned, ends with its header
+    assert "\n1 server of 1.86 GiB, 1 a host\n" in text
 
 
 def test_fit_line_recovers_a_law():
@@ -325,6 +334,9 @@ def test_a_profile_file_that_costs_cannot_use_is_refused_naming_the_field(tmp_pa
         (lambda d: d.update(links=[1, 2]), "links=[1, 2] must be an object with at least p2p and allreduce"),
         (lambda d: d.update(update_s_per_param=-1.0), "update_s_per_param=-1.0 must be a finite number >= 0"),
         (lambda d: d.clear(), "it lacks device, forward, backward, input_grad, weight_grad, links"),
+        (lambda d: d.update(device="tpu"), "device='tpu' must be \"cpu\" or a GPU's kind"),
+        (lambda d: d.update(device=7), "device=7 must be \"cpu\" or a GPU's kind"),
+        (lambda d: d.update(update_overhead_s=-0.5), "update_overhead_s=-0.5 must be a finite number >= 0"),
     ]
     for edit, message in edits:
         data = json.loads(json.dumps(good))
@@ -849,6 +861,23 @@ def test_what_users_tripped_on_is_planned_or_refused_clearly(tmp_path, capsys):
     captured = capsys.readouterr()
     assert json.loads(captured.out)[0]["parallel"]["schedule"] != "zbv"
     assert "of the settings given it replaced: parallel.schedule zbv -> " in captured.err
+    # a layout is chosen afresh, but a value no layout takes is a mistake, refused as
+    # everywhere else (it was replaced silently: parallel.dp=abc -> 4)
+    for given, message in (("parallel.dp=abc", "parallel.dp='abc' must be int"),
+                           ("parallel.dp=1.5", "parallel.dp=1.5 must be int"),
+                           ("parallel.tp=-3", "parallel.tp=-3 must be at least 1"),
+                           ("parallel.zero=7", "parallel.zero=7 must be 0, 1, 2 or 3"),
+                           ("parallel.schedule=zb-v", "parallel.schedule='zb-v' must be one of gpipe, 1f1b"),
+                           ("parallel.sequence_parallel=maybe", "parallel.sequence_parallel='maybe' must be true or"),
+                           ("parallel.layers=a,b", "parallel.layers='a,b' must be a list of whole numbers"),
+                           ("parallel.layers=3,0", "parallel.layers=[3, 0] must give every chunk at least 1 layer")):
+        assert main(plan + ["--set", given]) == 2, given
+        captured = capsys.readouterr()
+        assert message in captured.err and not captured.out, (given, captured.err)
+    config = tmp_path / "zbv.toml"
+    config.write_text('[parallel]\nschedule = "zb-v"\n')
+    assert main(["plan", str(config)] + plan[1:]) == 2
+    assert "parallel.schedule='zb-v' must be one of" in capsys.readouterr().err
 
     gpu = dataclasses.replace(profile(), device="cuda (NVIDIA H100 80GB HBM3)")
     gpu_path = tmp_path / "gpu.json"

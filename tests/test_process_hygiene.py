@@ -256,3 +256,42 @@ def test_plan_stopped_by_sigterm_while_profiling_leaves_nothing(tmp_path, monkey
         if process.poll() is None:
             process.kill()
             process.communicate()
+
+
+def test_ctrl_c_during_the_link_probe_prints_one_traceback_and_leaves_no_worker():
+    """A terminal's Ctrl-C reaches the whole foreground group, the link probe's two
+    spawned workers too (`interleaf plan` measuring a profile): each printed its own
+    KeyboardInterrupt traceback beside the command's. They now ignore SIGINT and the
+    probe stops them; only the caller sees the interrupt."""
+    code = "from interleaf.clients.link_probe import measure_links\nmeasure_links()\n"
+    probe = subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.PIPE, text=True,
+                             start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while len(_children(probe.pid)) < 2 and probe.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        workers = _children(probe.pid)
+        assert len(workers) >= 2, "the probe's workers never started"
+        time.sleep(1.0)  # into their torch imports and groups, where a traceback came from
+        os.killpg(probe.pid, signal.SIGINT)
+        _, err = probe.communicate(timeout=30)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(probe.pid, signal.SIGKILL)
+    assert probe.returncode != 0 and err.count("Traceback") == 1 and err.rstrip().endswith("KeyboardInterrupt"), err
+    deadline = time.monotonic() + 5
+    while any(pathlib.Path(f"/proc/{pid}").exists() for pid in workers) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not [pid for pid in workers if pathlib.Path(f"/proc/{pid}").exists()
+                and "Z" not in pathlib.Path(f"/proc/{pid}/stat").read_text().split()[2]]
+
+
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is `pid`, from /proc."""
+    found = []
+    for stat in pathlib.Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, IndexError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[1]) == pid:
+                found.append(int(stat.parent.name))
+    return found

@@ -175,6 +175,24 @@ def _name(text: str) -> str:
     return text if len(text) <= 64 and text.isprintable() else shown(text)
 
 
+def given_settings(toml_text: str, overrides: list[str], section: str) -> dict:
+    """The settings of `section` that the TOML and the overrides give (an override after
+    the TOML, the last of a key winning), each converted to its field's type: a
+    ConfigError as load_config words it for a value of the wrong type or an unknown key.
+    No rule on a value or between settings is checked."""
+    try:
+        table = tomllib.loads(toml_text).get(section, {})
+    except tomllib.TOMLDecodeError as err:
+        raise ConfigError(f"config is not valid TOML: {err}") from None
+    values = {key: (value, False) for key, value in table.items()} if isinstance(table, dict) else {}
+    for item in overrides:
+        path, sep, text = item.partition("=")
+        name, dot, key = path.strip().partition(".")
+        if sep and dot and name == section:
+            values[key.strip()] = (text.strip(), True)
+    return _typed(section, _SECTION_TYPES[section], values)
+
+
 def load_config(toml_text: str = "", overrides: list[str] = ()) -> JobConfig:
     try:
         raw = tomllib.loads(toml_text)

@@ -187,3 +187,22 @@ class ParallelConfig:
     @property
     def world_size(self) -> int:
         return self.dp * self.tp * self.pp
+
+
+def check_layout_values(given: dict) -> None:
+    """The layout settings a config gives (loading.given_settings: each of its
+    field's type already), each on its own: what a plan that chooses the layout afresh
+    (parallel.plan="auto", `interleaf plan`) still refuses, as ParallelConfig words it.
+    A layout may break the rules between its settings and be planned anew (a schedule
+    its pipeline cannot run); a setting no layout takes (parallel.schedule='zb-v',
+    parallel.zero=7) is a mistake to mend, not a layout to replace."""
+    for name in ("dp", "tp", "pp", "vpp", "microbatches"):
+        if name in given and given[name] < 1:
+            raise ConfigError(f"parallel.{name}={given[name]} must be at least 1")
+    if "schedule" in given and given["schedule"] not in SCHEDULES:
+        raise ConfigError(f"parallel.schedule={given['schedule']!r} must be one of {', '.join(SCHEDULES)}")
+    if "zero" in given and not 0 <= given["zero"] <= 3:
+        raise ConfigError(f"parallel.zero={given['zero']} must be 0, 1, 2 or 3")
+    if any(n < 1 for n in given.get("layers", ())):
+        shown = ", ".join(map(str, given["layers"]))
+        raise ConfigError(f"parallel.layers=[{shown}] must give every chunk at least 1 layer")

@@ -95,9 +95,14 @@ def load_unplanned(text: str, sets: list[str]) -> JobConfig:
     first of PLACEHOLDER_DPS that divides the global batch), no blocks rerun whole
     (train.recompute_layers needs selective recompute, which the plan chooses afresh).
     ConfigError, the first placeholder's, when the config breaks a rule beyond its
-    layout."""
+    layout, or gives a layout setting of the wrong type or a value no layout takes
+    (parallel.check_layout_values)."""
     from interleaf.coordinator.config import load_config
+    from interleaf.coordinator.config.loading import given_settings
+    from interleaf.coordinator.config.parallel import check_layout_values
 
+    layout_keys = {setting.split("=")[0].split(".")[1] for setting in UNPLANNED_LAYOUT}
+    check_layout_values({k: v for k, v in given_settings(text, sets, "parallel").items() if k in layout_keys})
     first: ConfigError | None = None
     replicas: list[list[str]] = [[]] + [[f"parallel.dp={dp}"] for dp in PLACEHOLDER_DPS]
     for extra in [dp + recompute for recompute in ([], ["train.recompute_layers=0"]) for dp in replicas]:

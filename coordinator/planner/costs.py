@@ -133,6 +133,10 @@ class DeviceProfile:
                                "update_s_per_param") if k not in data]
         if missing:
             raise ValueError(f"it lacks {', '.join(missing)}")
+        device = data["device"]
+        if not isinstance(device, str) or not (device == "cpu" or device.startswith("cuda")):
+            raise ValueError(f"device={device!r} must be \"cpu\" or a GPU's kind, \"cuda\" or \"cuda (its name)\": "
+                             "the kinds of server a profile is measured on")
         laws = {k: _law(k, data[k]) for k in ("forward", "backward", "input_grad", "weight_grad")}
         if not isinstance(data["links"], dict) or not {"p2p", "allreduce"} <= set(data["links"]):
             raise ValueError(f"links={data['links']!r} must be an object with at least p2p and allreduce laws")
