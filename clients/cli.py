@@ -119,10 +119,22 @@ def _load(args, remote: bool = False, planning: bool = False):
         try:
             unplanned = load_unplanned(text, args.set)
         except ConfigError as beyond:  # wrong beyond its layout: that is what to mend
-            raise UsageError(str(beyond if planning else err)) from None
+            raise UsageError(str(beyond if planning or _asks_for_a_plan(text, args.set) else err)) from None
         if planning or unplanned.parallel.plan == "auto":
             return text, unplanned
         raise UsageError(str(err)) from None
+
+
+def _asks_for_a_plan(text: str, sets: list[str]) -> bool:
+    """Whether the config sets parallel.plan="auto": its layout is then chosen afresh, and
+    what to mend is what load_unplanned refuses, not a rule the layout breaks."""
+    from interleaf.coordinator.config import ConfigError
+    from interleaf.coordinator.config.loading import given_settings
+
+    try:
+        return given_settings(text, sets, "parallel").get("plan") == "auto"
+    except ConfigError:
+        return False
 
 
 def _valid_as_given(text: str, sets: list[str]) -> bool:

@@ -7,8 +7,8 @@ whole backwards (1f1b) and with split ones (zb-h1), with chunks of one layer
 (interleaved 1F1B, vpp up to 4) and of two (zbv) at the small one, and once under
 selective recompute; five steps each, tracing the last three.
 Every traced forward, backward, input- and weight-gradient half is one observation
-(its chunk's forward FLOPs, its seconds), every update one of seconds per parameter; a
-least-squares line through each kind's lower quartile at each size (what it costs
+(its chunk's forward FLOPs, its seconds), every update one of its parameters (less its
+wait for the slowest rank: _norm_calls_s); a least-squares line through each kind's lower quartile at each size (what it costs
 undisturbed by the other processes on the cores) gives its law. A model whose layer
 would take more than a second to run on a CPU is measured through a proxy: the same
 architecture narrowed until one layer's forward is PROXY_LAYER_FLOPS, with at most
@@ -397,8 +397,9 @@ def _norm_calls_s(report: pb.StepReport) -> float:
     """The seconds a server was held in the gradient norm's all-reduce over every rank
     (the world group's only call, in the update): waiting for the slowest rank to
     finish its backward, which is the pipeline's skew and no cost of the update: the
-    second rank of a zbv job (2.4M parameters) spent 58-121 ms of its 72-140 ms
-    updates there."""
+    2.4M-parameter updates of a zbv job's second rank took 56-88 ms with it in the
+    benchmark's profile of tree 021675c, about 9 ms without it in f67902a's
+    (bench/results/planner-*.json)."""
     return sum(stat.seconds for stat in report.comm if stat.group == "world")
 
 

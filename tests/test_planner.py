@@ -625,8 +625,8 @@ def test_tensor_parallel_shards_are_priced_at_their_measured_rate():
 
 
 def test_the_update_is_an_overhead_and_a_rate_fitted_without_its_wait_for_the_slowest_rank():
-    """An update costs more than its parameters' share (on the benchmark's CPU 1.6M, 3.2M
-    and 6.4M parameters took 7.5, 13 and 21 ms): a line through them, where one rate per
+    """An update may cost more than its parameters' share (here 1.6M, 3.2M and 6.4M
+    parameters take 7.5, 13 and 21 ms): a line through them, where one rate per
     parameter priced the smaller ones low, a ZeRO shard's or a pipeline rank's against a
     data-parallel replica's whole update. A rank's update span also holds its wait in the gradient norm's all-reduce for
     the slowest rank (the world group's calls): taken out where calls are timed, it
@@ -651,6 +651,13 @@ def test_the_update_is_an_overhead_and_a_rate_fitted_without_its_wait_for_the_sl
     held = sum(chunk_parameters(config, c) for c in partition(8, 1, 1, "1f1b"))
     assert layout_costs(config, fitted).update_s == pytest.approx(
         [fitted.update_overhead_s + fitted.update_s_per_param * held])
+    # a ZeRO shard steps half the parameters, its overhead whole; ZeRO-1 adds its gather
+    zero3 = dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, zero=3))
+    assert layout_costs(zero3, fitted).update_s == pytest.approx(
+        [fitted.update_overhead_s + fitted.update_s_per_param * held / 2])
+    # updates of no time (a --profile file's) are no observation: no division by a zero slope
+    assert fitting.fit(computes + [dict(o, seconds=0.0) for o in updates], "cpu", profile().links,
+                       "synthetic").update_s_per_param == 0.0
     # the traced update less its world calls
     pipelined = load_config("", SMALL + ["parallel.pp=2", "parallel.vpp=1", "parallel.schedule=1f1b",
                                          "parallel.microbatches=2"])
@@ -870,7 +877,8 @@ def test_what_users_tripped_on_is_planned_or_refused_clearly(tmp_path, capsys):
                            ("parallel.schedule=zb-v", "parallel.schedule='zb-v' must be one of gpipe, 1f1b"),
                            ("parallel.sequence_parallel=maybe", "parallel.sequence_parallel='maybe' must be true or"),
                            ("parallel.layers=a,b", "parallel.layers='a,b' must be a list of whole numbers"),
-                           ("parallel.layers=3,0", "parallel.layers=[3, 0] must give every chunk at least 1 layer")):
+                           ("parallel.layers=3,0", "parallel.layers=[3, 0] must give every chunk at least 1 layer"),
+                           ("parallel.vpp=100", "parallel.vpp=100 must be at most 64")):
         assert main(plan + ["--set", given]) == 2, given
         captured = capsys.readouterr()
         assert message in captured.err and not captured.out, (given, captured.err)
@@ -878,6 +886,14 @@ def test_what_users_tripped_on_is_planned_or_refused_clearly(tmp_path, capsys):
     config.write_text('[parallel]\nschedule = "zb-v"\n')
     assert main(["plan", str(config)] + plan[1:]) == 2
     assert "parallel.schedule='zb-v' must be one of" in capsys.readouterr().err
+    # run --plan auto names the value to mend, not a rule of the layout it sets aside
+    assert main(["run", "--local", "2", "--plan", "auto", "--set", "parallel.schedule=zbv", "--set",
+                 "parallel.vpp=1", "--set", "parallel.zero=7"]) == 2
+    assert "parallel.zero=7 must be 0, 1, 2 or 3" in capsys.readouterr().err
+    config.write_text("a = " + "[" * 5000 + "]" * 5000 + "\n")  # too deep for tomllib: one line, no traceback
+    assert main(["plan", str(config)] + plan[1:]) == 2
+    err = capsys.readouterr().err
+    assert "nests arrays or inline tables too deeply" in err and "Traceback" not in err
 
     gpu = dataclasses.replace(profile(), device="cuda (NVIDIA H100 80GB HBM3)")
     gpu_path = tmp_path / "gpu.json"

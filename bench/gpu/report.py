@@ -164,7 +164,7 @@ def report(folder: pathlib.Path) -> list[str]:
         for path in sorted(folder.glob(pattern)):
             try:
                 section = render(json.loads(path.read_text()))
-            except (ValueError, KeyError, TypeError, IndexError) as err:
+            except Exception as err:  # whatever it is, the other results are still reported
                 section = [f"not reported: {type(err).__name__}: {err}"]
             lines += [f"### {path.name}", "", *section, ""]
     return lines

@@ -184,6 +184,8 @@ def given_settings(toml_text: str, overrides: list[str], section: str) -> dict:
         table = tomllib.loads(toml_text).get(section, {})
     except tomllib.TOMLDecodeError as err:
         raise ConfigError(f"config is not valid TOML: {err}") from None
+    except RecursionError:  # as load_config words it
+        raise ConfigError("config nests arrays or inline tables too deeply to be a job config") from None
     values = {key: (value, False) for key, value in table.items()} if isinstance(table, dict) else {}
     for item in overrides:
         path, sep, text = item.partition("=")

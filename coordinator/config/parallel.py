@@ -199,6 +199,9 @@ def check_layout_values(given: dict) -> None:
     for name in ("dp", "tp", "pp", "vpp", "microbatches"):
         if name in given and given[name] < 1:
             raise ConfigError(f"parallel.{name}={given[name]} must be at least 1")
+        bound = limits.MAXIMA.get(f"parallel.{name}")
+        if name in given and bound is not None and given[name] > bound:
+            raise ConfigError(f"parallel.{name}={given[name]} must be at most {bound}")
     if "schedule" in given and given["schedule"] not in SCHEDULES:
         raise ConfigError(f"parallel.schedule={given['schedule']!r} must be one of {', '.join(SCHEDULES)}")
     if "zero" in given and not 0 <= given["zero"] <= 3:

@@ -56,9 +56,12 @@ def fit(observations: list[dict], device: str, links: dict[str, Law], measured_o
     if "forward" not in laws or "backward" not in laws:
         raise ValueError("a device profile needs traced forwards and whole backwards")
     laws["input_grad"], laws["weight_grad"] = _split_laws(observations, laws["backward"])
-    updates = [(o["amount"], o["seconds"]) for o in observations if o["kind"] == "update" and o["amount"]]
-    # a step costs more than its parameters' share (the gradient norm, a kernel or loop per
-    # bucket): 1.6M, 3.2M and 6.4M parameters took 7.5, 13 and 21 ms on the benchmark's CPU
+    # a line as the other laws: an update may cost more than its parameters' share (the
+    # gradient norm, work per bucket); its overhead came out 0.4 ms on the benchmark's CPU
+    # (bench/results/planner-f67902a.json). A time of 0 or less (a --profile file's) is
+    # no update's.
+    updates = [(o["amount"], o["seconds"]) for o in observations
+               if o["kind"] == "update" and o["amount"] and o["seconds"] > 0]
     update = fit_line(updates) if updates else Law(0.0, float("inf"))
     links = dict(links)
     for kind in sorted({o["kind"] for o in observations if o["kind"].startswith(LINK_OBSERVED)}):
