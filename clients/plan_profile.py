@@ -8,8 +8,9 @@ whole backwards (1f1b) and with split ones (zb-h1), with chunks of one layer
 selective recompute; five steps each, tracing the last three.
 Every traced forward, backward, input- and weight-gradient half is one observation
 (its chunk's forward FLOPs, its seconds), every update one of its parameters (less its
-wait for the slowest rank: _norm_calls_s); a least-squares line through each kind's lower quartile at each size (what it costs
-undisturbed by the other processes on the cores) gives its law. A model whose layer
+wait for the slowest rank: _norm_calls_s); a least-squares line through each kind's
+lower quartile at each size (what it costs undisturbed by the other processes on the
+cores) gives its law. A model whose layer
 would take more than a second to run on a CPU is measured through a proxy: the same
 architecture narrowed until one layer's forward is PROXY_LAYER_FLOPS, with at most
 PROXY_LAYERS layers, the law's rate carried over (said in the profile's `measured_on`).

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from interleaf.coordinator.config.rules import ConfigError, _bounded, _positive
+from interleaf.coordinator.config.rules import ConfigError, _bounded
 from interleaf.common import limits
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zbv")
@@ -111,7 +111,8 @@ class ParallelConfig:
     "auto": it is planned before submitting."""
 
     def __post_init__(self):
-        _positive("parallel", self, "dp", "tp", "pp", "vpp", "microbatches")
+        # each layout setting alone, as a plan that replaces the layout still checks it
+        check_layout_values({name: getattr(self, name) for name in LAYOUT_VALUES})
         if self.plan not in ("", "auto"):
             raise ConfigError(f"parallel.plan={self.plan!r} must be \"auto\" or \"\" (the layout as given)")
         if self.sequence_parallel and self.tp < 2:
@@ -126,10 +127,6 @@ class ParallelConfig:
             raise ConfigError(f"parallel.pp*parallel.vpp*parallel.microbatches={slots} must be at most "
                               f"{limits.MAX_PIPELINE_SLOTS}: the coordinator plans every forward and backward "
                               f"of a step")
-        if self.schedule not in SCHEDULES:
-            raise ConfigError(
-                f"parallel.schedule={self.schedule!r} must be one of {', '.join(SCHEDULES)}"
-            )
         if self.schedule == "zbv" and self.vpp != 2:
             raise ConfigError(
                 f"parallel.vpp={self.vpp} must be 2 for parallel.schedule='zbv': its V places "
@@ -145,8 +142,6 @@ class ParallelConfig:
                 f"parallel.microbatches={self.microbatches} must be a multiple of "
                 f"parallel.pp={self.pp} for interleaved-1f1b"
             )
-        if not 0 <= self.zero <= 3:
-            raise ConfigError(f"parallel.zero={self.zero} must be 0, 1, 2 or 3")
         if self.transport not in TRANSPORTS:
             raise ConfigError(f"parallel.transport={self.transport!r} must be one of {', '.join(TRANSPORTS)}")
         if not 0 <= self.zero_prefetch <= MAX_ZERO_PREFETCH:
@@ -187,6 +182,11 @@ class ParallelConfig:
     @property
     def world_size(self) -> int:
         return self.dp * self.tp * self.pp
+
+
+LAYOUT_VALUES = ("dp", "tp", "pp", "vpp", "microbatches", "schedule", "zero")
+"""The layout settings ParallelConfig checks alone through check_layout_values (a
+chunk's layers are checked against the model's: JobConfig)."""
 
 
 def check_layout_values(given: dict) -> None:
