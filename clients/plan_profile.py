@@ -32,8 +32,18 @@ server's traced step says, per (op, group), the seconds it was held in its calls
 bytes and their count (StepReport.comm): one observation of the group kind's affine law
 (the mean call, scaled to two members, costs.normalized). What the rank is held is what
 the simulator charges: a reduction that overlaps a backward is charged what it did not
-hide. Pipeline messages, and a group kind that could not be run, take their law from two
-processes of this machine over gloo (clients/link_probe.py).
+hide. A group kind that could not be run takes its law from two processes of this
+machine over gloo (clients/link_probe.py), and so do pipeline messages where the calls
+are not timed (a GPU's).
+
+Where they are (CPU servers), pipelines are priced as the servers' steps show them: every
+send, receive and exchange a rank posted is one observation of its posting law (the
+bytes of its messages, its span's seconds: the executor's work, which occupies the
+rank), and every traced step of a pipeline of single servers one of the message's
+latency: the latency at which the simulator, replaying the step's own computes,
+postings and updates, takes what the step took (message_latency). A 262 KB message the
+bare probe moves in about 0.13 ms costs the servers about 1 ms so, and each exchange's
+posting 0.2-0.4 ms: the layouts of the most messages were predicted 3-28% fast without.
 
 Every chunk those jobs run without recompute, and every one a traced job runs so, is also
 timed as its shape (costs.chunk_shape, its tensor group's calls inside); `measure_shapes` runs the shapes a plan needs that no job
@@ -62,12 +72,14 @@ from interleaf.common.overlapped_reductions import overlapped_reductions
 from interleaf.common.model.compile_modes import device_type_of
 from interleaf.coordinator.admission import RUNTIME_RESERVE_BYTES, amount_text
 from interleaf.coordinator.config import ConfigError, JobConfig, load_config
-from interleaf.coordinator.memory_model import predict, with_temporaries
+from interleaf.coordinator.executed_step import replayed
+from interleaf.coordinator.memory_model import message_bytes, predict, with_temporaries
 from interleaf.coordinator.partition import partition
 from interleaf.coordinator.plan import FLOAT8_MULTIPLE
 from interleaf.coordinator.planner.costs import (DeviceProfile, chunk_forward_flops, chunk_parameters, chunk_shape,
                                                   compiled_on, normalized)
-from interleaf.coordinator.planner.fitting import LINK_OBSERVED, SHAPE_OBSERVED, fit
+from interleaf.coordinator.planner.fitting import (LINK_OBSERVED, MESSAGE_OBSERVED, POSTING_OBSERVED, SHAPE_OBSERVED,
+                                                   fit)
 from interleaf.coordinator.planner.search import programs_for
 from interleaf.protos import interleaf_pb2 as pb
 from interleaf.protos.actions import Action, Kind, parse
@@ -87,11 +99,12 @@ STEPS = 5
 TRACED = (2, 3, 4)
 """The steps of a profile job whose actions are timed: past the first two's warm-up."""
 SPAN_LAWS = {"forward": "forward", "backward": "backward", "input-grad": "input_grad", "weight-grad": "weight_grad"}
-FORMAT = 4
+FORMAT = 5
 """Of the cached profile: 2 holds the link laws measured per group kind; 3, selective
 recompute's costs with compiled float8 blocks that rerun no matrix product; 4, the
 update's own law (an overhead and a rate), fitted to updates less their wait in the
-gradient norm's all-reduce."""
+gradient norm's all-reduce; 5, the posting law and the message's latency from the
+pipeline jobs' steps."""
 
 
 def cache_dir() -> pathlib.Path:
@@ -331,11 +344,58 @@ def observations(trace: pb.StepTrace, config: JobConfig, device: str) -> list[di
     """Every observation a traced step of `config` on `device` gives: its computes' and
     updates' (observe), and where the servers' calls are timed on the host (CPU
     servers: gloo holds the caller until a call is done) its groups' calls
-    (observe_links) and tensor shards' compute. A CUDA server's collective is only
-    queued on a stream when its call returns: it is timed by nobody here."""
+    (observe_links), tensor shards' compute, postings and message latency
+    (observe_messages). A CUDA server's collective or message is only queued on a
+    stream when its call returns: it is timed by nobody here."""
     timed = calls_timed(device)
     return (observe(trace, config, calls_timed=timed, compiled=compiled_on(config, device))
-            + (observe_links(trace, config) if timed else []))
+            + (observe_links(trace, config) + observe_messages(trace, config) if timed else []))
+
+
+def observe_messages(trace: pb.StepTrace, config: JobConfig) -> list[dict]:
+    """Every send, receive and exchange a rank posted (the bytes of its messages, its
+    span's seconds), and where the step is a pipeline of single servers, its message's
+    latency (message_latency)."""
+    size = message_bytes(config)
+    found = [{"kind": POSTING_OBSERVED, "amount": len(parse(span.action).p2p_ops()) * size,
+              "seconds": span.end_seconds - span.start_seconds}
+             for report in trace.reports for span in report.spans if span.kind in POSTING_SPANS]
+    latency = message_latency(trace, config)
+    if latency is not None:
+        found.append({"kind": MESSAGE_OBSERVED, "amount": size, "seconds": latency})
+    return found
+
+
+POSTING_SPANS = ("send", "recv", "exchange")
+
+
+def message_latency(trace: pb.StepTrace, config: JobConfig) -> float | None:
+    """The latency of a pipeline message at which the simulator, replaying the step
+    (executed_step.replayed: every rank's computes, postings and update as they took),
+    takes what its slowest rank took; found by bisection, the replay's step growing
+    with the latency. What a message costs beyond its posting as the servers' steps see
+    it: gloo's transfer and the receiver's wait for it, and what the replay leaves out
+    (the executor's work between actions, the tied embedding's small all-reduce). Only
+    a pipeline of single servers (dp = tp = 1), whose step holds no other group's
+    calls for the latency to absorb (None otherwise); 0 where the replay takes as long
+    without any. Sought below the step's own length, which the replay exceeds there (the
+    last stage computes after some message reached it)."""
+    p = config.parallel
+    if p.pp < 2 or p.dp > 1 or p.tp > 1:
+        return None
+    took = max(report.step_seconds for report in trace.reports)
+    if replayed(trace).makespan_s >= took:
+        return 0.0
+    low, high = 0.0, took
+    for _ in range(BISECTIONS):
+        middle = (low + high) / 2
+        low, high = (middle, high) if replayed(trace, middle).makespan_s < took else (low, middle)
+    return (low + high) / 2
+
+
+BISECTIONS = 30
+"""Halvings of the latency's interval: a step's length over 2**30, well under a
+microsecond."""
 
 
 def calls_timed(device: str) -> bool:
@@ -461,8 +521,8 @@ def refine(profile: DeviceProfile, trace: pb.StepTrace, config: JobConfig, slowd
     """The profile refitted with a real job's traced step added (planned jobs' traces
     feed their profile back: `interleaf run --plan auto`); `slowdown`: how much the job's
     servers slowed each other (shared cores), taken out of its compute times."""
-    seen = [o if o["kind"].startswith(LINK_OBSERVED) else dict(o, seconds=o["seconds"] / slowdown)
-            for o in observations(trace, config, profile.device)]
+    seen = [o if o["kind"].startswith(LINK_OBSERVED) or o["kind"] == MESSAGE_OBSERVED
+            else dict(o, seconds=o["seconds"] / slowdown) for o in observations(trace, config, profile.device)]
     return fit(profile.observations + seen, profile.device, profile.links, _refined(profile.measured_on))
 
 
@@ -512,10 +572,13 @@ def measure(client, config: JobConfig, device: str, idle_servers: int, memory_by
              else f" (its first {model['n_layers']} layers)" if own_widths(config, model)
              else f" (a proxy: d_model {model['d_model']}, seq_len {model['seq_len']})")
     measured = {o["kind"][len(LINK_OBSERVED):] for o in seen if o["kind"].startswith(LINK_OBSERVED)}
-    probed = "p2p" + ("" if measured >= set(LINK_CALLS.values()) else " and what the jobs did not run")
+    if any(o["kind"] == MESSAGE_OBSERVED for o in seen):
+        measured.add("p2p (the pipeline steps replayed)")
+    probed = ", ".join((["p2p"] if "p2p (the pipeline steps replayed)" not in measured else [])
+                       + ([] if measured >= set(LINK_CALLS.values()) else ["what the jobs did not run"]))
     return fit(seen, device, link_probe.measure_links(), f"{len(shapes)} jobs{proxy}: " + ", ".join(shapes)
-               + f"; links: {', '.join(sorted(measured)) or 'none'} in those jobs, {probed} from two local gloo "
-               "processes")
+               + f"; links: {', '.join(sorted(measured)) or 'none'} in those jobs"
+               + (f", {probed} from two local gloo processes" if probed else ""))
 
 
 def _run_profile_job(client, setup: dict, pp: int, job: ProfileJob, device: str, log) -> list[dict] | None:

@@ -985,3 +985,94 @@ def test_float8_plans_for_gpus_multiply_multiples_of_sixteen():
     assert plan_profile.profile_model(xl, "cpu", None)["d_model"] < 1600
     load_config("", [f"model.{k}={v}" for k, v in plan_profile.profile_model(xl, "cpu", None).items()
                      if k in ("n_layers", "d_model", "n_heads", "n_kv_heads", "ffn_hidden", "seq_len")])
+
+
+def _traced_step(config, seconds: dict[str, float], step_seconds: float) -> pb.StepTrace:
+    """A traced step of `config` (dp = tp = 1): every action of each pipeline rank's
+    program spanned for `seconds` of its kind (CATEGORIES), each rank's step
+    `step_seconds` long."""
+    from interleaf.protos.actions import CATEGORIES
+
+    programs = programs_for(config)
+    reports = []
+    for rank, program in enumerate(programs):
+        spans, clock = [], 0.0
+        for action in program:
+            kind = CATEGORIES.get(action.kind)
+            if kind in seconds:
+                spans.append(pb.ActionSpan(action=str(action), kind=kind, start_seconds=clock,
+                                           end_seconds=clock + seconds[kind]))
+                clock += seconds[kind]
+        reports.append(pb.StepReport(rank=rank, step_seconds=step_seconds, spans=spans))
+    return pb.StepTrace(ranks=[pb.RankInfo(rank=r, coordinates=pb.Coordinates(pp=r)) for r in range(len(programs))],
+                        programs=[pb.PipelineProgram(pipeline_rank=r, actions=[pb.Action(text=str(a)) for a in program])
+                                  for r, program in enumerate(programs)],
+                        reports=reports)
+
+
+def test_pipeline_messages_are_priced_as_the_servers_steps_show_them():
+    """A message's latency is the one at which the simulator, replaying a pipeline's
+    traced step (its computes, postings and updates as they took), takes what the step
+    took; a rank's posting of each send, receive and exchange is a law of the bytes it
+    posts, and the planner charges it on the rank: the bare probe priced a 262 KB
+    message at 0.13 ms, the servers' steps at about 1 ms, and the layouts of the most
+    messages were predicted fast (bench/results/planner-*.json)."""
+    from interleaf.coordinator.executed_step import replayed
+    from interleaf.coordinator.memory_model import message_bytes
+
+    config = load_config("", SMALL + ["parallel.pp=2", "parallel.vpp=2", "parallel.schedule=interleaved-1f1b",
+                                      "parallel.microbatches=4"])
+    seconds = {"forward": 0.010, "backward": 0.020, "update": 0.002, "send": 0.0004, "recv": 0.0002,
+               "exchange": 0.0006}
+    took = replayed(_traced_step(config, seconds, 0.0), 0.003).makespan_s
+    assert took > replayed(_traced_step(config, seconds, 0.0)).makespan_s  # messages on the critical path
+    trace = _traced_step(config, seconds, took)
+    assert plan_profile.message_latency(trace, config) == pytest.approx(0.003, abs=1e-6)
+    # a step the ranks' own work explains needs no latency; a stalled one, what explains it
+    assert plan_profile.message_latency(_traced_step(config, seconds, 0.1), config) == 0.0
+    stalled = _traced_step(config, seconds, 100.0)
+    assert replayed(stalled, plan_profile.message_latency(stalled, config)).makespan_s == pytest.approx(100.0)
+    # only a pipeline of single servers: another group's calls would be taken for the messages'
+    for other in ("parallel.dp=2", "parallel.tp=2"):
+        assert plan_profile.message_latency(trace, load_config("", [*SMALL, *config_sets(config), other])) is None
+
+    size = message_bytes(config)
+    seen = plan_profile.observe_messages(trace, config)
+    postings = [o for o in seen if o["kind"] == fitting.POSTING_OBSERVED]
+    spans = [s for r in trace.reports for s in r.spans if s.kind in ("send", "recv", "exchange")]
+    assert len(postings) == len(spans) > 0
+    assert {o["amount"] for o in postings} >= {size, 2 * size}  # a lone message, an exchange of two
+    assert [o for o in seen if o["kind"] == fitting.MESSAGE_OBSERVED] == [
+        {"kind": "message", "amount": size, "seconds": pytest.approx(0.003, abs=1e-6)}]
+    # a GPU's calls are not timed: neither its postings nor its messages are observed
+    assert not [o for o in plan_profile.observations(trace, config, "cuda")
+                if o["kind"] in (fitting.POSTING_OBSERVED, fitting.MESSAGE_OBSERVED)]
+
+    # the fit: the probe's bandwidth, the steps' median latency beyond it; posting a line
+    computes = [{"kind": k, "amount": a, "seconds": 0.001 + a / 1e9} for k in ("forward", "backward")
+                for a in (1e6, 4e6)]
+    probe = profile(latency_s=1e-4, link_rate=1e9).links
+    fitted = fitting.fit(computes + seen, "cpu", probe, "synthetic")
+    assert fitted.links["p2p"] == Law(pytest.approx(0.003 - size / 1e9), 1e9)
+    assert fitted.posting is not None and fitted.posting.overhead_s > 0
+    assert fitting.fit(computes, "cpu", probe, "synthetic").posting is None  # nothing posted: free
+    # charged on the rank: the same profile without its posting predicts a shorter step
+    programs = programs_for(config)
+    posted = simulate_layout(config, programs, layout_costs(config, fitted)).makespan_s
+    free = simulate_layout(config, programs, layout_costs(config, dataclasses.replace(fitted, posting=None)))
+    assert posted > free.makespan_s
+    costs = layout_costs(config, fitted)
+    assert costs.posting_s(2) == pytest.approx(fitted.posting.seconds(2 * size))
+    # a profile file keeps it; one written before it reads as none
+    assert DeviceProfile.from_json(json.loads(json.dumps(fitted.to_json()))).posting == fitted.posting
+    older = {k: v for k, v in fitted.to_json().items() if k != "posting"}
+    assert DeviceProfile.from_json(older).posting is None
+    with pytest.raises(ValueError, match="posting.rate=0 must be a finite number > 0"):
+        DeviceProfile.from_json(dict(older, posting={"overhead_s": 0.0, "rate": 0}))
+
+
+def config_sets(config) -> list[str]:
+    """The parallel settings of `config` as --set overrides."""
+    p = config.parallel
+    return [f"parallel.pp={p.pp}", f"parallel.vpp={p.vpp}", f"parallel.schedule={p.schedule}",
+            f"parallel.microbatches={p.microbatches}"]

@@ -71,15 +71,20 @@ def test_plan_ranks_layouts_of_the_coordinators_servers(cluster, plans):
 
 def test_the_profile_measures_each_group_kinds_links_on_the_servers(cache, plans):
     """The tensor and data-parallel laws come from calls inside the profile's jobs on the
-    servers (StepReport.comm), each from two mean call sizes; only pipeline messages take
-    the local probe's."""
+    servers (StepReport.comm), each from two mean call sizes; pipeline messages from the
+    pipeline jobs' steps replayed (their latency beyond the probe's bandwidth), and the
+    ranks' posting of them from their spans."""
     profile = plan_profile.load_cached(plan_profile.profile_setup(load_config("", TINY), "cpu", None), "cpu")
     for kind in ("tp", "tp_reduce_scatter", "tp_all_gather", "dp", "dp_reduce_scatter", "dp_all_gather"):
         calls = [o for o in profile.observations if o["kind"] == f"link:{kind}"]
         assert len({o["amount"] for o in calls}) >= 2, kind
         assert profile.links[kind].rate > 0 and profile.links[kind].overhead_s >= 0
-    assert ("links: dp, dp_all_gather, dp_reduce_scatter, tp, tp_all_gather, tp_reduce_scatter in those jobs, "
-            "p2p from") in profile.measured_on
+    assert ("links: dp, dp_all_gather, dp_reduce_scatter, p2p (the pipeline steps replayed), tp, tp_all_gather, "
+            "tp_reduce_scatter in those jobs") in profile.measured_on
+    # every pipeline profile job's traced steps: 5 jobs of 3
+    assert len([o for o in profile.observations if o["kind"] == "message"]) == 15
+    assert profile.posting is not None and profile.posting.overhead_s > 0
+    assert len([o for o in profile.observations if o["kind"] == "posting"]) > 15
 
 
 def test_the_printed_plans_chunk_shapes_were_run_on_the_servers(cache, plans):

@@ -7,6 +7,7 @@ A `DeviceProfile` holds the fitted laws of one device kind running one model fam
     ... of its backward B                    = backward_overhead_s + forward FLOPs / backward_flops_per_s
     ... of the halves I and W                = the same law with their own constants
     a message of n bytes                     = latency_s + n / bytes_per_s
+    posting a send, receive or exchange      = posting_overhead_s + its messages' bytes / bytes_per_s   (on its rank)
     a collective of n bytes over 2 members   = latency_s + n / bytes_per_s   (per group kind and op)
     the weight update                        = update_overhead_s + update_s_per_param * parameters the rank steps
 
@@ -98,6 +99,11 @@ class DeviceProfile:
     selective_share: float | None = None
     """Selective recompute's rerun as a share of the forward's arithmetic, measured;
     None: estimated from the FLOPs it reruns."""
+    posting: Law | None = None
+    """The seconds a rank spends posting a send, a receive or an exchange (the executor's
+    own work, before its messages travel: stageserver spans of kinds send, recv and
+    exchange), by the bytes of the messages it posts; None where nothing was measured (a
+    GPU's posting only queues work on a stream, and profiles before format 5): free."""
     tp_compute_factor: float | None = None
     """A tensor-parallel shard's compute against the laws' price for its FLOPs, measured
     (its spans less its group's calls); None: priced at the laws' rate."""
@@ -142,8 +148,9 @@ class DeviceProfile:
             raise ValueError(f"links={data['links']!r} must be an object with at least p2p and allreduce laws")
         _finite("update_s_per_param", data["update_s_per_param"], minimum=0.0)
         _finite("update_overhead_s", data.get("update_overhead_s", 0.0), minimum=0.0)
+        posting = data.get("posting")
         observations, shapes = _shape_timings(data)
-        return cls(device=data["device"], links={k: _law(f"links.{k}", v) for k, v in data["links"].items()},
+        return cls(posting=None if posting is None else _law("posting", posting), device=data["device"], links={k: _law(f"links.{k}", v) for k, v in data["links"].items()},
                    update_s_per_param=data["update_s_per_param"],
                    update_overhead_s=data.get("update_overhead_s", 0.0), measured_on=data.get("measured_on", ""),
                    selective_share=data.get("selective_share"), tp_compute_factor=data.get("tp_compute_factor"),
@@ -188,6 +195,13 @@ class LayoutCosts:
     tp_collective_s: float
     """Of the forward of the chunk that calls the most, the tensor group's collectives
     (for the report)."""
+    posting_overhead_s: float = 0.0
+    posting_s_per_message: float = 0.0
+    """Posting a send, receive or exchange of n messages occupies its rank
+    posting_overhead_s + n * posting_s_per_message (DeviceProfile.posting)."""
+
+    def posting_s(self, messages: int) -> float:
+        return self.posting_overhead_s + messages * self.posting_s_per_message
 
 
 def chunk_forward_flops(config: JobConfig, chunk: Chunk, rows: int) -> float:
@@ -325,8 +339,11 @@ def layout_costs(config: JobConfig, profile: DeviceProfile, slowdown: float = 1.
             seconds += collective_s(gather, p.dp, held * act_bytes)
         update_s.append(seconds)
     p2p = profile.links["p2p"]
+    posting = profile.posting or Law(0.0, math.inf)
     return LayoutCosts(forward, backward, inputs, weights, p2p.seconds(message_bytes(config)),
-                       reduce_s, gather_s, update_s, max(tp_share))
+                       reduce_s, gather_s, update_s, max(tp_share),
+                       posting_overhead_s=posting.overhead_s * slowdown,
+                       posting_s_per_message=message_bytes(config) / posting.rate * slowdown)
 
 
 def _tp_block_seconds(config: JobConfig, profile: DeviceProfile, hidden: float) -> tuple[float, float]:

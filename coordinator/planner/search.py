@@ -143,8 +143,8 @@ def programs_for(config: JobConfig) -> list[list[Action]]:
 
 def simulate_layout(config: JobConfig, programs: list[list[Action]], costs: LayoutCosts) -> SimResult:
     """The step the simulator predicts: each compute its chunk's cost, each update its
-    rank's, each message the measured link's time, each reduction and gather the
-    collective's."""
+    rank's, each send, receive and exchange its rank's work posting it and each message
+    the measured link's time, each reduction and gather the collective's."""
     measured: list[list[float | None]] = []
     for rank, program in enumerate(programs):
         row: list[float | None] = []
@@ -153,6 +153,8 @@ def simulate_layout(config: JobConfig, programs: list[list[Action]], costs: Layo
                 row.append(_compute_s(costs, action))
             elif action.kind is Kind.OPTIMIZER_STEP:
                 row.append(costs.update_s[rank])
+            elif action.p2p_ops():
+                row.append(costs.posting_s(len(action.p2p_ops())))
             else:
                 row.append(None)
         measured.append(row)
