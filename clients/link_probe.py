@@ -1,8 +1,10 @@
 """Latency and bandwidth of gloo between two processes of this machine, as local stage
 servers talk: a point-to-point message (half a round trip) and an all-reduce, each at
 4 KiB, 256 KiB and 4 MiB, ten times, a line through each size's lower quartile
-(fitting.fit_line: the device profile's laws for pipeline messages, and for the
-collectives the profile's jobs could not measure on the servers: coordinator/planner/costs.py)."""
+(fitting.fit_line: the device profile's law for pipeline messages (on CPU servers
+only its bandwidth, the latency the profile's pipeline steps show taking the place of
+the probe's: plan_profile.message_latency), and for the collectives the profile's jobs
+could not measure on the servers: coordinator/planner/costs.py)."""
 
 from __future__ import annotations
 

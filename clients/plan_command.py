@@ -108,9 +108,11 @@ def describe_profile(profile: DeviceProfile) -> str:
     f, b = profile.forward, profile.backward
     links = ", ".join(f"{kind} {law.overhead_s * 1e6:.0f} µs + {law.rate / 1e9:.2f} GB/s"
                       for kind, law in profile.links.items())
+    posting = profile.posting
     return (f"costs measured on {profile.device} ({profile.measured_on}): forward {f.overhead_s * 1e3:.2f} ms + "
             f"{f.rate / 1e9:.1f} GFLOP/s, backward {b.overhead_s * 1e3:.2f} ms + {b.rate / 1e9:.1f} GFLOP/s; "
-            f"links {links}")
+            f"links {links}; posting a message "
+            + (f"{posting.overhead_s * 1e6:.0f} µs + {posting.rate / 1e9:.2f} GB/s" if posting else "free"))
 
 
 TIMED_PLANS = 8

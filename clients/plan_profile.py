@@ -34,16 +34,17 @@ bytes and their count (StepReport.comm): one observation of the group kind's aff
 the simulator charges: a reduction that overlaps a backward is charged what it did not
 hide. A group kind that could not be run takes its law from two processes of this
 machine over gloo (clients/link_probe.py), and so do pipeline messages where the calls
-are not timed (a GPU's).
+are not timed (a GPU's) or no pipeline ran (one idle server), their posting then free.
 
 Where they are (CPU servers), pipelines are priced as the servers' steps show them: every
 send, receive and exchange a rank posted is one observation of its posting law (the
 bytes of its messages, its span's seconds: the executor's work, which occupies the
 rank), and every traced step of a pipeline of single servers one of the message's
 latency: the latency at which the simulator, replaying the step's own computes,
-postings and updates, takes what the step took (message_latency). A 262 KB message the
-bare probe moves in about 0.13 ms costs the servers about 1 ms so, and each exchange's
-posting 0.2-0.4 ms: the layouts of the most messages were predicted 3-28% fast without.
+postings and updates, takes what the step took (message_latency). Without them the
+layouts of the most messages were predicted 3-28% fast in the benchmark's runs
+(bench/results/planner-*.json; docs/planning.md says by how much a message and a
+posting cost there).
 
 Every chunk those jobs run without recompute, and every one a traced job runs so, is also
 timed as its shape (costs.chunk_shape, its tensor group's calls inside); `measure_shapes` runs the shapes a plan needs that no job
@@ -72,7 +73,7 @@ from interleaf.common.overlapped_reductions import overlapped_reductions
 from interleaf.common.model.compile_modes import device_type_of
 from interleaf.coordinator.admission import RUNTIME_RESERVE_BYTES, amount_text
 from interleaf.coordinator.config import ConfigError, JobConfig, load_config
-from interleaf.coordinator.executed_step import replayed
+from interleaf.coordinator.executed_step import POSTING_KINDS, replayed
 from interleaf.coordinator.memory_model import message_bytes, predict, with_temporaries
 from interleaf.coordinator.partition import partition
 from interleaf.coordinator.plan import FLOAT8_MULTIPLE
@@ -359,38 +360,55 @@ def observe_messages(trace: pb.StepTrace, config: JobConfig) -> list[dict]:
     size = message_bytes(config)
     found = [{"kind": POSTING_OBSERVED, "amount": len(parse(span.action).p2p_ops()) * size,
               "seconds": span.end_seconds - span.start_seconds}
-             for report in trace.reports for span in report.spans if span.kind in POSTING_SPANS]
+             for report in trace.reports for span in report.spans if span.kind in POSTING_KINDS]
     latency = message_latency(trace, config)
     if latency is not None:
         found.append({"kind": MESSAGE_OBSERVED, "amount": size, "seconds": latency})
     return found
 
 
-POSTING_SPANS = ("send", "recv", "exchange")
-
-
 def message_latency(trace: pb.StepTrace, config: JobConfig) -> float | None:
     """The latency of a pipeline message at which the simulator, replaying the step
-    (executed_step.replayed: every rank's computes, postings and update as they took),
-    takes what its slowest rank took; found by bisection, the replay's step growing
-    with the latency. What a message costs beyond its posting as the servers' steps see
-    it: gloo's transfer and the receiver's wait for it, and what the replay leaves out
-    (the executor's work between actions, the tied embedding's small all-reduce). Only
-    a pipeline of single servers (dp = tp = 1), whose step holds no other group's
-    calls for the latency to absorb (None otherwise); 0 where the replay takes as long
-    without any. Sought below the step's own length, which the replay exceeds there (the
-    last stage computes after some message reached it)."""
+    (executed_step.replayed: every rank's computes, postings and update as they took,
+    each update less its wait for the slowest rank), takes what its slowest rank took;
+    found by bisection, the replay's step growing with the latency. What a message
+    costs beyond its posting as the servers' steps see it: gloo's transfer and the
+    receiver's wait for it, and what the replay leaves out (the executor's work between
+    actions, the tied embedding's small all-reduce). Only a pipeline of single servers
+    (dp = tp = 1), whose step holds no other group's calls for the latency to absorb
+    (None otherwise); 0 where the replay takes as long without any. Sought below the
+    step's own length, which the replay exceeds there (the last stage computes after
+    some message reached it).
+
+    Why the updates go less their wait: an earlier-finishing rank's update holds the
+    gradient norm's all-reduce until the slowest rank is there, which would end that
+    rank's replay where the step really ended at a latency too low for the slowest
+    rank's own path."""
     p = config.parallel
     if p.pp < 2 or p.dp > 1 or p.tp > 1:
         return None
     took = max(report.step_seconds for report in trace.reports)
-    if replayed(trace).makespan_s >= took:
+    own = _updates_less_their_wait(trace)
+    if replayed(own).makespan_s >= took:
         return 0.0
     low, high = 0.0, took
     for _ in range(BISECTIONS):
         middle = (low + high) / 2
-        low, high = (middle, high) if replayed(trace, middle).makespan_s < took else (low, middle)
+        low, high = (middle, high) if replayed(own, middle).makespan_s < took else (low, middle)
     return (low + high) / 2
+
+
+def _updates_less_their_wait(trace: pb.StepTrace) -> pb.StepTrace:
+    """A copy of `trace` whose update spans end earlier by the seconds their server was
+    held in the world group's call (_norm_calls_s), never before they start."""
+    own = pb.StepTrace()
+    own.CopyFrom(trace)
+    for report in own.reports:
+        wait = _norm_calls_s(report)
+        for span in report.spans:
+            if span.kind == "update":
+                span.end_seconds = max(span.start_seconds, span.end_seconds - wait)
+    return own
 
 
 BISECTIONS = 30
@@ -521,9 +539,17 @@ def refine(profile: DeviceProfile, trace: pb.StepTrace, config: JobConfig, slowd
     """The profile refitted with a real job's traced step added (planned jobs' traces
     feed their profile back: `interleaf run --plan auto`); `slowdown`: how much the job's
     servers slowed each other (shared cores), taken out of its compute times."""
-    seen = [o if o["kind"].startswith(LINK_OBSERVED) or o["kind"] == MESSAGE_OBSERVED
-            else dict(o, seconds=o["seconds"] / slowdown) for o in observations(trace, config, profile.device)]
+    seen = unslowed(observations(trace, config, profile.device), slowdown)
     return fit(profile.observations + seen, profile.device, profile.links, _refined(profile.measured_on))
+
+
+def unslowed(found: list[dict], slowdown: float) -> list[dict]:
+    """Observations of a job whose servers computed `slowdown` times slower for sharing
+    cores, as the laws take them: the rank's own work (computes, updates, postings)
+    divided by it, the links' calls and the messages' latency as they were (a wait for
+    another process, not work of this one)."""
+    return [o if o["kind"].startswith(LINK_OBSERVED) or o["kind"] == MESSAGE_OBSERVED
+            else dict(o, seconds=o["seconds"] / slowdown) for o in found]
 
 
 def _refined(measured_on: str) -> str:
@@ -572,13 +598,13 @@ def measure(client, config: JobConfig, device: str, idle_servers: int, memory_by
              else f" (its first {model['n_layers']} layers)" if own_widths(config, model)
              else f" (a proxy: d_model {model['d_model']}, seq_len {model['seq_len']})")
     measured = {o["kind"][len(LINK_OBSERVED):] for o in seen if o["kind"].startswith(LINK_OBSERVED)}
-    if any(o["kind"] == MESSAGE_OBSERVED for o in seen):
-        measured.add("p2p (the pipeline steps replayed)")
-    probed = ", ".join((["p2p"] if "p2p (the pipeline steps replayed)" not in measured else [])
-                       + ([] if measured >= set(LINK_CALLS.values()) else ["what the jobs did not run"]))
+    replayed_messages = any(o["kind"] == MESSAGE_OBSERVED for o in seen)
+    probed = (("p2p's bandwidth" if replayed_messages else "p2p")
+              + ("" if measured >= set(LINK_CALLS.values()) else " and what the jobs did not run"))
     return fit(seen, device, link_probe.measure_links(), f"{len(shapes)} jobs{proxy}: " + ", ".join(shapes)
                + f"; links: {', '.join(sorted(measured)) or 'none'} in those jobs"
-               + (f", {probed} from two local gloo processes" if probed else ""))
+               + (", p2p's latency from their pipeline steps replayed" if replayed_messages else "")
+               + f", {probed} from two local gloo processes")
 
 
 def _run_profile_job(client, setup: dict, pp: int, job: ProfileJob, device: str, log) -> list[dict] | None:
@@ -715,8 +741,7 @@ def measure_shapes(client, config: JobConfig, profile: DeviceProfile, needs: lis
         except ProfileJobFailed as err:
             log(f"not timed: {err}")
             continue
-        seen += [o if o["kind"].startswith(LINK_OBSERVED) else dict(o, seconds=o["seconds"] / slowdown)
-                 for o in found]
+        seen += unslowed(found, slowdown)
         ran.append(job.describe(pp))
     if not ran:
         return profile

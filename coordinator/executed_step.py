@@ -128,13 +128,13 @@ def replayed(trace: pb.StepTrace, latency_s: float = 0.0) -> SimResult:
 
 
 _COMPUTE_KINDS = ("forward", "backward", "input-grad", "weight-grad", "update")
-_POSTING_KINDS = ("send", "recv", "exchange")
+POSTING_KINDS = ("send", "recv", "exchange")
 """Point-to-point actions, which the executor posts and never waits in (a receive is
 waited by its consumer, a send reaped once the network has it): their spans are the
 executor's own work. (On NCCL, a communicator's first point-to-point call also connects
 to its peer and waits for it: a step traced first on a communicator, trace.steps=0 or
 the first after an elastic re-plan, charges that wait as posting.)"""
-_COSTED_KINDS = _COMPUTE_KINDS + _POSTING_KINDS
+_COSTED_KINDS = _COMPUTE_KINDS + POSTING_KINDS
 """The spans whose durations the prediction and the replay charge."""
 
 

@@ -1034,7 +1034,7 @@ def test_pipeline_messages_are_priced_as_the_servers_steps_show_them():
     assert replayed(stalled, plan_profile.message_latency(stalled, config)).makespan_s == pytest.approx(100.0)
     # only a pipeline of single servers: another group's calls would be taken for the messages'
     for other in ("parallel.dp=2", "parallel.tp=2"):
-        assert plan_profile.message_latency(trace, load_config("", [*SMALL, *config_sets(config), other])) is None
+        assert plan_profile.message_latency(trace, load_config("", [*SMALL, *_parallel_sets(config), other])) is None
 
     size = message_bytes(config)
     seen = plan_profile.observe_messages(trace, config)
@@ -1054,7 +1054,17 @@ def test_pipeline_messages_are_priced_as_the_servers_steps_show_them():
     probe = profile(latency_s=1e-4, link_rate=1e9).links
     fitted = fitting.fit(computes + seen, "cpu", probe, "synthetic")
     assert fitted.links["p2p"] == Law(pytest.approx(0.003 - size / 1e9), 1e9)
-    assert fitted.posting is not None and fitted.posting.overhead_s > 0
+    # lone sends (0.4 ms) and receives (0.2 ms) move messages of one size: priced at their
+    # mean, what a step's postings of that size cost the rank together, and an exchange
+    # of two at its own
+    assert {size, 2 * size} <= {o["amount"] for o in postings}
+    two_sizes = fitting.fit(computes + [o for o in postings if o["amount"] <= 2 * size], "cpu", probe, "synthetic")
+    lone = [o["seconds"] for o in postings if o["amount"] == size]
+    assert two_sizes.posting.seconds(size) == pytest.approx(sum(lone) / len(lone))
+    assert 2e-4 < sum(lone) / len(lone) < 4e-4
+    assert two_sizes.posting.seconds(2 * size) == pytest.approx(6e-4)
+    # postings of no bytes or no time (a --profile file's) are no observation: no division by zero
+    assert fitting.fit(computes + [dict(o, amount=0) for o in postings], "cpu", probe, "synthetic").posting is None
     assert fitting.fit(computes, "cpu", probe, "synthetic").posting is None  # nothing posted: free
     # charged on the rank: the same profile without its posting predicts a shorter step
     programs = programs_for(config)
@@ -1063,6 +1073,10 @@ def test_pipeline_messages_are_priced_as_the_servers_steps_show_them():
     assert posted > free.makespan_s
     costs = layout_costs(config, fitted)
     assert costs.posting_s(2) == pytest.approx(fitted.posting.seconds(2 * size))
+    # servers sharing cores computed and posted slower; the messages' latency is a wait, kept
+    slowed = plan_profile.unslowed(computes[:1] + seen, 2.0)
+    assert [o["seconds"] for o in slowed] == [computes[0]["seconds"] / 2] + [
+        o["seconds"] if o["kind"] == fitting.MESSAGE_OBSERVED else o["seconds"] / 2 for o in seen]
     # a profile file keeps it; one written before it reads as none
     assert DeviceProfile.from_json(json.loads(json.dumps(fitted.to_json()))).posting == fitted.posting
     older = {k: v for k, v in fitted.to_json().items() if k != "posting"}
@@ -1071,8 +1085,35 @@ def test_pipeline_messages_are_priced_as_the_servers_steps_show_them():
         DeviceProfile.from_json(dict(older, posting={"overhead_s": 0.0, "rate": 0}))
 
 
-def config_sets(config) -> list[str]:
-    """The parallel settings of `config` as --set overrides."""
+def test_a_messages_latency_is_found_without_the_updates_wait_for_the_slowest_rank():
+    """Untied, the last stage finishes its backwards first and its update waits in the
+    gradient norm's all-reduce for the first stage, whose 4 ms of the executor's work
+    between actions no span holds. Replayed with that wait, the last stage's update
+    would end the step at the latency its own path needs (3 ms); less it, the latency
+    is the one the first stage's path needs, as it is where no wait was recorded."""
+    config = load_config("", SMALL + ["parallel.pp=2", "parallel.vpp=2", "parallel.schedule=interleaved-1f1b",
+                                      "parallel.microbatches=4", "model.tie_embeddings=false"])
+    seconds = {"forward": 0.010, "backward": 0.020, "update": 0.002, "send": 0.0004, "recv": 0.0002,
+               "exchange": 0.0006}
+    from interleaf.coordinator.executed_step import replayed
+
+    exact = replayed(_traced_step(config, seconds, 0.0), 0.003).timeline
+    first, last = exact[0][-1].end, exact[1][-1].end
+    assert first > last  # the last stage's update is done first
+    took = first + 0.004
+    unrecorded = _traced_step(config, seconds, took)
+    waited = _traced_step(config, seconds, took)
+    wait = took - last
+    update = next(span for span in waited.reports[1].spans if span.kind == "update")
+    update.end_seconds += wait
+    waited.reports[1].comm.append(pb.CommStat(op="all_reduce", group="world", seconds=wait, bytes=8, calls=1))
+    found = plan_profile.message_latency(unrecorded, config)
+    assert found == pytest.approx(0.003 + 0.004 / 10, abs=1e-6)  # ten messages on the first stage's path
+    assert plan_profile.message_latency(waited, config) == pytest.approx(found, abs=1e-6)
+
+
+def _parallel_sets(config) -> list[str]:
+    """The pipeline settings of `config` as --set overrides."""
     p = config.parallel
     return [f"parallel.pp={p.pp}", f"parallel.vpp={p.vpp}", f"parallel.schedule={p.schedule}",
             f"parallel.microbatches={p.microbatches}"]

@@ -22,8 +22,8 @@ price the shapes never run.
 
 `layout_costs` turns a job config into the simulator's inputs: per chunk its F, B, I and
 W seconds (recompute's rerun and the tensor group's collectives included), the
-pipeline message's seconds, and one data-parallel reduction's, parameter gather's and
-update's.
+pipeline message's seconds and its posting's on the rank, and one data-parallel
+reduction's, parameter gather's and update's.
 
 Worked example: a chunk of 2 GPT-2 layers (d_model 64, seq_len 32) at 4 rows, tp=1,
 does 2 layers * 128 tokens * (2 * 12 * 64^2 + 4 * 64 * 32) = 27,262,976 FLOPs forward;
@@ -150,7 +150,8 @@ class DeviceProfile:
         _finite("update_overhead_s", data.get("update_overhead_s", 0.0), minimum=0.0)
         posting = data.get("posting")
         observations, shapes = _shape_timings(data)
-        return cls(posting=None if posting is None else _law("posting", posting), device=data["device"], links={k: _law(f"links.{k}", v) for k, v in data["links"].items()},
+        return cls(device=data["device"], links={k: _law(f"links.{k}", v) for k, v in data["links"].items()},
+                   posting=None if posting is None else _law("posting", posting),
                    update_s_per_param=data["update_s_per_param"],
                    update_overhead_s=data.get("update_overhead_s", 0.0), measured_on=data.get("measured_on", ""),
                    selective_share=data.get("selective_share"), tp_compute_factor=data.get("tp_compute_factor"),
@@ -196,9 +197,11 @@ class LayoutCosts:
     """Of the forward of the chunk that calls the most, the tensor group's collectives
     (for the report)."""
     posting_overhead_s: float = 0.0
+    """What posting a send, receive or exchange occupies its rank beyond its messages'
+    share (DeviceProfile.posting's overhead); 0 where posting is free."""
     posting_s_per_message: float = 0.0
-    """Posting a send, receive or exchange of n messages occupies its rank
-    posting_overhead_s + n * posting_s_per_message (DeviceProfile.posting)."""
+    """Posting's seconds for each message it posts, by the layout's message bytes:
+    posting n messages costs posting_overhead_s + n * posting_s_per_message."""
 
     def posting_s(self, messages: int) -> float:
         return self.posting_overhead_s + messages * self.posting_s_per_message

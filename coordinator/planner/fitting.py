@@ -1,6 +1,7 @@
 """Fitting a device profile's laws (costs.py) to timed actions: the profile jobs' and
-planned jobs' traced computes, each an observation {"kind", "amount" (forward FLOPs, or
-parameters stepped for an update), "seconds"}.
+planned jobs' traced computes, each an observation {"kind", "amount" (forward FLOPs,
+parameters stepped for an update, bytes for a link's call, a posting or a message),
+"seconds"}.
 
 Worked example (tests/test_planner.py): backwards of 50 ms at 1 GFLOP and 170 ms at 4
 GFLOP fit 10 ms + 25 GFLOP/s; halves of 102 and 85 ms measured beside the 170 ms one
@@ -37,13 +38,13 @@ def undisturbed(seconds: list[float]) -> float:
     return statistics.quantiles(seconds, n=4)[0] if len(seconds) >= 4 else min(seconds)
 
 
-def fit_line(observed: list[tuple[float, float]]) -> Law:
-    """Least squares seconds = overhead + amount / rate through each amount's undisturbed
-    seconds, overhead kept >= 0."""
+def fit_line(observed: list[tuple[float, float]], typical=undisturbed) -> Law:
+    """Least squares seconds = overhead + amount / rate through each amount's `typical`
+    seconds (by default the undisturbed), overhead kept >= 0."""
     by_amount: dict[float, list[float]] = {}
     for amount, seconds in observed:
         by_amount.setdefault(amount, []).append(seconds)
-    points = [(amount, undisturbed(seconds)) for amount, seconds in sorted(by_amount.items())]
+    points = [(amount, typical(seconds)) for amount, seconds in sorted(by_amount.items())]
     n = len(points)
     mean_x = sum(x for x, _ in points) / n
     mean_y = sum(y for _, y in points) / n
@@ -77,16 +78,19 @@ def fit(observations: list[dict], device: str, links: dict[str, Law], measured_o
                                                      if o["kind"] == kind])
     # a pipeline message as the servers' steps show it, where they were replayed: the
     # probe's bandwidth, and the latency beyond it the median step needed (a residual,
-    # which noise moves either way). The probe's two bare processes priced a 262 KB
-    # message at about 0.13 ms, the servers' steps at about 1 ms.
+    # which noise moves either way)
     latencies = [o for o in observations if o["kind"] == MESSAGE_OBSERVED]
     if latencies:
         probe = links["p2p"]
         links["p2p"] = Law(max(0.0, statistics.median(o["seconds"] - o["amount"] / probe.rate for o in latencies)),
                            probe.rate)
-    postings = [(o["amount"], o["seconds"]) for o in observations if o["kind"] == POSTING_OBSERVED and o["seconds"] > 0]
+    # the mean at each size: lone sends and lone receives move messages of one size and
+    # post at different costs (a lower quartile would price both as the cheaper), and a
+    # rank's postings over a step cost it their sum, rare long ones included
+    postings = [(o["amount"], o["seconds"]) for o in observations
+                if o["kind"] == POSTING_OBSERVED and o["amount"] > 0 and o["seconds"] > 0]
     return DeviceProfile(device=device, links=links, update_s_per_param=1.0 / update.rate,
-                         posting=fit_line(postings) if postings else None,
+                         posting=fit_line(postings, typical=statistics.mean) if postings else None,
                          update_overhead_s=update.overhead_s,
                          measured_on=measured_on, observations=observations, shapes=_shapes(observations),
                          selective_share=_selective_share(observations, laws["forward"], laws["backward"]),

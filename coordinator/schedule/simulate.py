@@ -1,10 +1,11 @@
 """Runs all ranks' programs together against a cost model: step time, bubble, deadlock.
 
 Compute and reductions occupy their rank, and so does posting a send, receive or
-exchange when a replay measured it; sends, receives and exchanges complete as the
-link semantics say (`links.py`: "rendezvous" by default, a send completing only when
-its peer reaches the matching receive, or "eager", sends buffered without limit); the
-tie reduction completes when both of its ranks have reached it. A parameter gather runs
+exchange where `measured` gives it a time (a replay's, or the planner's posting law);
+sends, receives and exchanges complete as the link semantics say (`links.py`:
+"rendezvous" by default, a send completing only when its peer reaches the matching
+receive, or "eager", sends buffered without limit); the tie reduction completes when
+both of its ranks have reached it. A parameter gather runs
 in the background: the compute that first needs the chunk starts when it has landed,
 and the rank's step ends when its last gather has.
 """
