@@ -73,7 +73,7 @@ from interleaf.common.overlapped_reductions import overlapped_reductions
 from interleaf.common.model.compile_modes import device_type_of
 from interleaf.coordinator.admission import RUNTIME_RESERVE_BYTES, amount_text
 from interleaf.coordinator.config import ConfigError, JobConfig, load_config
-from interleaf.coordinator.executed_step import POSTING_KINDS, replayed
+from interleaf.coordinator.executed_step import POSTING_KINDS, replay_by_latency
 from interleaf.coordinator.memory_model import message_bytes, predict, with_temporaries
 from interleaf.coordinator.partition import partition
 from interleaf.coordinator.plan import FLOAT8_MULTIPLE
@@ -369,7 +369,7 @@ def observe_messages(trace: pb.StepTrace, config: JobConfig) -> list[dict]:
 
 def message_latency(trace: pb.StepTrace, config: JobConfig) -> float | None:
     """The latency of a pipeline message at which the simulator, replaying the step
-    (executed_step.replayed: every rank's computes, postings and update as they took,
+    (executed_step.replay_by_latency: every rank's computes, postings and update as they took,
     each update less its wait for the slowest rank), takes what its slowest rank took;
     found by bisection, the replay's step growing with the latency. What a message
     costs beyond its posting as the servers' steps see it: gloo's transfer and the
@@ -388,13 +388,13 @@ def message_latency(trace: pb.StepTrace, config: JobConfig) -> float | None:
     if p.pp < 2 or p.dp > 1 or p.tp > 1:
         return None
     took = max(report.step_seconds for report in trace.reports)
-    own = _updates_less_their_wait(trace)
-    if replayed(own).makespan_s >= took:
+    replay = replay_by_latency(_updates_less_their_wait(trace))
+    if replay(0.0).makespan_s >= took:
         return 0.0
     low, high = 0.0, took
     for _ in range(BISECTIONS):
         middle = (low + high) / 2
-        low, high = (middle, high) if replayed(own, middle).makespan_s < took else (low, middle)
+        low, high = (middle, high) if replay(middle).makespan_s < took else (low, middle)
     return (low + high) / 2
 
 

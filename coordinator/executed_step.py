@@ -15,6 +15,7 @@ Ranks are lined up by when each began the step (StepReport.started_unix).
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from interleaf.coordinator.schedule import CostModel, SimResult, simulate
@@ -104,18 +105,23 @@ def _cost_key(action: Action, stage: int) -> tuple:
     return kind, "stage", stage
 
 
-def replayed(trace: pb.StepTrace, latency_s: float = 0.0) -> SimResult:
+def replayed(trace: pb.StepTrace) -> SimResult:
     """The simulator replaying the step: every action takes what its rank spent in it
     (per pipeline rank, the mean over that stage's data- and tensor-parallel ranks):
     each compute its compute, each send, receive and exchange the executor's work
-    posting it; the messages themselves travel in `latency_s` (no time by default:
-    what the ranks' own work explains; the planner finds the latency at which the
-    replay takes what the step took, plan_profile.message_latency), and every wait for another
+    posting it; the messages themselves travel in no time, and every wait for another
     rank is the simulator's. What the step's bubble would have been from the schedule
     and the ranks' own work alone: the executed bubble beyond it is the transfers, the
     collectives (data-parallel and tied-embedding all-reduces, ZeRO's reduce-scatters
     and gathers, which cost nothing here), the executor's work between actions (reading
     samples included) and time the ranks were not scheduled."""
+    return replay_by_latency(trace)(0.0)
+
+
+def replay_by_latency(trace: pb.StepTrace) -> Callable[[float], SimResult]:
+    """The replay (replayed) with the messages travelling in a given latency, as a
+    function of it, the step's programs and times read once: the planner seeks the
+    latency at which the replay takes what the step took (plan_profile.message_latency)."""
     coords, taken = _coords(trace), {}
     for report in trace.reports:
         stage = taken.setdefault(coords[report.rank].pp, {})
@@ -124,7 +130,8 @@ def replayed(trace: pb.StepTrace, latency_s: float = 0.0) -> SimResult:
                 stage.setdefault(s.action, []).append(s.end_seconds - s.start_seconds)
     steps = programs(trace)
     measured = [[_mean(taken[r].get(str(a))) for a in program] for r, program in enumerate(steps)]
-    return simulate(steps, CostModel(latency_s=latency_s), links=PREDICTION_LINKS, measured=measured)
+    return lambda latency_s: simulate(steps, CostModel(latency_s=latency_s), links=PREDICTION_LINKS,
+                                      measured=measured)
 
 
 _COMPUTE_KINDS = ("forward", "backward", "input-grad", "weight-grad", "update")

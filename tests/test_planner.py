@@ -15,6 +15,8 @@ import pytest
 from interleaf.clients import plan_command, plan_profile
 from interleaf.coordinator.admission import AdmissionError, check_fits, needed_bytes
 from interleaf.coordinator.config import ConfigError, load_config
+from interleaf.coordinator.executed_step import replay_by_latency
+from interleaf.coordinator.memory_model import message_bytes
 from interleaf.coordinator.partition import partition
 from interleaf.coordinator.planner import costs as costs_module, fitting
 from interleaf.coordinator.planner.candidates import Layout, apply, grids, head_balanced_split, pipelines, valid_configs
@@ -22,6 +24,7 @@ from interleaf.coordinator.planner.costs import (DeviceProfile, Law, LayoutCosts
                                                 chunk_parameters, collective_s, layout_costs, normalized)
 from interleaf.coordinator.planner.explain import Outcome, explain, variant_lines
 from interleaf.protos import interleaf_pb2 as pb
+from interleaf.protos.actions import CATEGORIES
 from interleaf.coordinator.planner.search import (VARIANT_TIE, Cluster, compute_bound, programs_for, search,
                                                   simulate_layout)
 
@@ -991,8 +994,6 @@ def _traced_step(config, seconds: dict[str, float], step_seconds: float) -> pb.S
     """A traced step of `config` (dp = tp = 1): every action of each pipeline rank's
     program spanned for `seconds` of its kind (CATEGORIES), each rank's step
     `step_seconds` long."""
-    from interleaf.protos.actions import CATEGORIES
-
     programs = programs_for(config)
     reports = []
     for rank, program in enumerate(programs):
@@ -1015,23 +1016,21 @@ def test_pipeline_messages_are_priced_as_the_servers_steps_show_them():
     traced step (its computes, postings and updates as they took), takes what the step
     took; a rank's posting of each send, receive and exchange is a law of the bytes it
     posts, and the planner charges it on the rank: the bare probe priced a 262 KB
-    message at 0.13 ms, the servers' steps at about 1 ms, and the layouts of the most
+    message at about 0.12 ms, the servers' steps at about 1 ms, and the layouts of the most
     messages were predicted fast (bench/results/planner-*.json)."""
-    from interleaf.coordinator.executed_step import replayed
-    from interleaf.coordinator.memory_model import message_bytes
-
     config = load_config("", SMALL + ["parallel.pp=2", "parallel.vpp=2", "parallel.schedule=interleaved-1f1b",
                                       "parallel.microbatches=4"])
     seconds = {"forward": 0.010, "backward": 0.020, "update": 0.002, "send": 0.0004, "recv": 0.0002,
                "exchange": 0.0006}
-    took = replayed(_traced_step(config, seconds, 0.0), 0.003).makespan_s
-    assert took > replayed(_traced_step(config, seconds, 0.0)).makespan_s  # messages on the critical path
+    took = replay_by_latency(_traced_step(config, seconds, 0.0))(0.003).makespan_s
+    assert took > replay_by_latency(_traced_step(config, seconds, 0.0))(0.0).makespan_s  # messages on the critical path
     trace = _traced_step(config, seconds, took)
     assert plan_profile.message_latency(trace, config) == pytest.approx(0.003, abs=1e-6)
     # a step the ranks' own work explains needs no latency; a stalled one, what explains it
     assert plan_profile.message_latency(_traced_step(config, seconds, 0.1), config) == 0.0
     stalled = _traced_step(config, seconds, 100.0)
-    assert replayed(stalled, plan_profile.message_latency(stalled, config)).makespan_s == pytest.approx(100.0)
+    assert replay_by_latency(stalled)(plan_profile.message_latency(stalled, config)).makespan_s == pytest.approx(
+        100.0)
     # only a pipeline of single servers: another group's calls would be taken for the messages'
     for other in ("parallel.dp=2", "parallel.tp=2"):
         assert plan_profile.message_latency(trace, load_config("", [*SMALL, *_parallel_sets(config), other])) is None
@@ -1095,9 +1094,7 @@ def test_a_messages_latency_is_found_without_the_updates_wait_for_the_slowest_ra
                                       "parallel.microbatches=4", "model.tie_embeddings=false"])
     seconds = {"forward": 0.010, "backward": 0.020, "update": 0.002, "send": 0.0004, "recv": 0.0002,
                "exchange": 0.0006}
-    from interleaf.coordinator.executed_step import replayed
-
-    exact = replayed(_traced_step(config, seconds, 0.0), 0.003).timeline
+    exact = replay_by_latency(_traced_step(config, seconds, 0.0))(0.003).timeline
     first, last = exact[0][-1].end, exact[1][-1].end
     assert first > last  # the last stage's update is done first
     took = first + 0.004
