@@ -43,6 +43,7 @@ class StageServerService(rpc.StageServerServicer):
         self.spool_root = spool_root or default_root()
         self._lock = threading.Lock()
         self._job: StageJob | None = None
+        self._working = 0  # steps and evaluations under way, of any job
         self._owner = ""  # the incarnation of the coordinator that set up self._job
         # The incarnation of the coordinator this server is registered with: "" until it
         # registers, as in-process callers (tests) send none.
@@ -179,16 +180,26 @@ class StageServerService(rpc.StageServerServicer):
                 yield pb.StepReport(job_id=job.job_id, step=step, rank=job.rank,
                                     evaluation=_evaluation_report(evaluation, job.reports_loss))
 
-    @staticmethod
-    def _attempt(job: StageJob, context, work):
+    def _attempt(self, job: StageJob, context, work):
         """(work's result, "") or, when the job was closed under it (torn down, dropped,
         or the server stopping), (None, why); any other failure aborts the call."""
+        with self._lock:
+            self._working += 1
         try:
             return work(), ""
         except Exception as err:
             if not job.cancelled.is_set():
                 context.abort(grpc.StatusCode.INTERNAL, str(err))
             return None, str(err)
+        finally:
+            with self._lock:
+                self._working -= 1
+
+    def working(self) -> bool:
+        """Whether a step or an evaluation is under way: one still running after its job
+        was closed waits on a peer (a closed job's work stops at its next action)."""
+        with self._lock:
+            return self._working > 0
 
     def SaveState(self, request: pb.SaveRequest, context):
         job = self._connected(request.job_id, context)

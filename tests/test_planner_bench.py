@@ -45,3 +45,14 @@ def test_planner_bench_tiny_runs(tmp_path):
     config = load_config("", data["model"] + [f"train.global_batch={data['global_batch']}"]
                          + [s for s in planned["settings"] if s != "--set"])
     assert plan_profile.untimed_shapes([config], profile) == []
+    # bench/planner_repredict.py rebuilds each layout's prediction from the JSON alone
+    # (the profile, the model, the settings, the machine's cores): the same as the run's
+    sys.path.insert(0, str(REPO / "bench"))
+    try:
+        from planner_repredict import repredicted
+    finally:
+        sys.path.remove(str(REPO / "bench"))
+    rows = repredicted(data)
+    assert [row["layout"] for row in rows] == [r["layout"] for r in runs if r["in_grid"]]
+    for row in rows:
+        assert abs(row["predicted_s"] - row["reported_s"]) <= 1e-9 * row["reported_s"], row

@@ -109,6 +109,7 @@ class _SendReaper:
         self._name = name
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
+        self._waiting: _ReapedSend | None = None  # the send the thread is in gloo's wait for
         self._closed = False
         self._lock = threading.Lock()
 
@@ -116,7 +117,7 @@ class _SendReaper:
         send = _ReapedSend(work)
         with self._lock:
             if self._closed:  # a step still running when its job was closed
-                send.fail(RuntimeError(f"group {self._name} was closed before this send could be waited"))
+                send.fail(self._closed_error())
                 return send
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name=f"gloo-sends-{self._name}", daemon=True)
@@ -126,27 +127,40 @@ class _SendReaper:
 
     def _run(self) -> None:
         while (send := self._queue.get()) is not None:
+            with self._lock:
+                self._waiting = send
             try:
                 send.work.wait()
             except Exception as err:  # the group failed: the sender's wait raises it
-                send.error = err
+                send.fail(err)
+            else:
+                send.finish()
             finally:
-                send.done.set()
+                with self._lock:
+                    self._waiting = None
             del send  # holds no sent tensor while waiting for the next
 
+    def _closed_error(self) -> RuntimeError:
+        return RuntimeError(f"group {self._name} was closed before this send was taken")
+
     def close(self) -> None:
-        """Fails the sends not yet taken up, so that nothing waits for them, and ends the
-        thread once the send it waits for is done. That one, gloo cannot interrupt (its
-        group's abort and shutdown do nothing): it ends when its receiver takes it, its
-        peer's connection closes, or the group's timeout passes."""
+        """Fails every send not yet done, so that no step waits on a closed group, and
+        ends the thread once gloo's wait for the send it holds returns. That wait, gloo
+        cannot interrupt (its group's abort and shutdown do nothing), and a send whose
+        receiver never posted its receive is not ended by the receiver's death either
+        (measured: the wait outlived the peer's exit by the whole 5 s of a server's exit
+        bound). So the sender is let go here and only the daemon thread waits on: for the
+        receiver, or the group's timeout. The work keeps the sent tensor alive till then."""
         with self._lock:
             self._closed = True
+            if self._waiting is not None:
+                self._waiting.fail(self._closed_error())
             while True:
                 try:
                     send = self._queue.get_nowait()
                 except queue.Empty:
                     break
-                send.fail(RuntimeError(f"group {self._name} was closed before this send could be waited"))
+                send.fail(self._closed_error())
             if self._thread is not None:
                 self._queue.put(None)
 
@@ -158,10 +172,18 @@ class _ReapedSend:
         self.work = work
         self.done = threading.Event()
         self.error: Exception | None = None
+        self._ending = threading.Lock()  # the reaper and a closing group may end it at once
 
     def fail(self, error: Exception) -> None:
-        self.error = error
-        self.done.set()
+        """Ends the wait with `error`, unless it has already ended (the first word stands)."""
+        with self._ending:
+            if not self.done.is_set():
+                self.error = error
+                self.done.set()
+
+    def finish(self) -> None:
+        with self._ending:
+            self.done.set()
 
     def wait(self) -> bool:
         self.done.wait()
