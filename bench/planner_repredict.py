@@ -10,7 +10,7 @@ minutes and gives one more sample of a machine whose steps vary by several perce
 It cannot show what a change to the profile's measurement would have measured (the
 profiles are as their runs took them), nor move the measured steps.
 
-    python bench/planner_repredict.py [--verbose] [JSON...]   # default: bench/results/planner-*.json
+    python bench/planner_repredict.py [--verbose] [JSON...]   # default: bench/results/planner*.json
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("files", nargs="*", type=pathlib.Path, help="planner JSONs (default: the committed ones)")
     parser.add_argument("--verbose", action="store_true", help="every layout's errors too")
     args = parser.parse_args(argv)
-    files = args.files or sorted(RESULTS.glob("planner-*.json"))
+    files = args.files or sorted(RESULTS.glob("planner*.json"))
     print(f"{'run':<28} {'Spearman':>17} {'median |error|':>17} {'worst error':>17}")
     print(f"{'':<28} {'reported  today':>17} {'reported  today':>17} {'reported  today':>17}")
     for path in files:

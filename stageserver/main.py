@@ -4,8 +4,8 @@ coordinator (register, heartbeat, and register again if the coordinator forgot u
 A server outlives no purpose. A job whose coordinator forgot us (it restarted) or has
 been unreachable past --orphan-timeout is dropped: closed as Teardown would. SIGTERM
 and SIGINT drop the job, whose step stops at its next action, and end the process: once
-the calls have ended, or after their grace (EXIT_GRACE_S) where a step still waits on a
-peer, and within EXIT_BOUND_S whatever else holds on.
+the calls have ended, or after their grace (EXIT_GRACE_S) where a step still runs (it
+waits on a peer), and within EXIT_BOUND_S whatever else holds on.
 """
 
 from __future__ import annotations
@@ -41,12 +41,12 @@ EXIT_GRACE_S = 1.0
 to end before the gRPC server cancels them."""
 EXIT_BOUND_S = 5.0
 """After a signal the process is gone within this, whatever still holds on. No
-cancellation reaches a wait already posted, on a peer that hangs (alive, not
-answering) or one that is gone: gloo does not always end a send or a collective posted
+cancellation reaches a receive or a collective already posted, on a peer that hangs
+(alive, not answering) or one that is gone: gloo does not always end a wait posted
 before its peer died (under load, 4 of 33 runs of the test of this left a stage server
-waiting out the whole bound). A step still waiting
-when the calls' grace (EXIT_GRACE_S) ends is left at once; this bounds the rest (a
-save, a communicator's close), which the interpreter would join at exit."""
+waiting out the whole bound). A step still running when the calls' grace (EXIT_GRACE_S)
+ends is left at once; this bounds the rest (a save, a communicator's close), which the
+interpreter would join at exit."""
 
 
 class Registrar(threading.Thread):
@@ -179,11 +179,12 @@ def serve(coordinator: str, host: str, port: int, bind: str, threads: int, memor
     signal.signal(signal.SIGINT, shutdown)
     server.wait_for_termination()
     if signalled and service.working():
-        # The job is dropped and its step was to stop at its next action; one still
-        # running after the calls' grace waits on a peer, which hangs or is gone (gloo
-        # does not always end a send or collective posted before its peer died). Nothing
-        # is left for it to do, and the interpreter would join its thread.
-        _exit_now(signalled[0], "a step still waiting on its peers")
+        # The job is dropped and its step was to stop at its next action. One still
+        # running after the calls' grace waits on a peer that hangs or is gone (gloo does
+        # not always end a wait posted before its peer died), or is in an action longer
+        # than the grace. Its result has no one to go to, and the interpreter would join
+        # its thread.
+        _exit_now(signalled[0], f"a step still running {EXIT_GRACE_S:g} s")
 
 
 def _exit_now(signum: int, why: str = "a second signal") -> None:

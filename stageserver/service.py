@@ -196,8 +196,9 @@ class StageServerService(rpc.StageServerServicer):
                 self._working -= 1
 
     def working(self) -> bool:
-        """Whether a step or an evaluation is under way: one still running after its job
-        was closed waits on a peer (a closed job's work stops at its next action)."""
+        """Whether a step or an evaluation is under way, of any job: one still running
+        after its job was closed is in a long action or waits on a peer (a closed job's
+        work stops at its next action)."""
         with self._lock:
             return self._working > 0
 

@@ -165,6 +165,13 @@ def test_servers_of_a_restarted_coordinator_drop_the_stale_job(tmp_path):
         with _coordinator(cluster, tmp_path / "coordinator-2.log") as client:
             _runs_a_job(client)
         assert _logged(cluster, "the coordinator no longer knows this server (it restarted)")
+        # Idle, with nothing left running, a server stopped exits cleanly, at once.
+        server = cluster.processes[1]
+        server.send_signal(signal.SIGTERM)
+        signalled = time.monotonic()
+        assert server.wait(timeout=EXIT_BOUND_S + SLACK_S) == 0
+        assert time.monotonic() - signalled < EXIT_GRACE_S + SLACK_S
+        assert "exiting now" not in _log(cluster, 0)
 
 
 def test_busy_server_exits_on_sigterm_within_the_bound(tmp_path):
@@ -173,15 +180,15 @@ def test_busy_server_exits_on_sigterm_within_the_bound(tmp_path):
         _start_long_job(cluster.client())
         first, second = cluster.processes[1:]
         # The second server hangs: the first then waits on it inside a step. A send the
-        # job's close lets go; a receive or a collective nothing reaches, and the server
-        # leaves that step when the calls' grace ends.
+        # job's close lets go (the step ends, exit status 0); a receive or a collective
+        # nothing reaches, and the server leaves that step when the calls' grace ends.
         second.send_signal(signal.SIGSTOP)
         time.sleep(0.5)
         first.send_signal(signal.SIGTERM)
         signalled = time.monotonic()
         code = first.wait(timeout=EXIT_BOUND_S + SLACK_S)
         gone = time.monotonic() - signalled
-        left = "a step still waiting on its peers after SIGTERM: exiting now" in _log(cluster, 0)
+        left = f"a step still running {EXIT_GRACE_S:g} s after SIGTERM: exiting now" in _log(cluster, 0)
         assert (code, left) in ((0, False), (128 + signal.SIGTERM, True)), (code, left)
         assert gone < (EXIT_GRACE_S + SLACK_S if left else EXIT_BOUND_S)
         assert "still busy" not in _log(cluster, 0)

@@ -129,6 +129,8 @@ class _SendReaper:
         while (send := self._queue.get()) is not None:
             with self._lock:
                 self._waiting = send
+                if self._closed:  # closed since it was taken off the queue: close did not see it
+                    send.fail(self._closed_error())
             try:
                 send.work.wait()
             except Exception as err:  # the group failed: the sender's wait raises it
