@@ -4,8 +4,8 @@ coordinator (register, heartbeat, and register again if the coordinator forgot u
 A server outlives no purpose. A job whose coordinator forgot us (it restarted) or has
 been unreachable past --orphan-timeout is dropped: closed as Teardown would. SIGTERM
 and SIGINT drop the job, whose step stops at its next action, and end the process: once
-the calls have ended, or after their grace (EXIT_GRACE_S) where a step still runs (it
-waits on a peer), and within EXIT_BOUND_S whatever else holds on.
+the calls have ended, or after their grace (EXIT_GRACE_S) where a step still runs (in
+a long action, or waiting on a peer), and within EXIT_BOUND_S whatever else holds on.
 """
 
 from __future__ import annotations
