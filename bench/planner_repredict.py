@@ -21,6 +21,7 @@ import pathlib
 import statistics
 import sys
 
+from interleaf.clients.launcher import threads_per_local_server
 from interleaf.clients.plan_command import host_slowdown
 from interleaf.coordinator.config import load_config
 from interleaf.coordinator.planner.costs import DeviceProfile, layout_costs
@@ -35,8 +36,9 @@ RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 def repredicted(run_json: dict) -> list[dict]:
     """Per hand layout of a CPU run: its name, measured step, the run's prediction, and
     today's."""
-    threads = max(1, run_json["machine_before"]["cpus"] // run_json["servers"])
-    slowdown = host_slowdown(run_json["servers"], threads, run_json["machine_before"]["cpus"])
+    # the run's LocalCluster gave each server its default threads on the run's machine
+    servers, cores = run_json["servers"], run_json["machine_before"]["cpus"]
+    slowdown = host_slowdown(servers, threads_per_local_server(servers, cores), cores)
     profile = DeviceProfile.from_json(run_json["profile"])
     base = [*run_json["model"], f"train.global_batch={run_json['global_batch']}",
             f"train.steps={run_json['steps']}", "checkpoint.every=0"]

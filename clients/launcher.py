@@ -58,6 +58,12 @@ def memory_per_local_server(devices: list[str]) -> int:
     return physical_memory_bytes() // len(devices)
 
 
+def threads_per_local_server(servers: int, cores: int | None = None) -> int:
+    """The torch threads each of `servers` local servers gets by default: the host's
+    `cores` (this machine's by default) shared out, at least one each."""
+    return max(1, (cores or os.cpu_count() or 1) // servers)
+
+
 def _nccl_installed() -> bool:
     try:
         from cupy.cuda import nccl  # noqa: F401
@@ -82,7 +88,7 @@ class LocalCluster:
         # Rewrites server i's command line (e.g. to start it in a namespace of its own).
         self.server_command = server_command or (lambda i, command: command)
         self.devices = local_devices(device, servers)
-        self.threads = threads_per_server or max(1, (os.cpu_count() or 1) // servers)
+        self.threads = threads_per_server or threads_per_local_server(servers)
         # Each child's stderr goes to NAME.log here: the given folder, kept, or one of the
         # cluster's own, removed at stop; either way a child that dies at start is quoted.
         self.log_dir = log_dir

@@ -42,11 +42,11 @@ def host_slowdown(servers_on_host: int, threads_per_server: int, cores: int) -> 
 def local_cluster(servers: int, device: str, memory_bytes: int | None = None) -> tuple[Cluster, str]:
     """A cluster of `servers` local servers on this machine (interleaf run --local), and
     their device kind."""
-    from interleaf.clients.launcher import local_devices, memory_per_local_server
+    from interleaf.clients.launcher import local_devices, memory_per_local_server, threads_per_local_server
 
     devices = local_devices(device, servers)
     cores = os.cpu_count() or 1
-    slowdown = host_slowdown(servers, max(1, cores // servers), cores) if devices[0] == "cpu" else 1.0
+    slowdown = host_slowdown(servers, threads_per_local_server(servers, cores), cores) if devices[0] == "cpu" else 1.0
     memory = memory_bytes or memory_per_local_server(devices)
     return Cluster(servers, memory, servers_per_host=servers, compute_slowdown=slowdown,
                    device_type=device_type_of(devices)), device_kind(devices[0])
