@@ -24,8 +24,13 @@ JSON is written after the bf16 job too ("partial"), so a run cut short keeps tha
 losses and memory.
 `--device cpu --tiny`: a 2-layer d_model 64 model for 12 steps, float8 through torchao's
 emulation (train.fp8_emulate), so that the code runs in CI; its bounds are held too.
+`--device cpu --small`: a 4-layer d_model 128 model with byte-level tokens for 400
+steps, float8 emulated: the same casts to float8 and the same scales, the float8 values
+then multiplied in float32 (torchao's emulation) where a GPU's float8 tensor cores
+multiply them with float32 accumulation; for a machine without a float8 GPU.
 
     PYTHONPATH=. python bench/gpu/fp8_tracking.py [--arch gpt2|llama] [--steps 200] [--out PATH]
+    PYTHONPATH=. python bench/gpu/fp8_tracking.py --device cpu --small   # float8 emulated
 """
 
 from __future__ import annotations
@@ -53,8 +58,14 @@ MODELS = {
     "llama": ModelShape(n_layers=12, d_model=1024, n_heads=16, seq_len=1024, vocab_size=32000, arch="llama",
                         n_kv_heads=4, ffn_hidden=2816, tie_embeddings=False),
 }
+SMALL = {
+    "gpt2": ModelShape(n_layers=4, d_model=128, n_heads=4, seq_len=128, vocab_size=256),
+    "llama": ModelShape(n_layers=4, d_model=128, n_heads=4, seq_len=128, vocab_size=256, arch="llama", n_kv_heads=2,
+                        ffn_hidden=352, tie_embeddings=False),
+}
+"""CPU-sized: byte-level tokens, every dimension a multiple of 16 as float8's products need."""
 ROWS = 8
-STEPS, TINY_STEPS = 200, 12
+STEPS, TINY_STEPS, SMALL_STEPS = 200, 12, 400
 
 
 def job(model: ModelShape, steps: int, device: str, precision: str) -> list[str]:
@@ -85,17 +96,20 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=None, help=f"steps per side (default {STEPS}; tiny "
                                                                   f"{TINY_STEPS})")
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
-    parser.add_argument("--tiny", action="store_true", help="a 2-layer d_model 64 model (with --device cpu: "
-                                                            "float8 emulated, in about a minute)")
+    size = parser.add_mutually_exclusive_group()
+    size.add_argument("--tiny", action="store_true", help="a 2-layer d_model 64 model (with --device cpu: "
+                                                          "float8 emulated, in about a minute)")
+    size.add_argument("--small", action="store_true", help=f"a 4-layer d_model 128 model for {SMALL_STEPS} steps "
+                                                           "(with --device cpu: float8 emulated)")
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "bench/results"), "fp8_tracking.json"))
     args = parser.parse_args()
-    steps = args.steps or (TINY_STEPS if args.tiny else STEPS)
+    steps = args.steps or (TINY_STEPS if args.tiny else SMALL_STEPS if args.small else STEPS)
     if steps < 4:
         raise SystemExit(f"--steps {steps} must be at least 4: the last quarter must hold a step")
-    model = TINY[args.arch] if args.tiny else MODELS[args.arch]
+    model = TINY[args.arch] if args.tiny else SMALL[args.arch] if args.small else MODELS[args.arch]
     losses, memory = {}, []
     gpu = args.device == "cuda"
-    described = {"arch": args.arch, "device": args.device, "tiny": args.tiny, "steps": steps,
+    described = {"arch": args.arch, "device": args.device, "tiny": args.tiny, "small": args.small, "steps": steps,
                  "model": {f: getattr(model, f) for f in ("n_layers", "d_model", "seq_len", "vocab_size")}}
 
     def write(result: dict) -> None:
