@@ -263,7 +263,8 @@ def main() -> int:
         "losses_disagree": disagree,
     }
     write_json(args.out, {"benchmark": "planner", "machine_before": before, "machine_after": machine(),
-                          "servers": args.servers, "device": args.device, "model": model, "global_batch": GLOBAL_BATCH, "steps": steps,
+                          "servers": args.servers, "device": args.device, "compute_slowdown": slowdown,
+                          "model": model, "global_batch": GLOBAL_BATCH, "steps": steps,
                           "warmup": warmup, "rounds": grid_rounds, "playoff_rounds": playoff_rounds, "profile": profile.to_json(), "runs": runs, "summary": summary})
     rows = [[r["layout"] + (" (planned)" if r["planned"] else "") + (" (default)" if r["default"] else ""),
              f"{r['measured_step_s']:.4f}", f"{r['predicted_step_s']:.4f}", f"{r['error']:+.1%}",

@@ -36,9 +36,10 @@ RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 def repredicted(run_json: dict) -> list[dict]:
     """Per hand layout of a CPU run: its name, measured step, the run's prediction, and
     today's."""
-    # the run's LocalCluster gave each server its default threads on the run's machine
-    servers, cores = run_json["servers"], run_json["machine_before"]["cpus"]
-    slowdown = host_slowdown(servers, threads_per_local_server(servers, cores), cores)
+    slowdown = run_json.get("compute_slowdown")  # recorded since 2026-11-28
+    if slowdown is None:  # the run's LocalCluster gave each server its default threads on the run's machine
+        servers, cores = run_json["servers"], run_json["machine_before"]["cpus"]
+        slowdown = host_slowdown(servers, threads_per_local_server(servers, cores), cores)
     profile = DeviceProfile.from_json(run_json["profile"])
     base = [*run_json["model"], f"train.global_batch={run_json['global_batch']}",
             f"train.steps={run_json['steps']}", "checkpoint.every=0"]

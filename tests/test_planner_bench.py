@@ -56,3 +56,6 @@ def test_planner_bench_tiny_runs(tmp_path):
     assert [row["layout"] for row in rows] == [r["layout"] for r in runs if r["in_grid"]]
     for row in rows:
         assert abs(row["predicted_s"] - row["reported_s"]) <= 1e-9 * row["reported_s"], row
+    # a run from before the JSON recorded its compute slowdown: rebuilt from its cores alike
+    unrecorded = {k: v for k, v in data.items() if k != "compute_slowdown"}
+    assert [row["predicted_s"] for row in repredicted(unrecorded)] == [row["predicted_s"] for row in rows]
