@@ -107,17 +107,21 @@ def test_expect_multi_gpu_from_the_committed_run(tmp_path):
 def test_fp8_trackings_small_cpu_model_is_one_a_float8_gpu_would_take(arch):
     """--small's model (the CPU run of docs/gpus.md) is a shape the GPU's float8 products
     take: every dimension, and a microbatch's tokens, a multiple of 16 (plan.check_fp8 on
-    a GPU server, without emulation), so that its casts are those a GPU run would make."""
+    a GPU server, without emulation), so that its casts are those a GPU run would make;
+    and the committed CPU run is of that model, tracking bf16 within the bounds."""
     sys.path.insert(0, str(ROOT / "bench" / "gpu"))
-    from fp8_tracking import SMALL, job
+    from fp8_tracking import SMALL, SMALL_STEPS, job
 
     from interleaf.coordinator.config import load_config
     from interleaf.coordinator.plan import check_fp8
 
-    settings = [s for s in job(SMALL[arch], 400, "cuda", "fp8") if not s.startswith("train.fp8_emulate")]
-    check_fp8(load_config("", settings), ["cuda:0"])  # raises ConfigError naming a dimension that is not
-    emulated = load_config("", job(SMALL[arch], 400, "cpu", "fp8"))
+    check_fp8(load_config("", job(SMALL[arch], SMALL_STEPS, "cuda", "fp8")), ["cuda:0"])  # ConfigError if not
+    emulated = load_config("", job(SMALL[arch], SMALL_STEPS, "cpu", "fp8"))
     assert emulated.train.fp8_emulate and emulated.model.arch == arch and emulated.train.compile == "on"
+    run = json.loads((ROOT / "bench" / "results" / f"fp8_tracking_cpu_{arch}.json").read_text())
+    assert run["small"] and run["device"] == "cpu" and run["steps"] == SMALL_STEPS and run["tracks"]
+    assert run["model"] == {f: getattr(SMALL[arch], f) for f in run["model"]}
+    assert len(run["losses"]["bf16"]) == len(run["losses"]["fp8"]) == SMALL_STEPS
 
 
 def test_profile_breakdown_sums_each_category_and_counts_idle_over_the_union():

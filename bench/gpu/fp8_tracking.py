@@ -26,11 +26,12 @@ losses and memory.
 emulation (train.fp8_emulate), so that the code runs in CI; its bounds are held too.
 `--device cpu --small`: a 4-layer d_model 128 model with byte-level tokens for 400
 steps, float8 emulated: the same casts to float8 and the same scales, the float8 values
-then multiplied in float32 (torchao's emulation) where a GPU's float8 tensor cores
-multiply them with float32 accumulation; for a machine without a float8 GPU.
+then multiplied in float32 (torchao's emulation), where a GPU multiplies them on float8
+tensor cores (the forward's product with torchao's fast, lower-precision accumulation,
+`use_fast_accum`; the backward's two in float32); for a machine without a float8 GPU.
 
     PYTHONPATH=. python bench/gpu/fp8_tracking.py [--arch gpt2|llama] [--steps 200] [--out PATH]
-    PYTHONPATH=. python bench/gpu/fp8_tracking.py --device cpu --small   # float8 emulated
+    PYTHONPATH=. python bench/gpu/fp8_tracking.py --device cpu --small --out F   # float8 emulated
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ from interleaf.clients.launcher import LocalCluster  # noqa: E402
 from interleaf.common.model.config import ModelShape  # noqa: E402
 from interleaf.coordinator.admission import amount_text  # noqa: E402
 from interleaf_run import exit_cleanly_on_sigterm  # noqa: E402
-from measure import write_atomically  # noqa: E402
+from measure import machine, write_atomically  # noqa: E402
 from memory_check import check as memory_case  # noqa: E402 - bench/gpu/memory_check.py
 from train import LOSS_MAX_TOLERANCE, LOSS_MEAN_TOLERANCE, TINY, overrides  # noqa: E402
 
@@ -94,7 +95,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", default="gpt2", choices=sorted(MODELS))
     parser.add_argument("--steps", type=int, default=None, help=f"steps per side (default {STEPS}; tiny "
-                                                                  f"{TINY_STEPS})")
+                                                                  f"{TINY_STEPS}, small {SMALL_STEPS})")
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     size = parser.add_mutually_exclusive_group()
     size.add_argument("--tiny", action="store_true", help="a 2-layer d_model 64 model (with --device cpu: "
@@ -109,7 +110,8 @@ def main() -> None:
     model = TINY[args.arch] if args.tiny else SMALL[args.arch] if args.small else MODELS[args.arch]
     losses, memory = {}, []
     gpu = args.device == "cuda"
-    described = {"arch": args.arch, "device": args.device, "tiny": args.tiny, "small": args.small, "steps": steps,
+    described = {"machine_before": machine(), "arch": args.arch, "device": args.device, "tiny": args.tiny,
+                 "small": args.small, "steps": steps,
                  "model": {f: getattr(model, f) for f in ("n_layers", "d_model", "seq_len", "vocab_size")}}
 
     def write(result: dict) -> None:
@@ -130,7 +132,7 @@ def main() -> None:
                     write({**described, "partial": True, "losses": dict(losses), "memory": memory})
         finally:
             client.close()
-    result = {**described, "losses": losses, **compared(losses["bf16"], losses["fp8"]), "memory": memory,
+    result = {**described, "machine_after": machine(), "losses": losses, **compared(losses["bf16"], losses["fp8"]), "memory": memory,
               "bounds": {"mean": LOSS_MEAN_TOLERANCE, "last_quarter_mean": LOSS_MEAN_TOLERANCE,
                          "max": LOSS_MAX_TOLERANCE}}
     write(result)
