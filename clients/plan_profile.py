@@ -100,12 +100,12 @@ STEPS = 5
 TRACED = (2, 3, 4)
 """The steps of a profile job whose actions are timed: past the first two's warm-up."""
 SPAN_LAWS = {"forward": "forward", "backward": "backward", "input-grad": "input_grad", "weight-grad": "weight_grad"}
-FORMAT = 5
+FORMAT = 6
 """Of the cached profile: 2 holds the link laws measured per group kind; 3, selective
 recompute's costs with compiled float8 blocks that rerun no matrix product; 4, the
 update's own law (an overhead and a rate), fitted to updates less their wait in the
 gradient norm's all-reduce; 5, the posting law and the message's latency from the
-pipeline jobs' steps."""
+pipeline jobs' steps; 6, selective recompute's forward against a plain one."""
 
 
 def cache_dir() -> pathlib.Path:
@@ -456,10 +456,10 @@ def observe(trace: pb.StepTrace, config: JobConfig, calls_timed: bool = True, co
                                   "seconds": seconds})
                 if p.tp > 1:  # its group's calls inside: the laws see shards through _tp_compute
                     continue
-                if config.train.recompute != "none":  # a backward with a rerun: not the law's
-                    if config.train.recompute != "selective" or kind != "backward":
+                if config.train.recompute != "none":  # not the law's: under the checkpoint's policy
+                    if config.train.recompute != "selective" or kind not in ("forward", "backward"):
                         continue
-                    kind = "backward_selective"
+                    kind += "_selective"  # the forward deciding what to keep, the backward with its rerun
                 found.append({"kind": kind, "amount": flops[chunk], "seconds": seconds})
             elif span.kind == "update" and p.zero in (0, 3) and not (p.sequence_parallel and p.tp > 1):
                 # ZeRO-1/2's update holds a gather, sequence parallelism's a tensor group's sum
@@ -523,11 +523,15 @@ def _tp_compute(report: pb.StepReport, flops: list[float],
                 armed: frozenset[str] | set[str] = frozenset()) -> list[dict]:
     """A tensor-parallel server's step as one observation of its shard's compute: its
     computes' (law, FLOPs), and their spans' seconds less those it was held in its
-    tensor group's calls (which happen inside them); `armed` backwards left out."""
+    tensor group's calls (which happen inside them). None from a step with `armed`
+    backwards (which started their buckets' reductions and wait in them): its calls are
+    summed over the step, so those inside an armed backward cannot be left out with it,
+    and were taken from the others' spans (a tiny model's tensor-parallel compute came
+    out negative so, and with it every tensor-parallel layout's price)."""
     if not report.comm:  # an unmetered server: its calls cannot be taken out
         return []
-    spans = [span for span in report.spans if span.kind in SPAN_LAWS and span.action not in armed]
-    if not spans:
+    spans = [span for span in report.spans if span.kind in SPAN_LAWS]
+    if not spans or any(span.action in armed for span in spans):
         return []
     computes = [[SPAN_LAWS[span.kind], flops[parse(span.action).chunk]] for span in spans]
     seconds = sum(span.end_seconds - span.start_seconds for span in spans)

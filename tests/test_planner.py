@@ -593,6 +593,37 @@ def test_tensor_group_calls_per_block_follow_the_architecture():
     assert gathered.backward_s == pytest.approx([whole.backward_s[0] + g, whole.backward_s[1]])
 
 
+def test_selective_recomputes_forward_is_priced_at_what_it_measured_against_a_plain_one():
+    """A forward under selective recompute decides op by op what to keep, and takes longer
+    than a plain one (7-18% on the planner bench's CPU chunks): the profile's selective
+    job times its forwards as "forward_selective", the fit takes their median ratio to
+    plain forwards of the same FLOPs, and a selective layout's forwards are priced at it
+    (a plain layout's, and one with recompute_layers, whose other blocks run plain, not)."""
+    plain = [{"kind": k, "amount": a, "seconds": s * a / 1e9} for k, s in (("forward", 0.010), ("backward", 0.020))
+             for a in (1e9, 2e9) for _ in range(4)]
+    kept = [{"kind": "forward_selective", "amount": 2e9, "seconds": 0.022 + 0.001 * i} for i in range(4)]
+    fitted = fitting.fit(plain + kept, "cpu", profile().links, "synthetic")
+    assert fitted.selective_forward_factor == pytest.approx(0.02225 / 0.020)  # lower quartiles
+    assert fitting.fit(plain, "cpu", profile().links, "synthetic").selective_forward_factor is None
+    # a ratio below 1 is noise: no selective forward is cheaper than a plain one
+    faster = [dict(o, seconds=0.019) for o in kept]
+    assert fitting.fit(plain + faster, "cpu", profile().links, "synthetic").selective_forward_factor == 1.0
+    assert DeviceProfile.from_json(json.loads(json.dumps(fitted.to_json()))).selective_forward_factor == \
+        fitted.selective_forward_factor
+    base = SMALL + ["parallel.pp=2", "parallel.vpp=1", "parallel.schedule=1f1b", "parallel.microbatches=2"]
+    none = layout_costs(load_config("", base), fitted)
+    selective = layout_costs(load_config("", base + ["train.recompute=selective"]), fitted)
+    assert selective.forward_s == pytest.approx([f * fitted.selective_forward_factor for f in none.forward_s])
+    layered = layout_costs(load_config("", base + ["train.recompute=selective", "train.recompute_layers=2"]), fitted)
+    assert layered.forward_s == pytest.approx(none.forward_s)
+    # the profile job's traced step: a selective job's forwards and backwards are its own kinds
+    config = load_config("", base + ["train.recompute=selective"])
+    trace = pb.StepTrace(ranks=[pb.RankInfo(rank=0, coordinates=pb.Coordinates(pp=0))], reports=[pb.StepReport(
+        rank=0, spans=[pb.ActionSpan(action="F0.0", kind="forward", start_seconds=1.0, end_seconds=1.02),
+                       pb.ActionSpan(action="B0.0", kind="backward", start_seconds=1.1, end_seconds=1.15)])])
+    assert [o["kind"] for o in plan_profile.observe(trace, config)] == ["forward_selective", "backward_selective"]
+
+
 def test_tensor_parallel_shards_are_priced_at_their_measured_rate():
     """A tensor-parallel server's traced step, its computes' spans less its tensor
     group's calls, against the laws' price of their FLOPs: the factor layout_costs
@@ -610,6 +641,15 @@ def test_tensor_parallel_shards_are_priced_at_their_measured_rate():
     assert seen[0]["computes"] == [["forward", f], ["backward", b]]
     assert seen[0]["seconds"] == pytest.approx(1.5 * priced)
     assert plan_profile._tp_compute(pb.StepReport(spans=report.spans), [f]) == []  # unmetered: no calls to subtract
+    # a step whose backward started its bucket reductions (data parallel, overlapped): that
+    # backward's calls are among the step's and cannot leave with its span, so no measure
+    # (taking the span alone out, a tiny model's shard computed in negative time)
+    assert plan_profile._tp_compute(report, [f], {"B0.0"}) == []
+    # nor is a compute of no time or less, whatever made it
+    negative = dict(seen[0], seconds=-0.01)
+    assert fitting.fit([negative, {"kind": "forward", "amount": 1e9, "seconds": 0.01},
+                        {"kind": "backward", "amount": 1e9, "seconds": 0.02}], "cpu", laws.links,
+                       "synthetic").tp_compute_factor is None
     fitted = fitting.fit(seen + [{"kind": "forward", "amount": 1e9, "seconds": laws.forward.seconds(1e9)},
                                  {"kind": "forward", "amount": 2e9, "seconds": laws.forward.seconds(2e9)},
                                  {"kind": "backward", "amount": 1e9, "seconds": laws.backward.seconds(1e9)},

@@ -86,6 +86,9 @@ def test_the_profile_measures_each_group_kinds_links_on_the_servers(cache, plans
     assert len([o for o in profile.observations if o["kind"] == "message"]) >= 5 * len(plan_profile.TRACED)
     postings = [o for o in profile.observations if o["kind"] == "posting"]
     assert len(postings) > 15 and profile.posting is not None and profile.posting.seconds(postings[0]["amount"]) > 0
+    # the selective job's forwards against the plain job's, at the same chunks
+    assert {o["amount"] for o in profile.observations if o["kind"] == "forward_selective"}
+    assert profile.selective_forward_factor is not None and profile.selective_forward_factor >= 1.0
 
 
 def test_the_printed_plans_chunk_shapes_were_run_on_the_servers(cache, plans):
@@ -110,9 +113,12 @@ def test_a_traced_job_refines_the_profile(client, cache, plans):
     config = load_config("", TINY)
     setup = plan_profile.profile_setup(config, "cpu", None)
     before = plan_profile.load_cached(setup, "cpu")
-    # a layout with data and tensor groups, whose calls refine their links
+    # a layout with data and tensor groups, whose calls refine their links (its reductions
+    # after the backward: one started inside the last backward would hide that backward's
+    # tensor calls among the step's, and leave no measure of the shard's compute)
     layout = ["parallel.dp=2", "parallel.tp=2", "parallel.pp=2", "parallel.vpp=1", "parallel.schedule=1f1b",
-              "parallel.microbatches=2", "parallel.zero=1", "parallel.scatter_gather=false"]
+              "parallel.microbatches=2", "parallel.zero=1", "parallel.scatter_gather=false",
+              "parallel.overlap_grad_reduce=false"]
     final = load_config("", TINY + layout)
     status = client.submit("", TINY + layout + ["trace.steps=[1]"])
     done, _ = client.wait(status.job_id, timeout_s=300)

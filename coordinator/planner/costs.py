@@ -99,6 +99,10 @@ class DeviceProfile:
     selective_share: float | None = None
     """Selective recompute's rerun as a share of the forward's arithmetic, measured;
     None: estimated from the FLOPs it reruns."""
+    selective_forward_factor: float | None = None
+    """A forward under selective recompute against the same chunk's plain forward,
+    measured (the checkpoint's policy decides, op by op, what to keep: 7-18% on the
+    planner bench's CPU chunks); None: as fast (profiles before format 6)."""
     posting: Law | None = None
     """The seconds a rank spends posting a send, a receive or an exchange (the executor's
     own work, before its messages travel: stageserver spans of kinds send, recv and
@@ -154,7 +158,9 @@ class DeviceProfile:
                    posting=None if posting is None else _law("posting", posting),
                    update_s_per_param=data["update_s_per_param"],
                    update_overhead_s=data.get("update_overhead_s", 0.0), measured_on=data.get("measured_on", ""),
-                   selective_share=data.get("selective_share"), tp_compute_factor=data.get("tp_compute_factor"),
+                   selective_share=data.get("selective_share"),
+                   selective_forward_factor=data.get("selective_forward_factor"),
+                   tp_compute_factor=data.get("tp_compute_factor"),
                    observations=observations, shapes=shapes, **laws)
 
 
@@ -321,7 +327,8 @@ def layout_costs(config: JobConfig, profile: DeviceProfile, slowdown: float = 1.
         share = _recompute_share(config, chunk, profile.selective_share)
         # the rerun's arithmetic at the law's rate (what selective_share was measured against)
         rerun = share * (flops / profile.forward.rate * stretch + (blocks_f if whole_reruns else 0.0))
-        forward.append(timed.get("forward", profile.forward.seconds(flops) * stretch + tp_f) + gather_f)
+        forward_s = timed.get("forward", profile.forward.seconds(flops) * stretch + tp_f)
+        forward.append(forward_s * _selective_forward_factor(config, profile) + gather_f)
         backward.append(timed.get("backward", profile.backward.seconds(flops) * stretch + tp_b) + gather_b + rerun)
         inputs.append(timed.get("input_grad", profile.input_grad.seconds(flops) * stretch + tp_b) + gather_b + rerun)
         # W keeps what it needs: no calls
@@ -419,6 +426,16 @@ def _master_bytes(precision: str) -> int:
     """Bytes of a reduced gradient: fp32 under bf16 and fp8 (the reduction's accumulator),
     the compute dtype otherwise."""
     return 8 if precision == "fp64" else 4
+
+
+def _selective_forward_factor(config: JobConfig, profile: DeviceProfile) -> float:
+    """What selective recompute's forward (every block under the checkpoint's policy)
+    takes against a plain one: the profile's measurement, where it made one; 1 without
+    selective recompute, or with recompute_layers (whose other blocks run plain)."""
+    t = config.train
+    if t.recompute != "selective" or t.recompute_layers:
+        return 1.0
+    return profile.selective_forward_factor or 1.0
 
 
 def _recompute_share(config: JobConfig, chunk: Chunk, selective: float | None) -> float:

@@ -94,6 +94,7 @@ def fit(observations: list[dict], device: str, links: dict[str, Law], measured_o
                          update_overhead_s=update.overhead_s,
                          measured_on=measured_on, observations=observations, shapes=_shapes(observations),
                          selective_share=_selective_share(observations, laws["forward"], laws["backward"]),
+                         selective_forward_factor=_selective_forward_factor(observations),
                          tp_compute_factor=_tp_compute_factor(observations, laws), **laws)
 
 
@@ -143,11 +144,25 @@ def _selective_share(observations: list[dict], forward: Law, backward: Law) -> f
     return max(0.0, statistics.median(shares)) if shares else None
 
 
+def _selective_forward_factor(observations: list[dict]) -> float | None:
+    """What a forward under selective recompute took against a plain forward of the same
+    FLOPs: the median over the sizes measured both ways of their undisturbed ratio (the
+    profile's selective job runs the same chunks as its plain one)."""
+    timings: dict[tuple[str, float], list[float]] = {}
+    for o in observations:
+        if o["kind"] in ("forward", "forward_selective"):
+            timings.setdefault((o["kind"], o["amount"]), []).append(o["seconds"])
+    ratios = [undisturbed(seconds) / undisturbed(timings[("forward", amount)])
+              for (kind, amount), seconds in timings.items()
+              if kind == "forward_selective" and ("forward", amount) in timings]
+    return max(1.0, statistics.median(ratios)) if ratios else None
+
+
 def _tp_compute_factor(observations: list[dict], laws: dict[str, Law]) -> float | None:
     """What a tensor-parallel shard's computes took against the laws' price for their
     FLOPs: over each "tp_compute" observation (a server's traced step: its computes'
     kinds and FLOPs, and their spans' seconds less its tensor group's calls), the
     undisturbed ratio."""
     ratios = [o["seconds"] / sum(laws[kind].seconds(flops) for kind, flops in o["computes"])
-              for o in observations if o["kind"] == "tp_compute" and o["computes"]]
-    return undisturbed(ratios) if ratios else None
+              for o in observations if o["kind"] == "tp_compute" and o["computes"] and o["seconds"] > 0]
+    return undisturbed(ratios) if ratios else None  # none left: the laws' rate
