@@ -26,7 +26,6 @@ import logging
 import os
 import pathlib
 import secrets
-import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -35,8 +34,10 @@ from typing import Callable
 
 import grpc
 
+from interleaf.common.durable import temporary_beside
 from interleaf.common.model.config import ModelShape, shape_of
-from interleaf.coordinator.checkpoints import Checkpoint, CheckpointError, find, prune, write_manifest
+from interleaf.coordinator.checkpoints import (Checkpoint, CheckpointError, find, prune,
+                                               refuse_foreign_checkpoints, write_manifest)
 from interleaf.coordinator.data_split import SplitChanged, job_split, resumed_split
 from interleaf.coordinator.jobs import JobRecord
 from interleaf.protos import interleaf_pb2 as pb
@@ -89,6 +90,9 @@ class Checkpointing:
             probes.append(pb.FileRef(path=str(self.probe), sha256=hashlib.sha256(token).hexdigest()))
         self.split = job_split(job.config)  # a resumed checkpoint's replaces it (_check_resume)
         self.resume_from = resumed = self._check_resume(self.restart_from) if self.restart_from else None
+        if self.root is not None:
+            refuse_foreign_checkpoints(self.root, job.job_id, resumed.step if resumed else 0,
+                                       job.config.checkpoint.dir)
         self.data_start = (resumed.step, resumed.consumed_samples(job.config.train.global_batch)) if resumed else (0, 0)
         if self.resume_from is not None:
             manifest = self.resume_from.manifest_path
@@ -302,7 +306,7 @@ def _pull(stub, job_id: str, name: str, target: pathlib.Path, sha256: str) -> No
     once its bytes match the writer's SHA-256)."""
     target.parent.mkdir(parents=True, exist_ok=True)
     digest = hashlib.sha256()
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.")
+    fd, tmp = temporary_beside(target)
     try:
         with os.fdopen(fd, "wb") as f:
             for chunk in stub.ReadFile(pb.FileRef(job_id=job_id, path=name), timeout=RPC_TIMEOUT_S):

@@ -16,11 +16,10 @@ import json
 import os
 import pathlib
 import shutil
-import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from interleaf.common.durable import fsync_folder
+from interleaf.common.durable import fsync_folder, temporary_beside
 
 MANIFEST = "manifest.json"
 
@@ -107,7 +106,7 @@ def write_manifest(path: pathlib.Path, manifest: dict) -> str:
     """The manifest goes last, through a temporary name, fsync and a rename: a crash
     before it leaves no manifest, never a half-written one."""
     data = json.dumps(manifest, indent=2).encode()
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".manifest.")
+    fd, tmp = temporary_beside(path)
     with os.fdopen(fd, "wb") as f:
         f.write(data)
         f.flush()
@@ -115,6 +114,32 @@ def write_manifest(path: pathlib.Path, manifest: dict) -> str:
     os.replace(tmp, path)
     fsync_folder(path.parent)
     return str(path)
+
+
+def refuse_foreign_checkpoints(root: pathlib.Path, job_id: str, start_step: int, given: str) -> None:
+    """CheckpointError where `root` (checkpoint.dir) holds complete checkpoints of another
+    job beyond the step this one starts from (0, or the resumed checkpoint's): its saves
+    would sit among them, and the newest step, which resume, export, generate and
+    checkpoint.keep take, could be either run's (a fresh run's step 6 beside an old run's
+    step 9: `export` wrote the old run's weights, and keep=1 deleted the new run's). A
+    job's own checkpoints (a recovery, a restarted coordinator, an elastic growth) and
+    those up to the step it resumed from (a run continued in its own folder) are its
+    history."""
+    foreign: dict[str, list[int]] = {}
+    for manifest_path in sorted(root.glob(f"step-*/{MANIFEST}")):
+        try:
+            manifest = json.loads(manifest_path.read_text())
+            owner, step = manifest["job"], int(manifest["step"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # not a manifest this job could be confused with: find() names it where read
+        if owner != job_id and step > start_step:
+            foreign.setdefault(owner, []).append(step)
+    if foreign:
+        held = "; ".join(f"job {owner}: step {', '.join(map(str, steps))}" for owner, steps in foreign.items())
+        start = f"its step {start_step}" if start_step else "a fresh start"
+        raise CheckpointError(f"checkpoint.dir={given!r} already holds checkpoints of another run beyond {start} "
+                              f"({held}): this job's would be mixed with them; resume from them "
+                              f"(--resume / checkpoint.resume), or give an empty checkpoint.dir")
 
 
 def prune(root: pathlib.Path, keep: int) -> list[pathlib.Path]:

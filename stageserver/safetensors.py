@@ -6,13 +6,12 @@ from __future__ import annotations
 import hashlib
 import os
 import pathlib
-import tempfile
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save
 
-from interleaf.common.durable import fsync_folder
+from interleaf.common.durable import fsync_folder, temporary_beside
 
 
 def write(path: str | os.PathLike, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> str:
@@ -23,7 +22,7 @@ def write(path: str | os.PathLike, tensors: dict[str, torch.Tensor], metadata: d
     path.parent.mkdir(parents=True, exist_ok=True)
     data = save({name: t.detach().contiguous() for name, t in tensors.items()}, metadata=metadata)
     digest = hashlib.sha256(data).hexdigest()
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    fd, tmp = temporary_beside(path)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)

@@ -130,6 +130,32 @@ def test_a_resume_that_cannot_continue_fails_naming_why(client, tmp_path, change
     assert all(s.state == "IDLE" for s in client.servers())
 
 
+def test_a_job_never_writes_among_another_runs_checkpoints(client, tmp_path):
+    """A fresh job whose checkpoint.dir holds another run's checkpoints is refused before
+    it trains (its step 4 would sit beside the old run's step 8, and export, generate,
+    --resume and checkpoint.keep take the newest), and so is a job resumed from an older
+    step there; the old checkpoints are left as they were. Continuing the newest in
+    its own folder is the one way to write there."""
+    folder = tmp_path / "ck"
+    final, _ = run_job(client, TINY + STEPS + [f"checkpoint.dir={folder}", "checkpoint.every=4"])
+    assert final.state == "SUCCEEDED"
+    old = {p: p.read_bytes() for p in sorted(folder.glob("step-*/*"))}
+    job = json.loads((folder / "step-000008" / "manifest.json").read_text())["job"]
+    for resume, start, held in (([], "a fresh start", "4, 8"),
+                                ([f"checkpoint.resume={folder / 'step-000004'}"], "its step 4", "8")):
+        final, steps = run_job(client, TINY + ["train.steps=12", f"checkpoint.dir={folder}", "checkpoint.every=4"]
+                               + resume)
+        assert final.state == "FAILED" and steps == []
+        assert final.error == (f"checkpoint.dir={str(folder)!r} already holds checkpoints of another run beyond "
+                               f"{start} (job {job}: step {held}): this job's would be mixed with them; resume "
+                               "from them (--resume / checkpoint.resume), or give an empty checkpoint.dir")
+        assert {p: p.read_bytes() for p in sorted(folder.glob("step-*/*"))} == old
+    final, steps = run_job(client, TINY + ["train.steps=12", f"checkpoint.dir={folder}", "checkpoint.every=4",
+                                           f"checkpoint.resume={folder}"])
+    assert final.state == "SUCCEEDED" and [s.step for s in steps] == [8, 9, 10, 11]
+    assert sorted(p.name for p in folder.glob("step-*")) == ["step-000004", "step-000008", "step-000012"]
+
+
 def test_a_corrupt_state_file_is_refused_by_name(client, tmp_path):
     final, _ = run_job(client, TINY + STEPS + [f"checkpoint.dir={tmp_path}", "checkpoint.every=4"])
     assert final.state == "SUCCEEDED"

@@ -17,9 +17,10 @@ import hashlib
 import json
 import os
 import pathlib
-import tempfile
 
 import numpy as np
+
+from interleaf.common.durable import temporary_beside
 
 DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
 
@@ -28,9 +29,29 @@ def _sidecar(path: pathlib.Path) -> pathlib.Path:
     return path.with_name(path.name + ".json")
 
 
+def read_sidecar(sidecar: pathlib.Path) -> dict:
+    """A token file's sidecar, read from the path `sidecar` and checked to be an object
+    holding what a reader of the file needs: dtype (one of DTYPES), count (or an old
+    sidecar's tokens) and sha256. Raises OSError when it cannot be read, else ValueError
+    saying what is wrong with it."""
+    meta = json.loads(sidecar.read_text())  # JSONDecodeError is a ValueError
+    if not isinstance(meta, dict):
+        raise ValueError(f"it holds a JSON {type(meta).__name__}, not an object of dtype, count and sha256")
+    missing = [key for key in ("dtype", "count", "sha256")
+               if key not in meta and not (key == "count" and "tokens" in meta)]
+    if missing:
+        raise ValueError(f"it lacks {', '.join(missing)}")
+    if not isinstance(meta["dtype"], str) or meta["dtype"] not in DTYPES:
+        raise ValueError(f"its dtype {meta['dtype']!r} is not one of {', '.join(DTYPES)}")
+    count = meta["count"] if "count" in meta else meta["tokens"]
+    if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+        raise ValueError(f"its count {count!r} is not a number of tokens")
+    return meta
+
+
 def _atomic_write(path: pathlib.Path, data: bytes) -> None:
     """Written under a temporary name and renamed, so a reader never sees half a file."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    fd, tmp = temporary_beside(path)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
@@ -58,7 +79,7 @@ class TokenWriter:
         self.count = 0
         self._sha = hashlib.sha256()
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd, self._tmp = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.path.name}.")
+        fd, self._tmp = temporary_beside(self.path)
         self._file = os.fdopen(fd, "wb")
 
     def __enter__(self) -> "TokenWriter":
@@ -112,13 +133,13 @@ class TokenFile:
                 "write one with `interleaf data prepare`"
             )
         try:
-            self.meta: dict = json.loads(sidecar.read_text())
-            self.sha256: str = self.meta["sha256"]
-            count = self.meta["count"] if "count" in self.meta else self.meta["tokens"]
-            dtype = DTYPES[self.meta["dtype"]]
-        except (ValueError, KeyError, TypeError) as err:  # JSONDecodeError is a ValueError
+            self.meta: dict = read_sidecar(sidecar)
+        except ValueError as err:
             raise ValueError(f"{field}={str(path)!r}: its sidecar {sidecar.name} is not one `interleaf data "
-                             f"prepare` writes ({type(err).__name__}: {err})") from None
+                             f"prepare` writes ({err})") from None
+        self.sha256: str = self.meta["sha256"]
+        count = self.meta["count"] if "count" in self.meta else self.meta["tokens"]
+        dtype = DTYPES[self.meta["dtype"]]
         if count == 0 or self.path.stat().st_size == 0:
             raise ValueError(f"{field}={str(path)!r} holds no tokens")
         self.tokens = np.memmap(self.path, dtype=dtype, mode="r")
