@@ -13,7 +13,7 @@ import sys
 from interleaf.clients.data_commands import add_data_commands
 from interleaf.clients.follow import ROW_KINDS, MetricsOut, eval_line, eval_row, follow
 from interleaf.clients.parent_death import die_with_parent_if_asked
-from interleaf.clients.usage import UsageError
+from interleaf.clients.usage import Parser, UsageError
 from interleaf.clients.weights_commands import add_weights_commands
 from interleaf.common import limits
 from interleaf.coordinator.job_store import DEFAULT_KEEP_JOBS
@@ -594,9 +594,24 @@ def _check_writable_folder(flag: str, path: str) -> None:
                          f"{'is not writable' if os.path.isdir(parent) else 'does not exist'}")
 
 
+def _check_trace_out(path: str | None) -> None:
+    """--out names the Chrome trace's JSON file, in a folder that exists: checked before
+    the step is fetched, as the summary would otherwise print and the write then fail."""
+    if path is None:
+        return
+    if os.path.isdir(path):
+        raise UsageError(f"--out {path!r} is a folder; it must name the trace's JSON file to write")
+    _check_writable_folder("--out", path)
+
+
 def cmd_trace(args) -> int:
     from interleaf.coordinator import executed_step as trace
 
+    # TraceRequest.step is a uint32: outside its range the request could not even be encoded.
+    if args.step is not None and not 0 <= args.step < 2**32:
+        raise UsageError(f"--step {args.step} must be a step number, 0 to {2**32 - 1} (left out: the newest "
+                         f"traced step)")
+    _check_trace_out(args.out)
     _check_png(args.png)
     client = _client(args)
     step = client.trace(args.job, args.step)
@@ -667,15 +682,17 @@ def _checkpoint(path: str):
 
 
 def cmd_generate(args) -> int:
-    from interleaf.clients.checkpoint import CheckpointError
-    from interleaf.clients.generate import check_sampling, generate, load_model
+    from interleaf.clients.checkpoint import CheckpointError, model_config
+    from interleaf.clients.generate import check_sampling, check_tokenizer, generate, load_model
     from interleaf.common.data.text_tokenizer import load_tokenizer
 
     try:
         check_sampling(args.tokens, args.temperature, args.top_k)
         checkpoint = _checkpoint(args.checkpoint)
         spec = args.tokenizer or checkpoint.manifest.get("tokenizer", "bytes")
-        tokenizer = load_tokenizer(spec, "--tokenizer" if args.tokenizer else "the checkpoint's data.tokenizer")
+        field = "--tokenizer" if args.tokenizer else "the checkpoint's data.tokenizer"
+        tokenizer = load_tokenizer(spec, field)
+        check_tokenizer(tokenizer, model_config(checkpoint).vocab_size, f"{field}={spec!r}")  # before the weights
         model = load_model(checkpoint)
         text = generate(model, args.prompt, args.tokens, args.temperature, args.top_k, args.seed, tokenizer)
     except (CheckpointError, ValueError) as err:
@@ -685,7 +702,7 @@ def cmd_generate(args) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="interleaf", description="Train GPTs with data, tensor and interleaved pipeline parallelism.")
+    parser = Parser(prog="interleaf", description="Train GPTs with data, tensor and interleaved pipeline parallelism.")
     sub = parser.add_subparsers(dest="command", required=True)
 
     def with_config(p):

@@ -15,6 +15,10 @@ def cmd_prepare(args) -> int:
     from interleaf.stageserver.data.preparation import prepare
     from interleaf.stageserver.data.readers import InputError
 
+    # Checked before any document is read: the file would only be put in place once all are tokenized.
+    if pathlib.Path(args.out).is_dir():
+        raise UsageError(f"--out {args.out!r} is a folder; it must name the token file to write (its sidecar "
+                         f"goes beside it, as {args.out.rstrip('/')}.json)")
     try:
         tokenizer = load_tokenizer(args.tokenizer, field="--tokenizer")
         meta = prepare(args.inputs, args.out, tokenizer, args.text_field, progress=sys.stderr.isatty())
@@ -31,6 +35,9 @@ def cmd_prepare(args) -> int:
 def cmd_tokenizer_train(args) -> int:
     from interleaf.stageserver.data.train_tokenizer import train_bpe
 
+    # Checked before training, which may take long, rather than when tokenizer.json is written.
+    if pathlib.Path(args.out).exists() and not pathlib.Path(args.out).is_dir():
+        raise UsageError(f"--out {args.out!r} is a file; it must name the folder to write tokenizer.json in")
     try:
         path = train_bpe(args.inputs, args.vocab_size, args.out, args.text_field, progress=sys.stderr.isatty())
     except ValueError as err:  # InputError; a vocabulary too small for the bytes
@@ -42,12 +49,17 @@ def cmd_tokenizer_train(args) -> int:
 
 
 def cmd_inspect(args) -> int:
+    from interleaf.stageserver.data.tokenfile import read_sidecar
+
     sidecar = pathlib.Path(args.path + ".json")
     try:
-        meta = json.loads(sidecar.read_text())
-    except (OSError, ValueError) as err:
+        meta = read_sidecar(sidecar)
+    except OSError as err:
         raise UsageError(f"{args.path}: its sidecar {sidecar} is unreadable ({err}); token files are written "
                          f"by `interleaf data prepare`") from None
+    except ValueError as err:  # not JSON, or not the object prepare writes
+        raise UsageError(f"{args.path}: its sidecar {sidecar} is not one `interleaf data prepare` writes "
+                         f"({err})") from None
     if args.json:
         print(json.dumps(meta))
     else:

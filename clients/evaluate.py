@@ -44,22 +44,34 @@ def load_for_eval(path: str) -> ModelChunk:
     return full_model(model_config(checkpoint), seed=0, initial=lambda name, spec: params[name]).eval()
 
 
-def read_ids(path: str, vocab_size: int) -> np.ndarray:
-    """The ids of an .npy file: integers in [0, vocab_size), shape [B, T] with T >= 2."""
+def read_ids(path: str, vocab_size: int | None = None) -> np.ndarray:
+    """The ids of an .npy file: integers, shape [B, T] with T >= 2, and in [0, vocab_size)
+    when that is given (else check_ids_fit does it, once the model is read)."""
     try:
         ids = np.load(pathlib.Path(path), allow_pickle=False)
     except (OSError, ValueError) as err:
         raise ValueError(f"--tokens {path}: not a readable .npy array ({err})") from None
+    if not isinstance(ids, np.ndarray):  # np.load opens an .npz archive as a lazy NpzFile of arrays
+        names = ids.files
+        ids.close()
+        raise ValueError(f"--tokens {path} is an .npz archive (of {', '.join(names) or 'no arrays'}): it must be "
+                         f"one .npy array, as numpy.save writes")
     if not np.issubdtype(ids.dtype, np.integer):
         raise ValueError(f"--tokens {path} holds {ids.dtype} values: token ids must be integers")
     if ids.ndim != 2 or ids.shape[0] < 1 or ids.shape[1] < 2:
         raise ValueError(f"--tokens {path} has shape {list(ids.shape)}: it must be [B, T] with B >= 1 rows of "
                          f"T >= 2 ids (each row's ids 1..T-1 are predicted)")
+    if vocab_size is not None:
+        check_ids_fit(path, ids, vocab_size)
+    return ids
+
+
+def check_ids_fit(path: str, ids: np.ndarray, vocab_size: int) -> None:
+    """The ids read from `path` are in the model's vocabulary [0, vocab_size)."""
     low, high = int(ids.min()), int(ids.max())
     if low < 0 or high >= vocab_size:
         bad = low if low < 0 else high
         raise ValueError(f"--tokens {path} holds id {bad}, outside the model's vocabulary [0, {vocab_size})")
-    return ids
 
 
 @torch.no_grad()

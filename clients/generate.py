@@ -10,7 +10,7 @@ import pathlib
 import torch
 
 from interleaf.clients.checkpoint import Checkpoint, CheckpointError, load_parameters, model_config
-from interleaf.common.data.text_tokenizer import load_tokenizer
+from interleaf.common.data.text_tokenizer import BytesTokenizer, load_tokenizer
 from interleaf.stageserver import safetensors
 from interleaf.stageserver.model.attention import LayerCache
 from interleaf.stageserver.model.chunk import ModelChunk, full_model, next_token_logits
@@ -58,11 +58,33 @@ def check_sampling(tokens: int, temperature: float, top_k: int) -> None:
         raise ValueError(f"--top-k={top_k} must be 0 (no limit) or more")
 
 
+def check_tokenizer(tokenizer, vocab_size: int, named: str = "the tokenizer") -> None:
+    """Refuses a tokenizer that cannot stand for a model of `vocab_size` ids: the byte
+    tokenizer on a larger model, which may emit an id from 256 up that no byte decodes
+    to, or a tokenizer.json with ids the model lacks (a job refuses such a
+    data.tokenizer at submission). A tokenizer.json smaller than its model passes:
+    models are padded beyond their tokenizer (50304 rows for GPT-2's 50257 ids), and
+    `tokenizers` decodes an id it lacks as nothing. So does bytes on a smaller model:
+    'bytes' is every job's default, also of one trained on its own token file of small
+    ids, and the prompt's ids are checked as they are encoded (generate_ids).
+    `named`: how the error names the tokenizer (--tokenizer='bytes')."""
+    if isinstance(tokenizer, BytesTokenizer):
+        if vocab_size > tokenizer.vocab_size:
+            raise ValueError(f"{named} has {tokenizer.vocab_size} ids and the model {vocab_size}: the model may "
+                             f"emit ids from {tokenizer.vocab_size} up, which no byte decodes to; name the job's "
+                             f"tokenizer with --tokenizer PATH (a tokenizer.json or a model folder)")
+    elif tokenizer.vocab_size > vocab_size:
+        raise ValueError(f"{named} has {tokenizer.vocab_size} ids and the model {vocab_size}: its ids from "
+                         f"{vocab_size} up are beyond the model's vocabulary; name the job's tokenizer with "
+                         f"--tokenizer PATH (a tokenizer.json or a model folder)")
+
+
 def generate(model: ModelChunk, prompt: str, tokens: int, temperature: float = 0.0, top_k: int = 0,
              seed: int = 0, tokenizer=None) -> str:
     """The text that follows `prompt` (see generate_ids), encoded and decoded by
     `tokenizer` (common/data/text_tokenizer.py; default: bytes)."""
     tokenizer = tokenizer or load_tokenizer("bytes")
+    check_tokenizer(tokenizer, model.config.vocab_size)
     (ids,) = tokenizer.encode_batch([prompt])
     out = generate_ids(model, [int(i) for i in ids], tokens, temperature, top_k, seed, stop=tokenizer.eos_id)
     return tokenizer.decode(out)

@@ -47,8 +47,9 @@ def export_hf(checkpoint: Checkpoint, out: str | pathlib.Path, dtype: str = "", 
     """Writes the folder `out` (new, or empty). `tokenizer`: the one to write beside the
     model (default: the job's data.tokenizer, as its manifest records it; 'bytes' writes
     none, as the built-in byte tokenizer has no files)."""
+    field = "--tokenizer" if tokenizer else "the job's tokenizer"  # where the error says the spec came from
     tokenizer = tokenizer or checkpoint.manifest.get("tokenizer", "bytes")
-    _checked(out, dtype, max_shard_bytes, tokenizer)  # before the weights are read
+    _checked(out, dtype, max_shard_bytes, tokenizer, field)  # before the weights are read
     return write_hf_folder(load_parameters(checkpoint), model_config(checkpoint), out, dtype, tokenizer,
                            max_shard_bytes)
 
@@ -73,9 +74,10 @@ def write_hf_folder(params: dict[str, torch.Tensor], shape: ModelShape, out: str
     return Exported(len(weights), sum(t.numel() for t in weights.values()), files, tok is not None)
 
 
-def _checked(out: str | pathlib.Path, dtype: str, max_shard_bytes: int,
-             tokenizer: str) -> tuple[pathlib.Path, FileTokenizer | None]:
-    """(the folder, the tokenizer to write), or why the export cannot be made."""
+def _checked(out: str | pathlib.Path, dtype: str, max_shard_bytes: int, tokenizer: str,
+             field: str = "the job's tokenizer") -> tuple[pathlib.Path, FileTokenizer | None]:
+    """(the folder, the tokenizer to write), or why the export cannot be made; `field`
+    names where the tokenizer's spec came from."""
     if dtype and dtype not in EXPORT_DTYPES:
         raise ValueError(f"--dtype={dtype!r} must be one of {', '.join(EXPORT_DTYPES)}")
     if max_shard_bytes < 1:
@@ -83,7 +85,7 @@ def _checked(out: str | pathlib.Path, dtype: str, max_shard_bytes: int,
     out = pathlib.Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ValueError(f"--out {out} already exists and is not an empty folder: export into a new one")
-    return out, _tokenizer(tokenizer)
+    return out, _tokenizer(tokenizer, field)
 
 
 def _write_weights(out: pathlib.Path, weights: dict[str, torch.Tensor], max_shard_bytes: int) -> int:
@@ -114,11 +116,11 @@ def _write_weights(out: pathlib.Path, weights: dict[str, torch.Tensor], max_shar
     return len(shards)
 
 
-def _tokenizer(spec: str) -> FileTokenizer | None:
+def _tokenizer(spec: str, field: str) -> FileTokenizer | None:
     if spec == "bytes":
         return None
     try:
-        return load_tokenizer(spec, field="the job's tokenizer")
+        return load_tokenizer(spec, field=field)
     except ValueError as err:
         raise ValueError(f"{err} (name another with --tokenizer PATH, or --tokenizer bytes to write none)") from None
 

@@ -45,7 +45,7 @@ def cmd_eval(args) -> int:
     import torch
 
     from interleaf.clients.checkpoint import CheckpointError
-    from interleaf.clients.evaluate import evaluate, load_for_eval, read_ids
+    from interleaf.clients.evaluate import check_ids_fit, evaluate, load_for_eval, read_ids
 
     try:
         device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto"
@@ -55,8 +55,9 @@ def cmd_eval(args) -> int:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise UsageError(f"--device={args.device!r}: torch sees no GPU here")
     try:
+        ids = read_ids(args.tokens)  # before the model is read: a file that cannot be scored is named at once
         model = load_for_eval(args.model)
-        ids = read_ids(args.tokens, model.config.vocab_size)
+        check_ids_fit(args.tokens, ids, model.config.vocab_size)
         loss, predictions = evaluate(model, ids, device)
     except (CheckpointError, ValueError) as err:
         raise UsageError(str(err)) from None
@@ -70,8 +71,9 @@ def cmd_eval(args) -> int:
 
 def add_weights_commands(sub) -> None:
     """`interleaf export` and `interleaf eval`, under the CLI's subparsers `sub`."""
+    # intermixed: OUT may follow the options, as docs/huggingface.md shows (`export CKPT --format hf OUT`).
     p = sub.add_parser("export", help="write a checkpoint's parameters, unsharded: one safetensors file, or a "
-                                      "Hugging Face model folder (--format hf)")
+                                      "Hugging Face model folder (--format hf)", intermixed=True)
     p.add_argument("checkpoint", metavar="CKPT", help="a manifest, a step-NNNNNN folder, or checkpoint.dir "
                                                       "(its newest complete step)")
     p.add_argument("out", nargs="?", metavar="OUT", help="the file (or, with --format hf, the folder) to write")

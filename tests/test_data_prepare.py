@@ -334,6 +334,43 @@ def test_cli_errors_are_one_line_with_status_2(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["x.jsonl"]
 
 
+def test_cli_refuses_an_out_or_a_sidecar_it_cannot_use_before_any_work(tmp_path):
+    """Each met as a traceback: an --out file for tokenizer train and an --out folder for
+    prepare only once the work was done, a sidecar that is not prepare's object by
+    inspect (and `{}` printed, exit 0, with --json). Each now one line, exit 2, and every
+    file as it was."""
+    corpus, small, tok = tmp_path / "corpus.jsonl", tmp_path / "small.txt", tmp_path / "tok"
+    corpus.write_text('{"text": "hello world"}\n')
+    small.write_text("kept")
+    tok.mkdir()
+    for name, text in (("empty", "{}"), ("list", "[1]"), ("old", '{"dtype": "uint16", "cout": 3, "sha256": "0"}'),
+                       ("wide", '{"dtype": "int64", "count": 3, "sha256": "0"}')):
+        (tmp_path / f"{name}.bin.json").write_text(text)
+    before = {p: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()}
+    not_prepares = "is not one `interleaf data prepare` writes"
+    cases = [
+        (("data", "tokenizer", "train", corpus, "--vocab-size", 1024, "--out", small),
+         f"--out {str(small)!r} is a file; it must name the folder to write tokenizer.json in"),
+        (("data", "prepare", corpus, "--out", tok),
+         f"--out {str(tok)!r} is a folder; it must name the token file to write (its sidecar goes beside it, as "
+         f"{tok}.json)"),
+        (("data", "inspect", tmp_path / "empty.bin"), f"empty.bin.json {not_prepares} (it lacks dtype, count, sha256)"),
+        (("data", "inspect", tmp_path / "empty.bin", "--json"), f"empty.bin.json {not_prepares} (it lacks dtype"),
+        (("data", "inspect", tmp_path / "list.bin"),
+         f"list.bin.json {not_prepares} (it holds a JSON list, not an object of dtype, count and sha256)"),
+        (("data", "inspect", tmp_path / "old.bin"), f"old.bin.json {not_prepares} (it lacks count)"),
+        (("data", "inspect", tmp_path / "wide.bin"), "(its dtype 'int64' is not one of uint16, uint32)"),
+    ]
+    for args, message in cases:
+        result = _cli(*args)
+        assert result.returncode == 2, (args, result.stderr)
+        assert result.stderr.count("\n") == 1 and result.stderr.startswith("error: ") and message in result.stderr, \
+            (args, result.stderr)
+        assert result.stdout == "", (args, result.stdout)
+    assert {p: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()} == before
+    assert list(tok.iterdir()) == []
+
+
 # --- the model's vocabulary holds the data's ----------------------------------------------
 
 

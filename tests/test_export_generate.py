@@ -13,7 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from interleaf.clients.checkpoint import CheckpointError, find, load_parameters
-from interleaf.clients.generate import generate, generate_ids, load_model
+from interleaf.clients.generate import check_tokenizer, generate, generate_ids, load_model
+from interleaf.common.data.text_tokenizer import load_tokenizer
 from interleaf.common.model.config import ModelShape, shape_of
 from interleaf.coordinator.config import load_config
 from interleaf.stageserver import safetensors
@@ -161,3 +162,40 @@ def test_bad_generate_arguments_are_named(saved, args, message):
     result = _cli(*[str(saved) if a == "CKPT" else a for a in args])
     assert result.returncode == 2
     assert result.stderr == f"error: {message}\n"
+
+
+def test_a_tokenizer_that_cannot_stand_for_the_models_ids_is_refused_naming_both_sizes(tmp_path):
+    """bytes on a model of 300 ids failed once the model emitted an id from 256 up, which
+    no byte decodes to; a tokenizer.json with ids beyond the model's is refused too. A
+    tokenizer.json smaller than its (padded) model, and bytes on a smaller one, pass."""
+    from tokenizers import Tokenizer, models
+
+    model = full_model(ModelShape(n_layers=1, d_model=32, n_heads=4, seq_len=16, vocab_size=300), seed=0).eval()
+    with pytest.raises(ValueError) as caught:
+        generate(model, "x", 5)
+    assert str(caught.value) == ("the tokenizer has 256 ids and the model 300: the model may emit ids from 256 up, "
+                                 "which no byte decodes to; name the job's tokenizer with --tokenizer PATH (a "
+                                 "tokenizer.json or a model folder)")
+    words = tmp_path / "tokenizer.json"
+    Tokenizer(models.WordLevel({f"w{i}": i for i in range(290)}, unk_token="w0")).save(str(words))
+    with pytest.raises(ValueError, match=r"^--tokenizer='.*' has 290 ids and the model 256: its ids from 256 up are "
+                                         r"beyond the model's vocabulary; name the job's tokenizer with --tokenizer"):
+        check_tokenizer(load_tokenizer(str(words)), 256, f"--tokenizer={str(words)!r}")
+    check_tokenizer(load_tokenizer(str(words)), 300)
+    check_tokenizer(load_tokenizer("bytes"), 256)
+    check_tokenizer(load_tokenizer("bytes"), 100)
+
+
+def test_export_takes_out_before_or_after_the_options():
+    """docs/huggingface.md's `export CKPT --format hf OUT` was refused as an unrecognized
+    OUT: argparse had matched the optional OUT, empty, beside CKPT."""
+    from interleaf.clients.cli import _parser
+
+    for argv in (["export", "ck", "--format", "hf", "hf2"], ["export", "ck", "hf2", "--format", "hf"],
+                 ["export", "--format", "hf", "ck", "hf2"]):
+        args = _parser().parse_args(argv)
+        assert (args.checkpoint, args.out, args.out_option, args.format) == ("ck", "hf2", None, "hf"), argv
+    args = _parser().parse_args(["export", "ck", "--format", "hf", "--out", "hf2"])
+    assert (args.checkpoint, args.out, args.out_option) == ("ck", None, "hf2")
+    with pytest.raises(SystemExit):  # a third path is still one too many
+        _parser().parse_args(["export", "ck", "--format", "hf", "hf2", "hf3"])

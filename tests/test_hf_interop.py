@@ -130,6 +130,21 @@ def test_eval_refuses_ids_it_cannot_score_naming_why(made, tmp_path, ids, messag
         read_ids(str(tmp_path / "ids.npy"), VOCAB)
 
 
+def test_eval_refuses_an_npz_archive_before_reading_the_model(tmp_path, capsys):
+    """np.load opens an .npz as an archive of arrays, which crashed on its missing dtype;
+    now named, by --tokens, and before the model (here none) is read."""
+    from interleaf.clients.cli import main
+
+    np.savez(tmp_path / "ids.npz", ids=np.zeros((2, 4), dtype=np.int64))
+    message = (f"--tokens {tmp_path / 'ids.npz'} is an .npz archive (of ids): it must be one .npy array, as "
+               f"numpy.save writes")
+    with pytest.raises(ValueError) as caught:
+        read_ids(str(tmp_path / "ids.npz"), VOCAB)
+    assert str(caught.value) == message
+    assert main(["eval", str(tmp_path / "no-model"), "--tokens", str(tmp_path / "ids.npz")]) == 2
+    assert capsys.readouterr().err == f"error: {message}\n"
+
+
 def test_eval_of_a_gpt2_refuses_rows_longer_than_its_positions(made):
     with pytest.raises(ValueError, match="rows of 66 ids need 65 positions; this gpt2 model has 64"):
         evaluate(load_for_eval(str(made["gpt2"])), np.zeros((1, 66), dtype=np.int64))
@@ -283,6 +298,23 @@ def test_a_rope_scaling_interleaf_cannot_compute_is_refused_naming_it(made, tmp_
         load_config("", [f"checkpoint.init={folder}", "model.seq_len=32"])
     with pytest.raises(HFFolderError, match=message):
         load_for_eval(str(folder))
+
+
+def test_an_export_names_the_tokenizer_by_where_it_came_from(tmp_path):
+    """A tokenizer that loads nothing is named as --tokenizer when the flag gave it, as the
+    job's tokenizer when the checkpoint's manifest did; either before any weight is read
+    (the checkpoint here has only a manifest) and with nothing written."""
+    from types import SimpleNamespace
+
+    from interleaf.clients.hf_export import export_hf
+
+    checkpoint = SimpleNamespace(manifest={"tokenizer": "/nonexistent/job.json"})
+    with pytest.raises(ValueError, match=r"^the job's tokenizer='/nonexistent/job.json' must be 'bytes'.*"
+                                         r"\(name another with --tokenizer PATH"):
+        export_hf(checkpoint, tmp_path / "out")
+    with pytest.raises(ValueError, match=r"^--tokenizer='/nonexistent/flag.json' must be 'bytes'"):
+        export_hf(checkpoint, tmp_path / "out", tokenizer="/nonexistent/flag.json")
+    assert list(tmp_path.iterdir()) == []
 
 
 def _tokenizer_json(path) -> None:

@@ -21,7 +21,7 @@ def test_table_places_each_action_in_its_slot():
         "slot    0    1    2    3    4    5",
         "rank 0  F0.0 F0.1 .    .    B0.0 B0.1",
         "rank 1  .    F1.0 F1.1 B1.0 B1.1 .",
-        "bubble fraction 0.3333 (makespan 6 s)",
+        "bubble fraction 0.3333 (makespan 6 forwards)",
     ]
 
 
@@ -42,7 +42,7 @@ def test_table_columns_line_up_for_interleaved():
                 assert at.start == cell.start() // 5  # the column is the start slot
                 labels += 1
     assert labels == 4 * 2 * 2 * 8
-    assert lines[-1] == f"bubble fraction {3 / 19:.4f} (makespan {columns} s)"
+    assert lines[-1] == f"bubble fraction {3 / 19:.4f} (makespan {columns} forwards)"
 
 
 def test_longer_backwards_span_several_slots():
@@ -105,7 +105,7 @@ def test_table_shows_the_halves_of_a_split_backward():
     assert timeline_table(programs, result).splitlines() == [
         "slot    0    1    2    3    4    5",
         "rank 0  F0.0 F0.1 I0.0 I0.1 W0.0 W0.1",
-        "bubble fraction 0.0000 (makespan 6 s)",
+        "bubble fraction 0.0000 (makespan 6 forwards)",
     ]
 
 

@@ -120,6 +120,27 @@ def test_trace_command_writes_the_trace_and_the_picture(cluster, traced_job, tmp
     assert "has no trace of step 0 (traced so far: [1, 2]; trace.steps asks for steps [1, 2])" in missing.stderr
 
 
+def test_trace_refuses_a_step_or_out_it_cannot_use_before_asking(tmp_path, capsys):
+    """A negative --step failed inside the RPC's encoding, and an --out it could not write
+    only after the summary had printed: both now one line, exit 2, before any RPC (no
+    coordinator listens at the address given, so one would fail otherwise)."""
+    from interleaf.clients.cli import main
+
+    cases = [
+        (["--step", "-1"], "--step -1 must be a step number, 0 to 4294967295 (left out: the newest traced step)"),
+        (["--step", str(2**32)], f"--step {2**32} must be a step number, 0 to 4294967295"),
+        (["--out", "/nonexistent_dir/a.json"], "--out '/nonexistent_dir/a.json': its folder '/nonexistent_dir' "
+                                               "does not exist"),
+        (["--out", str(tmp_path)], f"--out {str(tmp_path)!r} is a folder; it must name the trace's JSON file"),
+    ]
+    for extra, message in cases:
+        assert main(["trace", "job-0", *extra, "--coordinator", "127.0.0.1:9"]) == 2, extra
+        captured = capsys.readouterr()
+        assert captured.err.startswith("error: ") and message in captured.err, (extra, captured.err)
+        assert captured.out == "" and captured.err.count("\n") == 1, (extra, captured)
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_trace_picture_labels(traced_job, tmp_path):
     _, _, trace = traced_job
     fig = traces.write_picture(str(tmp_path / "t.png"), trace)
