@@ -49,7 +49,7 @@ def cmd_tokenizer_train(args) -> int:
 
 
 def cmd_inspect(args) -> int:
-    from interleaf.stageserver.data.tokenfile import read_sidecar
+    from interleaf.common.data.token_sidecar import read_sidecar
 
     sidecar = pathlib.Path(args.path + ".json")
     try:

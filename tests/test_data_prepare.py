@@ -413,6 +413,12 @@ def test_check_vocab_reads_every_file_of_a_blend_and_leaves_unreadable_ones_to_t
         check_vocab(255, "builtin", "bytes", tokenizer_needed=True)
     # A coordinator that cannot see a file or a tokenizer leaves them to where the job runs.
     check_vocab(16, str(tmp_path / "elsewhere.bin"), str(tmp_path / "tok.json"), tokenizer_needed=False)
+    # So does one whose sidecar is not one prepare writes (a JSON list raised AttributeError):
+    # the stage server that opens the file names what is wrong with it.
+    listed = tmp_path / "listed.bin"
+    shutil.copy(data_512, listed)
+    listed.with_name(listed.name + ".json").write_text("[1]")
+    check_vocab(16, str(listed), "bytes", tokenizer_needed=True)
     with pytest.raises(TokenizerError):
         check_vocab(16, str(tmp_path / "elsewhere.bin"), str(tmp_path / "tok.json"), tokenizer_needed=True)
 

@@ -8,10 +8,10 @@ the file they open (stageserver/job.py).
 
 from __future__ import annotations
 
-import json
 import pathlib
 
 from interleaf.common.data.blend import parse_source
+from interleaf.common.data.token_sidecar import read_sidecar
 from interleaf.common.data.text_tokenizer import BytesTokenizer, load_tokenizer
 
 
@@ -86,8 +86,9 @@ def check_eval_source(vocab_size: int, eval_source: str, source: str) -> None:
 
 
 def _sidecar(path: pathlib.Path) -> dict:
-    """A token file's sidecar; empty when this process cannot read it."""
+    """A token file's sidecar; empty when this process cannot read it, or it is not one
+    `interleaf data prepare` writes (the stage server that opens the file names why)."""
     try:
-        return json.loads(path.with_name(path.name + ".json").read_text())
+        return read_sidecar(path.with_name(path.name + ".json"))
     except (OSError, ValueError):
         return {}

@@ -20,33 +20,11 @@ import pathlib
 
 import numpy as np
 
+from interleaf.common.data.token_sidecar import DTYPES, read_sidecar, token_count
 from interleaf.common.durable import temporary_beside
-
-DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
-
 
 def _sidecar(path: pathlib.Path) -> pathlib.Path:
     return path.with_name(path.name + ".json")
-
-
-def read_sidecar(sidecar: pathlib.Path) -> dict:
-    """A token file's sidecar, read from the path `sidecar` and checked to be an object
-    holding what a reader of the file needs: dtype (one of DTYPES), count (or an old
-    sidecar's tokens) and sha256. Raises OSError when it cannot be read, else ValueError
-    saying what is wrong with it."""
-    meta = json.loads(sidecar.read_text())  # JSONDecodeError is a ValueError
-    if not isinstance(meta, dict):
-        raise ValueError(f"it holds a JSON {type(meta).__name__}, not an object of dtype, count and sha256")
-    missing = [key for key in ("dtype", "count", "sha256")
-               if key not in meta and not (key == "count" and "tokens" in meta)]
-    if missing:
-        raise ValueError(f"it lacks {', '.join(missing)}")
-    if not isinstance(meta["dtype"], str) or meta["dtype"] not in DTYPES:
-        raise ValueError(f"its dtype {meta['dtype']!r} is not one of {', '.join(DTYPES)}")
-    count = meta["count"] if "count" in meta else meta["tokens"]
-    if isinstance(count, bool) or not isinstance(count, int) or count < 0:
-        raise ValueError(f"its count {count!r} is not a number of tokens")
-    return meta
 
 
 def _atomic_write(path: pathlib.Path, data: bytes) -> None:
@@ -138,7 +116,7 @@ class TokenFile:
             raise ValueError(f"{field}={str(path)!r}: its sidecar {sidecar.name} is not one `interleaf data "
                              f"prepare` writes ({err})") from None
         self.sha256: str = self.meta["sha256"]
-        count = self.meta["count"] if "count" in self.meta else self.meta["tokens"]
+        count = token_count(self.meta)
         dtype = DTYPES[self.meta["dtype"]]
         if count == 0 or self.path.stat().st_size == 0:
             raise ValueError(f"{field}={str(path)!r} holds no tokens")
